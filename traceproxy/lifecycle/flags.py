@@ -1,0 +1,136 @@
+"""THE outcome vocabulary: every way a request can end, defined once.
+
+Theory of operation
+-------------------
+Each row is an outcome with a short code (Envoy's response-flag code where the
+meaning matches), a long name, the side to blame and a one-line meaning. Span
+attributes, log lines, metric labels, error responses and ``docs/outcomes.md`` all
+read this table; nothing else in the project types an outcome string.
+
+Blame is one of exactly four words (``Blame``): the side that owed the next byte
+when the request went wrong. ``OK`` has no one to blame and says so with
+``Blame.NONE``, which is never shown as a fifth blame word: it renders as "-".
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Blame(str, enum.Enum):
+    CLIENT = "client"
+    PROXY = "proxy"
+    ENGINE = "engine"
+    UNKNOWN = "unknown"
+    NONE = "-"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: str
+    name: str
+    blame: Blame
+    meaning: str
+    # The status the proxy answers with when it ends the request itself and no
+    # response has started yet; None when the proxy never writes a local reply.
+    local_status: int | None = None
+
+    @property
+    def is_ok(self) -> bool:
+        return self.code == "OK"
+
+
+class Flag:
+    """Namespace of every outcome; iterate with ``ALL``."""
+
+    OK = Outcome("OK", "ok", Blame.NONE, "The response was delivered completely.")
+    DC = Outcome(
+        "DC", "downstream_connection_termination", Blame.CLIENT,
+        "The client closed its connection before the response was complete.",
+    )
+    DPE = Outcome(
+        "DPE", "downstream_protocol_error", Blame.CLIENT,
+        "The client sent a malformed or ambiguous request; it was rejected, not forwarded.",
+        400,
+    )
+    DHT = Outcome(
+        "DHT", "downstream_header_timeout", Blame.CLIENT,
+        "The client did not send a complete request head within the header timeout.",
+        408,
+    )
+    DBT = Outcome(
+        "DBT", "downstream_body_timeout", Blame.CLIENT,
+        "The client stopped sending its request body for longer than the body timeout.",
+        408,
+    )
+    DO = Outcome(
+        "DO", "downstream_overflow", Blame.PROXY,
+        "The client connection limit was reached with no idle connection to close.",
+        503,
+    )
+    UF = Outcome(
+        "UF", "upstream_connection_failure", Blame.ENGINE,
+        "The proxy could not connect to the upstream (refused, unreachable or connect timeout).",
+        502,
+    )
+    UT = Outcome(
+        "UT", "upstream_request_timeout", Blame.ENGINE,
+        "The upstream sent no response headers within the upstream header timeout.",
+        504,
+    )
+    UPE = Outcome(
+        "UPE", "upstream_protocol_error", Blame.ENGINE,
+        "The upstream sent a malformed HTTP response.",
+        502,
+    )
+    UC = Outcome(
+        "UC", "upstream_connection_termination", Blame.ENGINE,
+        "The upstream closed the connection before its response was complete.",
+        502,
+    )
+    SI = Outcome(
+        "SI", "stream_idle_timeout", Blame.ENGINE,
+        "The upstream response body went silent for longer than the upstream read timeout.",
+        504,
+    )
+    SRC = Outcome(
+        "SRC", "stale_reused_connection", Blame.PROXY,
+        "A reused pooled upstream connection was closed before any response byte, "
+        "and the request was too large to resend.",
+        502,
+    )
+    URX = Outcome(
+        "URX", "upstream_retry_limit_exceeded", Blame.ENGINE,
+        "The request failed on a stale reused connection and again on a fresh one.",
+        502,
+    )
+    LR = Outcome(
+        "LR", "local_reset", Blame.PROXY,
+        "The proxy ended the request itself: its shutdown grace period ran out, or the "
+        "connection it was pipelined on closed before its turn.",
+        503,
+    )
+
+    ALL: tuple[Outcome, ...] = ()
+
+
+Flag.ALL = tuple(v for v in vars(Flag).values() if isinstance(v, Outcome))
+BY_CODE: dict[str, Outcome] = {o.code: o for o in Flag.ALL}
+
+
+def outcomes_markdown() -> str:
+    """The ``docs/outcomes.md`` table, generated so the docs cannot drift."""
+    lines = [
+        "# Outcomes",
+        "",
+        "Every finished request has exactly one outcome. Generated from",
+        "`traceproxy/lifecycle/flags.py`; do not edit by hand.",
+        "",
+        "| code | name | blame | local status | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for o in Flag.ALL:
+        status = str(o.local_status) if o.local_status else "-"
+        lines.append(f"| {o.code} | {o.name} | {o.blame.value} | {status} | {o.meaning} |")
+    return "\n".join(lines) + "\n"

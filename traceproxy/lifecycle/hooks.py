@@ -1,0 +1,72 @@
+"""The observer protocol: the one place where ``proxy/`` meets ``observe/``.
+
+Theory of operation
+-------------------
+The proxy calls a ``Fanout`` at each lifecycle edge; the fanout calls every
+registered observer. Guarantees the proxy code relies on:
+
+* ``on_request_start`` once per request, when its first byte arrives;
+* ``on_mark`` for each mark, in the order the marks were stamped;
+* ``on_done`` exactly once per started request, after its outcome is set, always
+  (every ending path goes through ``RequestRecord.finish``, which refuses a second
+  ending, and then calls ``done``);
+* an observer that raises is caught and counted in ``observer_errors``: tracing can
+  never break proxying.
+
+With no observers registered every call is a cheap early return, which matters on
+the per-request hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from .marks import Mark
+from .timeline import RequestRecord
+
+log = logging.getLogger("traceproxy.observers")
+
+
+class Observer(Protocol):
+    def on_request_start(self, record: RequestRecord) -> None: ...
+
+    def on_mark(self, record: RequestRecord, mark: Mark) -> None: ...
+
+    def on_done(self, record: RequestRecord) -> None: ...
+
+
+class Fanout:
+    def __init__(self, observers: list[Observer] | None = None) -> None:
+        self.observers: list[Observer] = list(observers or [])
+        self.observer_errors = 0
+
+    def add(self, observer: Observer) -> None:
+        self.observers.append(observer)
+
+    def request_start(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_request_start(record)
+            except Exception:
+                self._count_error(observer, "on_request_start")
+
+    def mark(self, record: RequestRecord, mark: Mark) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_mark(record, mark)
+            except Exception:
+                self._count_error(observer, "on_mark")
+
+    def done(self, record: RequestRecord) -> None:
+        # Exactly once per request: callers reach this only through
+        # ``RequestRecord.finish``, which raises on a second ending.
+        for observer in self.observers:
+            try:
+                observer.on_done(record)
+            except Exception:
+                self._count_error(observer, "on_done")
+
+    def _count_error(self, observer: object, method: str) -> None:
+        self.observer_errors += 1
+        log.exception("observer %s.%s raised; proxying continues", type(observer).__name__, method)

@@ -1,0 +1,57 @@
+"""Phases of a request, as a table of "what we are waiting for".
+
+Theory of operation
+-------------------
+A request's phase is not stored: it is derived from which marks are set. Each row
+of ``PHASES`` names a phase for the mark that ends it, in the order a healthy
+request crosses them. The current phase is the row after the furthest row whose
+mark is set, so the answer survives out-of-order edges (an upstream that answers
+413 before the request body is complete is streaming its response, whatever the
+request body is doing).
+
+This module knows nothing about time limits or blame; ``stall`` and
+``attribution`` build on the phase it reports.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .marks import Mark
+from .timeline import RequestRecord
+
+
+class Phase(str, enum.Enum):
+    AWAITING_REQUEST_HEADERS = "awaiting_request_headers"
+    AWAITING_UPSTREAM_CONNECTION = "awaiting_upstream_connection"
+    AWAITING_REQUEST_BODY = "awaiting_request_body"
+    SENDING_REQUEST_UPSTREAM = "sending_request_upstream"
+    AWAITING_UPSTREAM_HEADERS = "awaiting_upstream_headers"
+    STREAMING_RESPONSE = "streaming_response"
+    DRAINING_TO_CLIENT = "draining_to_client"
+    DONE = "done"
+
+
+# (phase, the mark that ends it). Read top to bottom: the life of a healthy request.
+PHASES: tuple[tuple[Phase, Mark | None], ...] = (
+    (Phase.AWAITING_REQUEST_HEADERS, Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE),
+    (Phase.AWAITING_UPSTREAM_CONNECTION, Mark.POOL_ACQUIRED),
+    (Phase.AWAITING_REQUEST_BODY, Mark.LAST_DOWNSTREAM_RX_BYTE),
+    (Phase.SENDING_REQUEST_UPSTREAM, Mark.LAST_UPSTREAM_TX_BYTE),
+    (Phase.AWAITING_UPSTREAM_HEADERS, Mark.LAST_UPSTREAM_RX_HEADER_BYTE),
+    (Phase.STREAMING_RESPONSE, Mark.LAST_UPSTREAM_RX_BYTE),
+    (Phase.DRAINING_TO_CLIENT, Mark.LAST_DOWNSTREAM_TX_BYTE),
+    (Phase.DONE, None),
+)
+
+AWAITED_MARK: dict[Phase, Mark | None] = dict(PHASES)
+
+
+def phase_of(record: RequestRecord) -> Phase:
+    if record.finished:
+        return Phase.DONE
+    current = PHASES[0][0]
+    for index, (_phase, ends_with) in enumerate(PHASES[:-1]):
+        if ends_with is not None and record.has(ends_with):
+            current = PHASES[index + 1][0]
+    return current

@@ -1,0 +1,161 @@
+"""The lifecycle record: plain data about connections, requests and attempts.
+
+Theory of operation
+-------------------
+Three lifetimes, three records:
+
+* ``ClientConnectionRecord``: one per accepted client connection. It numbers the
+  requests made on it and remembers when the previous response ended, so every
+  request knows its sequence on the connection and the idle gap before it (the
+  keep-alive ledger: the original hang only happened on reused connections).
+* ``RequestRecord``: one per client request. Downstream marks, byte and chunk
+  counts, the response status and, once, the outcome.
+* ``Attempt``: one per upstream try of a request (a request resent after a stale
+  pooled connection has two), with the upstream marks and the pooled connection's
+  ledger (``UpstreamConnectionRecord``: new or reused, idle age, request count).
+
+Invariants: a mark is set at most once (setting it twice is a bug in the I/O code,
+so it raises); ``finish`` is called exactly once. Times are monotonic nanoseconds
+passed in by the caller; this module never reads a clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from .flags import Outcome
+from .marks import UPSTREAM_MARKS, Mark
+
+_client_ids = itertools.count(1)
+_upstream_ids = itertools.count(1)
+_request_ids = itertools.count(1)
+
+
+class MarkTwiceError(AssertionError):
+    """A mark was stamped twice: the I/O code reported one edge two times."""
+
+
+@dataclass(slots=True)
+class ClientConnectionRecord:
+    peer: str
+    opened_ns: int
+    id: int = field(default_factory=lambda: next(_client_ids))
+    requests_started: int = 0
+    last_response_end_ns: int | None = None
+    closed_ns: int | None = None
+
+    def next_request(self, now_ns: int) -> tuple[int, int | None]:
+        """Sequence number (1-based) and idle gap (ns, None for the first) of a new request."""
+        self.requests_started += 1
+        idle = None if self.last_response_end_ns is None else now_ns - self.last_response_end_ns
+        return self.requests_started, idle
+
+
+@dataclass(slots=True)
+class UpstreamConnectionRecord:
+    opened_ns: int
+    id: int = field(default_factory=lambda: next(_upstream_ids))
+    requests: int = 0
+    idle_since_ns: int | None = None
+    closed_ns: int | None = None
+
+    def idle_age_ns(self, now_ns: int) -> int:
+        return 0 if self.idle_since_ns is None else now_ns - self.idle_since_ns
+
+
+@dataclass(slots=True)
+class Attempt:
+    index: int  # 0 for the first try, 1 for the resend
+    marks: dict[Mark, int] = field(default_factory=dict)
+    connection: UpstreamConnectionRecord | None = None
+    reused: bool = False
+    idle_age_ns: int = 0
+    # The connection's request count including this one (1 = first on a new connection).
+    connection_request_number: int = 0
+    outcome: Outcome | None = None
+    error: str | None = None
+
+    def attach(self, conn: UpstreamConnectionRecord, reused: bool, now_ns: int) -> None:
+        self.connection = conn
+        self.reused = reused
+        self.idle_age_ns = conn.idle_age_ns(now_ns) if reused else 0
+        conn.requests += 1
+        conn.idle_since_ns = None
+        self.connection_request_number = conn.requests
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    connection: ClientConnectionRecord
+    sequence: int
+    idle_gap_ns: int | None
+    id: int = field(default_factory=lambda: next(_request_ids))
+    method: str = ""
+    target: str = ""
+    http_version: str = "1.1"
+    marks: dict[Mark, int] = field(default_factory=dict)
+    attempts: list[Attempt] = field(default_factory=list)
+    # Counts. Body bytes only; "chunks" are upstream body deliveries (reads), which
+    # for SSE approximate token events without parsing them.
+    downstream_rx_body_bytes: int = 0
+    upstream_rx_body_bytes: int = 0
+    upstream_rx_chunks: int = 0
+    downstream_tx_body_bytes: int = 0
+    status: int | None = None
+    outcome: Outcome | None = None
+    error: str | None = None
+    end_ns: int | None = None
+    # Progress stamps overwritten on every read/write; the watchdog compares them
+    # with its deadlines instead of stamping a mark per chunk.
+    last_downstream_rx_ns: int | None = None
+    last_upstream_rx_ns: int | None = None
+    last_downstream_tx_ns: int | None = None
+    downstream_paused_since_ns: int | None = None
+
+    # -- marks -------------------------------------------------------------
+    def mark(self, mark: Mark, now_ns: int) -> None:
+        target = self.attempts[-1].marks if mark in UPSTREAM_MARKS else self.marks
+        if mark in target:
+            raise MarkTwiceError(f"{mark.label} stamped twice on request {self.id}")
+        target[mark] = now_ns
+
+    def mark_once(self, mark: Mark, now_ns: int) -> bool:
+        """Stamp ``mark`` unless already set; for edges reported on every read."""
+        target = self.attempts[-1].marks if mark in UPSTREAM_MARKS else self.marks
+        if mark in target:
+            return False
+        target[mark] = now_ns
+        return True
+
+    def has(self, mark: Mark) -> bool:
+        if mark in UPSTREAM_MARKS:
+            return bool(self.attempts) and mark in self.attempts[-1].marks
+        return mark in self.marks
+
+    def when(self, mark: Mark) -> int | None:
+        if mark in UPSTREAM_MARKS:
+            return self.attempts[-1].marks.get(mark) if self.attempts else None
+        return self.marks.get(mark)
+
+    # -- attempts and the end ----------------------------------------------
+    def new_attempt(self) -> Attempt:
+        attempt = Attempt(index=len(self.attempts))
+        self.attempts.append(attempt)
+        return attempt
+
+    @property
+    def attempt(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
+
+    def finish(self, outcome: Outcome, now_ns: int, error: str | None = None) -> None:
+        if self.outcome is not None:
+            raise MarkTwiceError(f"request {self.id} finished twice ({self.outcome.code}, {outcome.code})")
+        self.outcome = outcome
+        self.error = error
+        self.connection.last_response_end_ns = now_ns
+        self.end_ns = now_ns

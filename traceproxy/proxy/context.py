@@ -1,0 +1,99 @@
+"""What every connection of one proxy server shares: settings, the pool, observers.
+
+Also the connection registry, which serves two rules: the cap on open client
+connections (at the cap the longest-idle keep-alive connection is closed to make
+room, so thousands of idle clients never lock out a new one), and graceful
+shutdown (idle connections close at once, busy ones after their response).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..lifecycle.flags import Outcome
+from ..lifecycle.hooks import Fanout
+from ..lifecycle.timeline import RequestRecord
+from .headers import ForwardingContext
+from .upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from .downstream import ClientConnection
+
+
+class ServerContext:
+    def __init__(self, settings: "Settings", fanout: Fanout | None = None) -> None:
+        self.settings = settings
+        self.timeouts = settings.timeouts
+        self.limits = settings.limits
+        self.retry_buffer_bytes = settings.pool.retry_buffer_bytes
+        self.upstream_authority = settings.upstream.authority
+        self.advertised_keepalive = int(settings.timeouts.client_keepalive)
+        self.fanout = fanout or Fanout()
+        self.pool = UpstreamPool(
+            settings.upstream.host,
+            settings.upstream.port,
+            idle_timeout=settings.pool.idle_timeout,
+            max_connections=settings.pool.max_connections,
+            connect_timeout=settings.timeouts.connect,
+        )
+        self.connections: set[ClientConnection] = set()
+        # Idle keep-alive connections, oldest first (dicts keep insertion order).
+        self.idle_connections: dict[ClientConnection, None] = {}
+        self.in_flight: dict[int, RequestRecord] = {}
+        self.shutting_down = False
+        self._upstream_host = settings.upstream.authority.encode("ascii")
+
+    # -- requests ------------------------------------------------------------------
+    def start_request(self, record: RequestRecord) -> None:
+        self.in_flight[record.id] = record
+        if self.fanout.observers:
+            self.fanout.request_start(record)
+
+    def end_request(self, record: RequestRecord, outcome: Outcome, error: str | None) -> None:
+        """The only way a request ends: outcome stamped once, observers told once."""
+        record.finish(outcome, time.monotonic_ns(), error)
+        self.in_flight.pop(record.id, None)
+        if self.fanout.observers:
+            self.fanout.done(record)
+
+    def forwarding_for(self, client: "ClientConnection") -> ForwardingContext:
+        fwd = self.settings.forwarding
+        return ForwardingContext(
+            client_ip=client.peer_ip,
+            scheme="http",
+            upstream_authority=self._upstream_host,
+            preserve_host=fwd.preserve_host,
+            x_forwarded=fwd.x_forwarded,
+        )
+
+    # -- connections ---------------------------------------------------------------
+    def admit(self, conn: "ClientConnection") -> bool:
+        """Register a new connection, evicting the longest-idle one at the cap."""
+        if len(self.connections) >= self.limits.max_client_connections:
+            if not self.idle_connections:
+                return False
+            oldest = next(iter(self.idle_connections))
+            self.idle_connections.pop(oldest)
+            oldest.close()
+            self.connections.discard(oldest)
+        self.connections.add(conn)
+        return True
+
+    def connection_idle(self, conn: "ClientConnection") -> None:
+        self.idle_connections.pop(conn, None)
+        self.idle_connections[conn] = None
+
+    def connection_busy(self, conn: "ClientConnection") -> None:
+        self.idle_connections.pop(conn, None)
+
+    def forget(self, conn: "ClientConnection") -> None:
+        self.connections.discard(conn)
+        self.idle_connections.pop(conn, None)
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        for conn in list(self.idle_connections):
+            conn.close()
+        self.idle_connections.clear()

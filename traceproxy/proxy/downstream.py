@@ -1,0 +1,311 @@
+"""The client side: one ``ClientConnection`` per accepted keep-alive connection.
+
+It parses requests strictly (httptools/llhttp plus the rules in ``headers``), turns
+each into an ``Exchange``, answers pipelined requests strictly in order, and owns the
+connection's timers: the request-head timeout and the keep-alive idle timeout.
+
+Hazards
+-------
+* Pipelining: llhttp parses every request in a buffer in one ``feed_data`` call, so
+  a second request can arrive while the first is being answered. It is queued (its
+  body held, reading paused) and started when the first response has ended; a
+  malformed request behind good ones is answered with its 400 only after them.
+* Unbounded heads: httptools concatenates a header value until it ends, so a
+  client streaming one endless header would grow memory; bytes fed while the head
+  is incomplete are counted here and cut off at ``limits.max_header_bytes``.
+* Exactly one ending per request: every record started here ends through
+  ``ServerContext.end_request``, including requests that were still being parsed
+  or queued when the connection died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+import httptools
+
+from ..lifecycle.flags import Flag, Outcome
+from ..lifecycle.marks import Mark
+from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord
+from . import headers as H
+from .context import ServerContext
+from .forward import Exchange, RequestHead
+from .local_reply import error_response
+
+log = logging.getLogger("traceproxy.downstream")
+
+CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
+_EXPECT = b"expect"
+
+
+class ClientConnection(asyncio.Protocol):
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.transport: asyncio.Transport | None = None
+        self.record: ClientConnectionRecord | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.closing = False
+        self.write_paused = False
+        self.reading_paused_for: set[str] = set()
+        # The request whose head/body is being parsed now.
+        self.parsing: RequestRecord | None = None
+        self.parsing_exchange: Exchange | None = None
+        self._url = b""
+        self._headers: H.Headers = []
+        self._head_bytes = 0
+        # The exchange being answered, and pipelined ones waiting their turn.
+        self.active: Exchange | None = None
+        self.queue: collections.deque[Exchange] = collections.deque()
+        self.rejection: tuple[int, Outcome, str] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ---------------------------------------------------------------------------
+    # Connection lifetime
+    # ---------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer_ip = peer[0] if peer else "unknown"
+        self.record = ClientConnectionRecord(peer=f"{peer[0]}:{peer[1]}" if peer else "unknown",
+                                             opened_ns=time.monotonic_ns())
+        if not self.ctx.admit(self):
+            self.closing = True
+            self.transport.write(error_response(503, Flag.DO, "too many client connections", keep_alive=False))
+            self.transport.close()
+            return
+        self.ctx.connection_idle(self)  # evictable until its first byte arrives
+        self._arm_timer(self.ctx.timeouts.client_headers, self._on_idle_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self._cancel_timer()
+        self.record.closed_ns = time.monotonic_ns()
+        self.ctx.forget(self)
+        if self.active is not None:
+            self.active.client_lost()
+        for exchange in list(self.queue):
+            exchange.client_lost()
+        self.queue.clear()
+        if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
+            self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.transport.close()
+
+    def write(self, data: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(data)
+
+    # ---------------------------------------------------------------------------
+    # Flow control
+    # ---------------------------------------------------------------------------
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.active is not None:
+            self.active.client_write_paused()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.active is not None:
+            self.active.client_write_resumed()
+
+    @property
+    def reading_paused(self) -> bool:
+        return bool(self.reading_paused_for)
+
+    def pause_reading(self, reason: str) -> None:
+        if not self.reading_paused_for and not self.closing:
+            self.transport.pause_reading()
+        self.reading_paused_for.add(reason)
+
+    def resume_reading(self, reason: str) -> None:
+        if reason in self.reading_paused_for:
+            self.reading_paused_for.discard(reason)
+            if not self.reading_paused_for and not self.closing:
+                self.transport.resume_reading()
+
+    # ---------------------------------------------------------------------------
+    # Parsing
+    # ---------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self.closing or self.rejection is not None:
+            return
+        in_head = self.parsing is None or not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, H.BadRequest):
+                self.reject(cause.status, Flag.DPE, cause.reason)
+            else:
+                raise
+            return
+        except httptools.HttpParserUpgrade:
+            self.reject(501, Flag.DPE, "protocol upgrade (Upgrade or CONNECT) is not supported")
+            return
+        except httptools.HttpParserError as exc:
+            self.reject(400, Flag.DPE, f"malformed request: {exc}")
+            return
+        if in_head and self.parsing is not None and not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE):
+            self._head_bytes += len(data)
+            if self._head_bytes > self.ctx.limits.max_header_bytes:
+                self.reject(431, Flag.DPE, f"request head exceeds {self.ctx.limits.max_header_bytes} bytes")
+
+    def on_message_begin(self) -> None:
+        now = time.monotonic_ns()
+        self._cancel_timer()
+        self.ctx.connection_busy(self)
+        sequence, idle_gap = self.record.next_request(now)
+        record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
+        record.mark(Mark.FIRST_DOWNSTREAM_RX_BYTE, now)
+        self.parsing, self.parsing_exchange = record, None
+        self._url, self._headers, self._head_bytes = b"", [], 0
+        self.ctx.start_request(record)
+        if self.active is None:
+            self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > self.ctx.limits.max_target_bytes:
+            raise H.BadRequest(414, f"request target exceeds {self.ctx.limits.max_target_bytes} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self.ctx.limits.max_header_bytes:
+            raise H.BadRequest(431, f"request head exceeds {self.ctx.limits.max_header_bytes} bytes")
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        record = self.parsing
+        self._cancel_timer()
+        record.method = self.parser.get_method().decode("ascii", "replace")
+        record.target = self._url.decode("latin-1")
+        record.http_version = self.parser.get_http_version()
+        record.mark(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
+        headers = self._headers
+        framing = H.request_framing(headers)  # BadRequest propagates to data_received
+        H.check_host(headers, record.http_version)
+        expect = next((v for n, v in headers if n.lower() == _EXPECT), None)
+        if expect is not None:
+            if expect.strip().lower() != b"100-continue":
+                raise H.BadRequest(417, "unsupported Expect value: only 100-continue is understood")
+            headers = [(n, v) for n, v in headers if n.lower() != _EXPECT]
+        head = RequestHead(
+            record.method, self._url, headers, framing, record.http_version == "1.1",
+            self.parser.should_keep_alive() and not self.ctx.shutting_down, expect is not None,
+        )
+        exchange = Exchange(self.ctx, self, record, head)
+        self.parsing_exchange = exchange
+        if self.active is None:
+            self._begin(exchange)
+        else:
+            self.queue.append(exchange)
+            self.pause_reading("pipeline")
+
+    def on_body(self, body: bytes) -> None:
+        self.parsing_exchange.request_body(body)
+
+    def on_message_complete(self) -> None:
+        exchange = self.parsing_exchange
+        self.parsing, self.parsing_exchange = None, None
+        exchange.request_done()
+
+    # ---------------------------------------------------------------------------
+    # Answering in order
+    # ---------------------------------------------------------------------------
+    def _begin(self, exchange: Exchange) -> None:
+        self.active = exchange
+        if exchange.head.expect_continue and not exchange.request_complete:
+            # We answer Expect ourselves and strip it upstream: the body is
+            # streamed as soon as it comes, whatever the upstream is doing.
+            self.write(CONTINUE_100)
+        if self.write_paused:
+            exchange.client_write_paused()
+        exchange.start()
+
+    def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
+        self.active = None
+        if not keep_alive or self.closing:
+            self._drop_queue("the connection closed before this pipelined request's turn")
+            self.close()
+            return
+        if self.queue:
+            self._begin(self.queue.popleft())
+            if not self.queue:
+                self.resume_reading("pipeline")
+            return
+        self.resume_reading("pipeline")
+        if self.rejection is not None:
+            self._send_rejection()
+        elif self.ctx.shutting_down:
+            self.close()
+        elif self.parsing is None:
+            self.ctx.connection_idle(self)
+            self._arm_timer(self.ctx.timeouts.client_keepalive, self._on_idle_timeout)
+        else:
+            self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
+
+    def _drop_queue(self, why: str) -> None:
+        while self.queue:
+            self.queue.popleft().abort(Flag.LR, why)
+
+    # ---------------------------------------------------------------------------
+    # Refusals
+    # ---------------------------------------------------------------------------
+    def reject(self, status: int, outcome: Outcome, reason: str) -> None:
+        """Refuse the request being parsed; nothing of it has been forwarded."""
+        self.rejection = (status, outcome, reason)
+        self.pause_reading("rejected")
+        if self.parsing_exchange is not None and self.parsing_exchange is self.active:
+            # The bad bytes are inside the body of the active request (e.g. a bad
+            # chunk size): that request cannot complete, so it is the one that fails.
+            self.parsing = None
+            self.active.abort(outcome, reason)
+            return
+        if self.active is None and not self.queue:
+            self._send_rejection()
+
+    def _send_rejection(self) -> None:
+        status, outcome, reason = self.rejection
+        record = self.parsing
+        if record is None or record.finished:
+            now = time.monotonic_ns()
+            sequence, idle_gap = self.record.next_request(now)
+            record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
+            record.mark(Mark.FIRST_DOWNSTREAM_RX_BYTE, now)
+            self.ctx.start_request(record)
+        self.parsing = None
+        record.status = status
+        self.write(error_response(status, outcome, reason, keep_alive=False))
+        self.ctx.end_request(record, outcome, reason)
+        self.close()
+
+    # ---------------------------------------------------------------------------
+    # Connection timers
+    # ---------------------------------------------------------------------------
+    def _arm_timer(self, seconds: float, callback) -> None:
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(seconds, callback)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_idle_timeout(self) -> None:
+        self._timer = None
+        if self.active is None and self.parsing is None:
+            self.close()
+
+    def _on_header_timeout(self) -> None:
+        self._timer = None
+        if self.parsing is not None and not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE):
+            waited = self.ctx.timeouts.client_headers
+            self.rejection = (408, Flag.DHT, f"request head not complete after {waited:g} s")
+            if self.active is None:
+                self._send_rejection()

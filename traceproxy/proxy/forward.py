@@ -1,0 +1,420 @@
+"""One request through the proxy: the phases in the order a request lives them.
+
+Read top to bottom: start (pool), upstream ready (send head and body), the request
+body, the response head, the response body, the end, and the failures. Every way out
+goes through ``_finish``, which stamps the outcome once, tells the observers once
+(``on_done``) and hands the client connection back.
+
+Hazards
+-------
+* Retry safety: a request is resent only when it failed on a *reused* upstream
+  connection before any response byte, only once, and only if every byte sent so
+  far is still held (``pool.retry_buffer_bytes``). The resend goes to a fresh
+  connection, and its failure is final.
+* Truncation must look like truncation: once the response head went out, a failure
+  closes the client connection without the terminating chunk (or short of
+  Content-Length). ``_finish`` never writes a clean ending for a failed request.
+* Backpressure both ways: the client not reading pauses upstream reads; the
+  upstream not reading pauses client reads. Silence caused by our own pause never
+  counts against the other side's timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from ..lifecycle.flags import Flag, Outcome
+from ..lifecycle.marks import Mark
+from ..lifecycle.timeline import RequestRecord
+from . import headers as H
+from .local_reply import error_response
+
+if TYPE_CHECKING:
+    from .downstream import ClientConnection, ServerContext
+    from .upstream import UpstreamConnection
+
+# Request bytes held while no upstream connection is ready yet; past this the
+# client is paused rather than buffered.
+PENDING_HIGH_WATER = 256 * 1024
+
+
+class RequestHead:
+    __slots__ = ("method", "target", "headers", "framing", "http11", "keep_alive", "expect_continue")
+
+    def __init__(self, method, target, headers, framing, http11, keep_alive, expect_continue):
+        self.method: str = method
+        self.target: bytes = target
+        self.headers: H.Headers = headers
+        self.framing: H.RequestFraming = framing
+        self.http11: bool = http11
+        self.keep_alive: bool = keep_alive
+        self.expect_continue: bool = expect_continue
+
+
+class Exchange:
+    def __init__(self, ctx: "ServerContext", client: "ClientConnection", record: RequestRecord, head: RequestHead):
+        self.ctx = ctx
+        self.client = client
+        self.record = record
+        self.head = head
+        self.upstream: UpstreamConnection | None = None
+        self.upstream_head = b""
+        self.connect_task: asyncio.Task | None = None
+        # Bytes for the upstream not yet written (no connection yet), and bytes
+        # written on the current attempt (kept for one resend; None once too big).
+        self.pending: list[bytes] = []
+        self.pending_size = 0
+        self.sent_log: list[bytes] | None = []
+        self.sent_size = 0
+        self.request_complete = False
+        self.response_started = False
+        self.response_framing = H.ResponseFraming.NONE
+        self.keep_client_alive = head.keep_alive
+        self.awaiting_drain = False
+        self.finished = False
+        self._client_out: list[bytes] = []
+        self._upstream_paused_by_client = False
+        self._timers: list[asyncio.TimerHandle] = []
+
+    # ---------------------------------------------------------------------------
+    # Phase: awaiting an upstream connection
+    # ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.upstream_head = H.upstream_request_head(
+            self.head.method, self.head.target, self.head.headers, self.head.framing, self.ctx.forwarding_for(self.client)
+        )
+        self._queue_upstream(self.upstream_head)
+        self._arm(self.ctx.timeouts.upstream_headers, self._check_upstream_headers_deadline)
+        if self.head.framing.chunked or self.head.framing.content_length:
+            self._arm(self.ctx.timeouts.client_body, self._check_client_body_deadline)
+        self._acquire(fresh=False)
+
+    def _acquire(self, fresh: bool) -> None:
+        self.record.new_attempt()
+        self.connect_task = self.ctx.pool.acquire(self, fresh=fresh)
+
+    def upstream_queued(self) -> None:
+        self._stamp(Mark.POOL_QUEUED)
+
+    def upstream_connecting(self, task: asyncio.Task) -> None:
+        self.connect_task = task
+
+    def upstream_ready(self, conn: "UpstreamConnection", reused: bool) -> None:
+        self.connect_task = None
+        if self.finished:
+            self.ctx.pool.release(conn)
+            return
+        now = time.monotonic_ns()
+        self.record.attempt.attach(conn.record, reused, now)
+        self._stamp(Mark.POOL_ACQUIRED, now)
+        self.upstream = conn
+        conn.begin_response(self, head_only=self.head.method == "HEAD")
+        self._stamp(Mark.FIRST_UPSTREAM_TX_BYTE, now)
+        data, self.pending, self.pending_size = self.pending, [], 0
+        self._send_upstream(b"".join(data))
+        if self.request_complete:
+            self._stamp(Mark.LAST_UPSTREAM_TX_BYTE, now)
+        self.client.resume_reading("pending")
+
+    def upstream_connect_failed(self, error: str) -> None:
+        self.connect_task = None
+        if not self.finished:
+            self._fail(Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
+
+    # ---------------------------------------------------------------------------
+    # Phase: the request body (client -> upstream)
+    # ---------------------------------------------------------------------------
+    def request_body(self, data: bytes) -> None:
+        record = self.record
+        record.downstream_rx_body_bytes += len(data)
+        record.last_downstream_rx_ns = time.monotonic_ns()
+        framed = H.chunk(data) if self.head.framing.chunked else data
+        if self.upstream is not None:
+            self._send_upstream(framed)
+        else:
+            self._queue_upstream(framed)
+
+    def request_done(self) -> None:
+        now = time.monotonic_ns()
+        self._stamp(Mark.LAST_DOWNSTREAM_RX_BYTE, now)
+        self.request_complete = True
+        tail = H.LAST_CHUNK if self.head.framing.chunked else b""
+        if self.upstream is not None:
+            if tail:
+                self._send_upstream(tail)
+            self._stamp(Mark.LAST_UPSTREAM_TX_BYTE, now)
+        elif tail:
+            self._queue_upstream(tail)
+
+    def _queue_upstream(self, data: bytes) -> None:
+        self.pending.append(data)
+        self.pending_size += len(data)
+        if self.pending_size > PENDING_HIGH_WATER:
+            self.client.pause_reading("pending")
+
+    def _send_upstream(self, data: bytes) -> None:
+        if not data:
+            return
+        log = self.sent_log
+        if log is not None:
+            self.sent_size += len(data)
+            if self.sent_size <= self.ctx.retry_buffer_bytes:
+                log.append(data)
+            else:
+                self.sent_log = None
+        self.upstream.transport.write(data)
+
+    def upstream_write_paused(self) -> None:
+        self.client.pause_reading("upstream")
+
+    def upstream_write_resumed(self) -> None:
+        self.client.resume_reading("upstream")
+
+    # ---------------------------------------------------------------------------
+    # Phase: the response head
+    # ---------------------------------------------------------------------------
+    def upstream_first_byte(self) -> None:
+        self._stamp_once(Mark.FIRST_UPSTREAM_RX_BYTE, time.monotonic_ns())
+        self.sent_log = None  # the upstream answered: this request is never resent
+
+    def upstream_response_head(self, status: int, reason: bytes, headers: H.Headers, upstream_chunked: bool) -> None:
+        if self.finished:
+            return
+        now = time.monotonic_ns()
+        record = self.record
+        self._stamp_once(Mark.FIRST_UPSTREAM_RX_BYTE, now)
+        self._stamp(Mark.LAST_UPSTREAM_RX_HEADER_BYTE, now)
+        record.status = status
+        self.sent_log = None
+        framing, length = H.response_framing(status, self.head.method, headers, upstream_chunked, self.head.http11)
+        self.response_framing = framing
+        # Keep the client connection only if its request was read to the end and
+        # the response has a length the client can see.
+        self.keep_client_alive = (
+            self.head.keep_alive and self.request_complete and framing != H.ResponseFraming.CLOSE
+            and not self.client.closing
+        )
+        head = H.client_response_head(
+            status, reason, headers, framing, length, self.keep_client_alive, self.head.http11,
+            keepalive_timeout=self.ctx.advertised_keepalive,
+        )
+        self._client_out.append(head)
+        self.response_started = True
+        self._stamp(Mark.FIRST_DOWNSTREAM_TX_BYTE, now)
+        if self.ctx.timeouts.upstream_read:
+            record.last_upstream_rx_ns = now
+            self._arm(self.ctx.timeouts.upstream_read, self._check_upstream_read_deadline)
+
+    # ---------------------------------------------------------------------------
+    # Phase: the response body (upstream -> client)
+    # ---------------------------------------------------------------------------
+    def upstream_response_body(self, data: bytes) -> None:
+        if self.finished:
+            return
+        now = time.monotonic_ns()
+        record = self.record
+        if record.upstream_rx_chunks == 0:
+            self._stamp(Mark.FIRST_UPSTREAM_RX_BODY_BYTE, now)
+            self._stamp(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE, now)
+        record.upstream_rx_chunks += 1
+        record.upstream_rx_body_bytes += len(data)
+        record.last_upstream_rx_ns = now
+        self._client_out.append(H.chunk(data) if self.response_framing == H.ResponseFraming.CHUNKED else data)
+        record.downstream_tx_body_bytes += len(data)
+
+    def flush_client(self) -> None:
+        """Write everything gathered during one upstream read in one call."""
+        out = self._client_out
+        if out:
+            self._client_out = []
+            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            self.record.last_downstream_tx_ns = time.monotonic_ns()
+
+    def client_write_paused(self) -> None:
+        self.record.downstream_paused_since_ns = time.monotonic_ns()
+        if self.upstream is not None and not self._upstream_paused_by_client:
+            self._upstream_paused_by_client = True
+            self.upstream.transport.pause_reading()
+
+    def client_write_resumed(self) -> None:
+        self.record.downstream_paused_since_ns = None
+        if self._upstream_paused_by_client:
+            self._upstream_paused_by_client = False
+            if self.upstream is not None and not self.upstream.transport.is_closing():
+                self.upstream.transport.resume_reading()
+        if self.awaiting_drain:
+            self._finish_ok()
+
+    # ---------------------------------------------------------------------------
+    # The end of a healthy exchange
+    # ---------------------------------------------------------------------------
+    def upstream_response_complete(self, reusable: bool) -> None:
+        if self.finished:
+            return
+        now = time.monotonic_ns()
+        self._stamp(Mark.LAST_UPSTREAM_RX_BYTE, now)
+        if self.response_framing == H.ResponseFraming.CHUNKED:
+            self._client_out.append(H.LAST_CHUNK)
+        self.flush_client()
+        self._release_upstream(reusable and self.request_complete)
+        if self.client.write_paused:
+            # The client is not reading the tail; finish when its transport drains.
+            self.awaiting_drain = True
+        else:
+            self._finish_ok()
+
+    def _finish_ok(self) -> None:
+        self.awaiting_drain = False
+        self._stamp(Mark.LAST_DOWNSTREAM_TX_BYTE, time.monotonic_ns())
+        self._finish(Flag.OK, None)
+
+    def _release_upstream(self, reusable: bool) -> None:
+        conn, self.upstream = self.upstream, None
+        if conn is None:
+            return
+        if self._upstream_paused_by_client and not conn.transport.is_closing():
+            conn.transport.resume_reading()
+            self._upstream_paused_by_client = False
+        if reusable:
+            self.ctx.pool.release(conn)
+        else:
+            self.ctx.pool.discard(conn, "not reusable after this response")
+
+    # ---------------------------------------------------------------------------
+    # Failures
+    # ---------------------------------------------------------------------------
+    def upstream_lost(self, exc: BaseException | None, bytes_received: int) -> None:
+        if self.finished:
+            return
+        self.upstream = None
+        attempt = self.record.attempt
+        why = _close_reason(exc)
+        where = self._where(attempt)
+        if bytes_received == 0 and attempt.reused:
+            if attempt.index == 0 and self.sent_log is not None:
+                self._resend_on_fresh_connection(why)
+                return
+            if attempt.index == 0:
+                self._fail(Flag.SRC, f"{where}: {why} before any response byte; request of "
+                           f"{self.sent_size} bytes exceeds retry_buffer_bytes, not resent")
+                return
+        if attempt.index > 0 and bytes_received == 0:
+            self._fail(Flag.URX, f"{where}: {why} before any response byte, after a resend")
+            return
+        self._fail(Flag.UC, f"{where}: {why}, {bytes_received} bytes of the response read")
+
+    def _resend_on_fresh_connection(self, why: str) -> None:
+        attempt = self.record.attempt
+        attempt.outcome = Flag.SRC
+        attempt.error = f"{self._where(attempt)}: {why} before any response byte"
+        self.ctx.pool.stats["stale_retried"] += 1
+        self.pending = self.sent_log + self.pending
+        self.pending_size = sum(len(b) for b in self.pending)
+        self.sent_log, self.sent_size = [], 0
+        self._acquire(fresh=True)
+
+    def upstream_protocol_error(self, detail: str) -> None:
+        if not self.finished:
+            self._fail(Flag.UPE, f"{self._where(self.record.attempt)}: {detail}")
+
+    def client_lost(self) -> None:
+        if not self.finished:
+            self._fail(Flag.DC, "client closed the connection", client_gone=True)
+
+    def abort(self, outcome: Outcome, message: str) -> None:
+        """End the request from outside (shutdown grace expired, watchdog action)."""
+        if not self.finished:
+            self._fail(outcome, message)
+
+    def _fail(self, outcome: Outcome, message: str, client_gone: bool = False) -> None:
+        conn, self.upstream = self.upstream, None
+        if conn is not None:
+            self.ctx.pool.discard(conn, outcome.name)  # the engine sees its connection close now
+        if self.connect_task is not None:
+            self.connect_task.cancel()
+            self.connect_task = None
+        self.ctx.pool.cancel_wait(self)
+        if client_gone:
+            pass
+        elif not self.response_started:
+            self.keep_client_alive = self.keep_client_alive and self.request_complete
+            status = outcome.local_status or 502
+            self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11))
+            self.record.status = status
+        else:
+            # The response already started: end it short so the client can tell.
+            self._client_out.clear()
+            self.keep_client_alive = False
+        self._finish(outcome, message)
+
+    def _finish(self, outcome: Outcome, error: str | None) -> None:
+        self.finished = True
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        self.ctx.end_request(self.record, outcome, error)
+        self.client.exchange_finished(self, self.keep_client_alive)
+
+    # ---------------------------------------------------------------------------
+    # Deadlines: one timer each, re-armed lazily instead of per chunk
+    # ---------------------------------------------------------------------------
+    def _arm(self, seconds: float, check) -> None:
+        if seconds:
+            self._timers.append(asyncio.get_running_loop().call_later(seconds, check))
+
+    def _check_upstream_headers_deadline(self) -> None:
+        if not self.finished and not self.record.has(Mark.LAST_UPSTREAM_RX_HEADER_BYTE):
+            waited = self.ctx.timeouts.upstream_headers
+            self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers after {waited:g} s")
+
+    def _check_upstream_read_deadline(self) -> None:
+        if self.finished or self.record.has(Mark.LAST_UPSTREAM_RX_BYTE):
+            return
+        limit = self.ctx.timeouts.upstream_read
+        silent = (time.monotonic_ns() - self.record.last_upstream_rx_ns) / 1e9
+        if self._upstream_paused_by_client or silent < limit:
+            # Our own pause (client not reading) is not upstream silence.
+            self._arm(max(limit - silent, 0.01) if not self._upstream_paused_by_client else limit,
+                      self._check_upstream_read_deadline)
+            return
+        self._fail(Flag.SI, f"{self._where(self.record.attempt)}: response body silent for {silent:.1f} s "
+                   f"after {self.record.upstream_rx_body_bytes} bytes")
+
+    def _check_client_body_deadline(self) -> None:
+        if self.finished or self.request_complete:
+            return
+        limit = self.ctx.timeouts.client_body
+        last = self.record.last_downstream_rx_ns or self.record.when(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE)
+        silent = (time.monotonic_ns() - last) / 1e9
+        if self.client.reading_paused or silent < limit:
+            self._arm(max(limit - silent, 0.01) if not self.client.reading_paused else limit,
+                      self._check_client_body_deadline)
+            return
+        self.keep_client_alive = False
+        self._fail(Flag.DBT, f"request body silent for {silent:.1f} s after {self.record.downstream_rx_body_bytes} bytes")
+
+    # ---------------------------------------------------------------------------
+    def _stamp(self, mark: Mark, now: int | None = None) -> None:
+        self.record.mark(mark, time.monotonic_ns() if now is None else now)
+        if self.ctx.fanout.observers:
+            self.ctx.fanout.mark(self.record, mark)
+
+    def _stamp_once(self, mark: Mark, now: int) -> None:
+        if self.record.mark_once(mark, now) and self.ctx.fanout.observers:
+            self.ctx.fanout.mark(self.record, mark)
+
+    def _where(self, attempt) -> str:
+        if attempt is None or attempt.connection is None:
+            return f"upstream {self.ctx.upstream_authority}"
+        conn = attempt.connection
+        kind = f"reused connection #{conn.id} (idle {attempt.idle_age_ns / 1e9:.1f} s, request {attempt.connection_request_number})" \
+            if attempt.reused else f"new connection #{conn.id}"
+        return f"upstream {self.ctx.upstream_authority} on {kind}"
+
+
+def _close_reason(exc: BaseException | None) -> str:
+    if exc is None:
+        return "peer closed the connection"
+    return f"connection error ({exc.strerror or exc})" if isinstance(exc, OSError) else f"connection error ({exc})"

@@ -1,0 +1,54 @@
+"""Responses the proxy writes itself: OpenAI-style JSON errors naming the outcome."""
+
+from __future__ import annotations
+
+import json
+
+from ..lifecycle.flags import Outcome
+
+OUTCOME_HEADER = b"X-Traceproxy-Outcome"
+
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    417: b"Expectation Failed",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+    501: b"Not Implemented",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+
+def error_body(outcome: Outcome, message: str) -> bytes:
+    # The shape OpenAI SDKs parse into APIError: error.message / type / code.
+    payload = {"error": {"message": message, "type": outcome.name, "code": outcome.code}}
+    return json.dumps(payload).encode()
+
+
+def error_response(
+    status: int,
+    outcome: Outcome,
+    message: str,
+    keep_alive: bool,
+    client_http11: bool = True,
+    extra: list[tuple[bytes, bytes]] = (),
+) -> bytes:
+    body = error_body(outcome, message)
+    version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
+    lines = [
+        b"%s %d %s\r\n" % (version, status, _REASONS.get(status, b"Error")),
+        b"Content-Type: application/json\r\n",
+        b"Content-Length: %d\r\n" % len(body),
+        b"%s: %s\r\n" % (OUTCOME_HEADER, outcome.code.encode()),
+    ]
+    lines.extend(b"%s: %s\r\n" % pair for pair in extra)
+    if not keep_alive:
+        lines.append(b"Connection: close\r\n")
+    elif not client_http11:
+        lines.append(b"Connection: keep-alive\r\n")
+    lines.append(b"\r\n")
+    lines.append(body)
+    return b"".join(lines)

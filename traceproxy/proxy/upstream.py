@@ -1,0 +1,323 @@
+"""The upstream side: pooled keep-alive connections to the router or engine.
+
+Hazards this module exists for
+------------------------------
+* The keep-alive race. uvicorn-based engines close idle connections after 5 s;
+  a pool that reuses a connection the engine is closing sends a request into a
+  socket that is about to be reset. Three defences, in order: the pool's idle
+  timeout defaults below the engine's (``pool.idle_timeout``); an idle connection
+  that sees EOF, an error or any stray byte removes itself from the pool at once
+  (``UpstreamConnection.eof_received`` / ``connection_lost``); and a request that
+  fails on a *reused* connection before any response byte is resent once on a fresh
+  connection by ``forward.Exchange`` (never for fresh connections).
+* Parsers are per response. httptools (llhttp) cannot be told "this was a HEAD",
+  so every response gets a fresh parser, and a response is only declared complete
+  after ``feed_data`` returns: releasing the connection from inside a parser
+  callback would let the rest of the same buffer be parsed as the *next* user's
+  response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import httptools
+
+from ..lifecycle.timeline import UpstreamConnectionRecord
+
+if TYPE_CHECKING:
+    from .forward import Exchange
+
+log = logging.getLogger("traceproxy.upstream")
+
+
+class UpstreamConnection(asyncio.Protocol):
+    def __init__(self, pool: "UpstreamPool") -> None:
+        self.pool = pool
+        self.record = UpstreamConnectionRecord(opened_ns=time.monotonic_ns())
+        self.transport: asyncio.Transport | None = None
+        self.user: Exchange | None = None
+        self.closed = False
+        # Per response (reset by ``begin_response``).
+        self._parser: httptools.HttpResponseParser | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._reason = b""
+        self._head_only = False
+        self._in_interim = False
+        self._chunked = False
+        self._complete = False
+        self._extra_message = False
+        self._close_delimited = False
+        self._keep_alive = False
+        self.bytes_received = 0
+
+    # -- asyncio callbacks -----------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        user = self.user
+        if user is None:
+            # Bytes while idle: the upstream broke the protocol or is closing;
+            # either way this connection must not carry another request.
+            self.pool.discard(self, "unexpected bytes on an idle connection")
+            return
+        self.bytes_received += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            user.upstream_protocol_error("upstream switched protocols, which the proxy does not support")
+            return
+        except httptools.HttpParserError as exc:
+            if self.user is user and not self._complete:
+                user.upstream_protocol_error(f"malformed response: {_parser_reason(exc)}")
+                return
+        if self._complete and self.user is user:
+            user.upstream_response_complete(self._reusable())
+        elif self.user is user:
+            user.flush_client()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.record.closed_ns = time.monotonic_ns()
+        user = self.user
+        if user is None:
+            self.pool.forget(self)
+            return
+        self.user = None
+        self.pool.forget(self)
+        if self._complete:
+            return
+        if self._close_delimited and exc is None:
+            # No Content-Length, not chunked: the body ends at a clean EOF.
+            self._complete = True
+            user.upstream_response_complete(reusable=False)
+            return
+        user.upstream_lost(exc, self.bytes_received)
+
+    def pause_writing(self) -> None:
+        if self.user is not None:
+            self.user.upstream_write_paused()
+
+    def resume_writing(self) -> None:
+        if self.user is not None:
+            self.user.upstream_write_resumed()
+
+    # -- per response ------------------------------------------------------------
+    def begin_response(self, user: "Exchange", head_only: bool) -> None:
+        self.user = user
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers = []
+        self._reason = b""
+        self._head_only = head_only
+        self._in_interim = False
+        self._chunked = False
+        self._complete = False
+        self._extra_message = False
+        self._close_delimited = False
+        self._keep_alive = False
+        self.bytes_received = 0
+
+    def _reusable(self) -> bool:
+        return not self._extra_message and not self.closed and self._keep_alive
+
+    # -- httptools callbacks (called from inside feed_data) ----------------------
+    def on_message_begin(self) -> None:
+        if self._complete:
+            self._extra_message = True  # bytes after the response: never reuse
+        elif self.bytes_received and self.user is not None:
+            self.user.upstream_first_byte()
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._complete:
+            self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if self._complete:
+            return
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            # Interim responses (100 Continue, 103 Early Hints) are consumed here:
+            # the proxy answered the client's Expect itself.
+            self._in_interim = True
+            self._headers = []
+            self._reason = b""
+            return
+        self._chunked = any(n.lower() == b"transfer-encoding" for n, _ in self._headers)
+        has_length = any(n.lower() == b"content-length" for n, _ in self._headers)
+        no_body = self._head_only or status in (204, 304)
+        self._close_delimited = not (no_body or self._chunked or has_length)
+        self.user.upstream_response_head(status, self._reason or b"", self._headers, self._chunked)
+        # Read keep-alive now: llhttp resets its flags once the message completes.
+        self._keep_alive = self._parser.should_keep_alive()
+        if no_body:
+            self._complete = True
+
+    def on_body(self, body: bytes) -> None:
+        if not self._complete and not self._in_interim:
+            self.user.upstream_response_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._in_interim:
+            self._in_interim = False
+            return
+        self._complete = True
+
+
+def _parser_reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return text
+
+
+class UpstreamPool:
+    """Keep-alive connections to one upstream, most recently used first."""
+
+    def __init__(self, host: str, port: int, idle_timeout: float, max_connections: int, connect_timeout: float):
+        self.host = host
+        self.port = port
+        self.idle_timeout_ns = int(idle_timeout * 1e9)
+        self.max_connections = max_connections
+        self.connect_timeout = connect_timeout
+        self.idle: list[UpstreamConnection] = []
+        self.waiters: collections.deque[Exchange] = collections.deque()
+        self.open_count = 0
+        self.connecting: set[asyncio.Task] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.stats = collections.Counter()
+
+    # -- acquiring ---------------------------------------------------------------
+    def acquire(self, user: "Exchange", fresh: bool = False) -> asyncio.Task | None:
+        """Hand ``user`` a connection now (reused) or later (new, or after a wait).
+
+        Returns the connect task when one was started, so the caller can cancel it.
+        """
+        if not fresh:
+            conn = self._pop_usable()
+            if conn is not None:
+                self.stats["reused"] += 1
+                user.upstream_ready(conn, reused=True)
+                return None
+        if self.max_connections and self.open_count >= self.max_connections:
+            if fresh and self.idle:
+                self.discard(self.idle.pop(0), "making room for a fresh connection")
+            else:
+                self.waiters.append(user)
+                user.upstream_queued()
+                return None
+        return self._connect(user)
+
+    def cancel_wait(self, user: "Exchange") -> None:
+        try:
+            self.waiters.remove(user)
+        except ValueError:
+            pass
+
+    def _pop_usable(self) -> UpstreamConnection | None:
+        now = time.monotonic_ns()
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed and not conn.transport.is_closing() and conn.record.idle_age_ns(now) < self.idle_timeout_ns:
+                return conn
+            self.discard(conn, "idle timeout")
+        return None
+
+    def _connect(self, user: "Exchange") -> asyncio.Task:
+        self.open_count += 1
+        task = asyncio.get_running_loop().create_task(self._open(user))
+        self.connecting.add(task)
+        task.add_done_callback(self.connecting.discard)
+        return task
+
+    async def _open(self, user: "Exchange") -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
+                self.connect_timeout,
+            )
+        except asyncio.CancelledError:
+            self._connection_gone()
+            raise
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._connection_gone()
+            self.stats["connect_failed"] += 1
+            user.upstream_connect_failed(_connect_error(exc, self.connect_timeout))
+            return
+        self.stats["opened"] += 1
+        user.upstream_ready(conn, reused=False)
+
+    # -- returning ---------------------------------------------------------------
+    def release(self, conn: UpstreamConnection) -> None:
+        conn.user = None
+        if conn.closed or conn.transport.is_closing():
+            self.forget(conn)
+            return
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.finished:
+                self.stats["reused"] += 1
+                waiter.upstream_ready(conn, reused=True)
+                return
+        conn.record.idle_since_ns = time.monotonic_ns()
+        self.idle.append(conn)
+        self._arm_sweeper()
+
+    def discard(self, conn: UpstreamConnection, why: str) -> None:
+        """Close ``conn`` for good (it will not be reused)."""
+        conn.user = None
+        if conn.transport is not None and not conn.transport.is_closing():
+            log.debug("closing upstream connection #%d: %s", conn.record.id, why)
+            conn.transport.abort()
+        self.forget(conn)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        """Drop every reference to ``conn``; called once it is closed or closing."""
+        if conn in self.idle:
+            self.idle.remove(conn)
+            self.stats["closed_while_idle"] += 1
+        if not getattr(conn, "_counted_closed", False):
+            conn._counted_closed = True
+            self._connection_gone()
+
+    def _connection_gone(self) -> None:
+        self.open_count -= 1
+        if self.waiters and (not self.max_connections or self.open_count < self.max_connections):
+            waiter = self.waiters.popleft()
+            if not waiter.finished:
+                waiter.upstream_connecting(self._connect(waiter))
+
+    # -- idle expiry ---------------------------------------------------------------
+    def _arm_sweeper(self) -> None:
+        if self._sweeper is None:
+            delay = max(self.idle_timeout_ns / 2e9, 0.05)
+            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now = time.monotonic_ns()
+        for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= self.idle_timeout_ns]:
+            self.discard(conn, "idle timeout")
+        if self.idle:
+            self._arm_sweeper()
+
+    def close_all(self) -> None:
+        for task in list(self.connecting):
+            task.cancel()
+        for conn in list(self.idle):
+            self.discard(conn, "shutdown")
+
+
+def _connect_error(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"connect timed out after {timeout:g} s"
+    return f"connect failed: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
