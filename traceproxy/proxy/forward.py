@@ -60,12 +60,16 @@ class Exchange:
         self.record = record
         self.head = head
         self.upstream: UpstreamConnection | None = None
-        self.upstream_head = b""
         self.connect_task: asyncio.Task | None = None
         # Bytes for the upstream not yet written (no connection yet), and bytes
         # written on the current attempt (kept for one resend; None once too big).
         self.pending: list[bytes] = []
         self.pending_size = 0
+        # The head goes first, even when a pipelined request's body arrives
+        # before its exchange starts.
+        self._queue_upstream(H.upstream_request_head(
+            head.method, head.target, head.headers, head.framing, ctx.forwarding_for(client)
+        ))
         self.sent_log: list[bytes] | None = []
         self.sent_size = 0
         self.request_complete = False
@@ -82,10 +86,6 @@ class Exchange:
     # Phase: awaiting an upstream connection
     # ---------------------------------------------------------------------------
     def start(self) -> None:
-        self.upstream_head = H.upstream_request_head(
-            self.head.method, self.head.target, self.head.headers, self.head.framing, self.ctx.forwarding_for(self.client)
-        )
-        self._queue_upstream(self.upstream_head)
         self._arm(self.ctx.timeouts.upstream_headers, self._check_upstream_headers_deadline)
         if self.head.framing.chunked or self.head.framing.content_length:
             self._arm(self.ctx.timeouts.client_body, self._check_client_body_deadline)

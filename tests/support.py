@@ -1,0 +1,259 @@
+"""Test support: an event loop in a thread, scripted upstreams and a raw-socket client.
+
+Tests are plain synchronous functions: the proxy and the fake upstreams run on a
+uvloop loop in a background thread, and the test talks to them over loopback
+sockets like any client would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import h11
+import uvloop
+
+STEP_TIMEOUT = 10.0  # every blocking step of a test is bounded by this
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable, timeout: float = STEP_TIMEOUT):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable, *args):
+        async def _call():
+            return fn(*args)
+
+        return self.run(_call())
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class ScriptedUpstream:
+    """A misbehaving upstream: ``handler(reader, writer, upstream)`` per connection.
+
+    Records what it saw so tests can assert on the far side of the proxy:
+    raw request bytes per connection, and when each connection closed.
+    """
+
+    def __init__(self, handler: Callable) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.received: list[bytearray] = []
+        self.closed_at: list[float] = []
+        self.closed = threading.Event()
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self) -> "ScriptedUpstream":
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        seen = bytearray()
+        self.received.append(seen)
+        try:
+            await self.handler(RecordingReader(reader, seen), writer, self)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.closed_at.append(time.monotonic())
+            self.closed.set()
+            writer.close()
+
+    async def stop(self) -> None:
+        self._server.close()
+
+
+class RecordingReader:
+    """A StreamReader that keeps a copy of every byte read."""
+
+    def __init__(self, reader: asyncio.StreamReader, sink: bytearray) -> None:
+        self._reader, self._sink = reader, sink
+
+    async def readuntil(self, sep: bytes = b"\n") -> bytes:
+        data = await self._reader.readuntil(sep)
+        self._sink += data
+        return data
+
+    async def readexactly(self, n: int) -> bytes:
+        data = await self._reader.readexactly(n)
+        self._sink += data
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self._reader.read(n)
+        self._sink += data
+        return data
+
+    async def read_head(self) -> bytes:
+        return await self.readuntil(b"\r\n\r\n")
+
+    async def read_request(self) -> tuple[bytes, bytes]:
+        """One request (head, body), Content-Length or chunked."""
+        head = await self.read_head()
+        lower = head.lower()
+        if b"transfer-encoding: chunked" in lower:
+            body = bytearray()
+            while True:
+                size = int((await self.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await self.readuntil(b"\r\n")
+                    return head, bytes(body)
+                body += await self.readexactly(size)
+                await self.readexactly(2)
+        length = 0
+        for line in lower.split(b"\r\n"):
+            if line.startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        return head, await self.readexactly(length) if length else b""
+
+
+def header_value(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        if b":" in line:
+            key, value = line.split(b":", 1)
+            if key.strip().lower() == name.lower():
+                return value.strip()
+    return None
+
+
+# ----------------------------------------------------------------------------------
+# The raw-socket client
+# ----------------------------------------------------------------------------------
+class RawClient:
+    """A blocking client that sends exact bytes and reads responses with h11."""
+
+    def __init__(self, port: int, timeout: float = STEP_TIMEOUT) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.conn = h11.Connection(h11.CLIENT)
+
+    def send(self, data: bytes, expect: tuple[str, ...] = ("GET",)) -> None:
+        """Send exact bytes; ``expect`` lists the methods of the requests they carry."""
+        self.sock.sendall(data)
+        self._expected = list(expect)
+
+    _expected: list[str] = []
+
+    def request(self, method: str, target: str, headers=(), body: bytes = b"") -> None:
+        hdrs = [("Host", "test.local")] + list(headers)
+        if body and not any(k.lower() in ("content-length", "transfer-encoding") for k, _ in hdrs):
+            hdrs.append(("Content-Length", str(len(body))))
+        self.sock.sendall(self.conn.send(h11.Request(method=method, target=target, headers=hdrs)))
+        if body:
+            self.sock.sendall(self.conn.send(h11.Data(data=body)))
+        self.sock.sendall(self.conn.send(h11.EndOfMessage()))
+
+    def response(self) -> "Response":
+        """Read one whole response. ``complete`` is False when the body was cut short."""
+        if self._expected:
+            self.expect_response_to(self._expected.pop(0))
+        head, chunks = None, []
+        while True:
+            event = self._next_event()
+            if isinstance(event, h11.Response):
+                head = event
+            elif isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return Response(head, b"".join(chunks), complete=True)
+            elif isinstance(event, (h11.ConnectionClosed, _Truncated)):
+                return Response(head, b"".join(chunks), complete=False)
+
+    def _next_event(self):
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError:
+                return _Truncated()
+            if event is h11.NEED_DATA:
+                data = self.sock.recv(1 << 20)
+                self.conn.receive_data(data)
+                continue
+            if isinstance(event, h11.InformationalResponse):
+                continue
+            return event
+
+    def expect_response_to(self, method: str) -> None:
+        """Tell h11 a request went out as raw bytes, so it can parse the answer."""
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+        self.conn.send(h11.Request(method=method, target="/", headers=[("Host", "raw")]))
+        self.conn.send(h11.EndOfMessage())
+
+    def roundtrip(self, method: str, target: str, headers=(), body: bytes = b"") -> "Response":
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+        self.request(method, target, headers, body)
+        return self.response()
+
+    def is_closed_by_peer(self, wait: float = 2.0) -> bool:
+        self.sock.settimeout(wait)
+        try:
+            return self.sock.recv(1) == b""
+        except socket.timeout:
+            return False
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Truncated:
+    pass
+
+
+class Response:
+    def __init__(self, head: h11.Response | None, body: bytes, complete: bool) -> None:
+        self.head = head
+        self.status = head.status_code if head else None
+        self.headers = {k.decode().lower(): v.decode() for k, v in head.headers} if head else {}
+        self.header_list = [(k.decode().lower(), v.decode()) for k, v in head.headers] if head else []
+        self.body = body
+        self.complete = complete
+
+    def __repr__(self) -> str:
+        return f"<Response {self.status} complete={self.complete} {self.body[:200]!r}>"
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = STEP_TIMEOUT) -> bytes:
+    """Send exact bytes, read until the proxy closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = bytearray()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = STEP_TIMEOUT, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

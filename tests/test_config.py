@@ -1,0 +1,431 @@
+import argparse
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from traceproxy.config import (
+    SCHEMA,
+    ConfigError,
+    Forwarding,
+    HostPort,
+    Limits,
+    Pool,
+    Settings,
+    Timeouts,
+    UpstreamURL,
+    add_flags,
+    default_settings,
+    load_settings,
+    render_default_toml,
+)
+
+SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "config" / "traceproxy.toml"
+
+EXPECTED_DEFAULTS = Settings(
+    listen=HostPort("127.0.0.1", 8000),
+    upstream=UpstreamURL("127.0.0.1", 30000),
+    admin=HostPort("127.0.0.1", 9464),
+    admin_public=False,
+    workers=1,
+    timeouts=Timeouts(
+        connect=5.0,
+        upstream_headers=600.0,
+        upstream_read=600.0,
+        client_headers=30.0,
+        client_body=60.0,
+        client_keepalive=75.0,
+        shutdown_grace=30.0,
+    ),
+    pool=Pool(idle_timeout=4.0, max_connections=1024, retry_buffer_bytes=1048576),
+    limits=Limits(max_client_connections=10000, max_header_bytes=65536, max_target_bytes=8192),
+    forwarding=Forwarding(preserve_host=True, x_forwarded=True),
+)
+
+
+def parse_flags(argv):
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return parser.parse_args(argv)
+
+
+def load(tmp_path, argv=(), env=None, toml=None):
+    """Loads settings from flags `argv`, environment `env` and, if given, a config file with text `toml`."""
+    env = dict(env or {})
+    if toml is not None:
+        path = tmp_path / "traceproxy.toml"
+        path.write_text(toml)
+        env.setdefault("TRACEPROXY_CONFIG", str(path))
+    return load_settings(parse_flags(list(argv)), environ=env)
+
+
+# --- defaults ---
+
+
+def test_default_settings_match_the_documented_defaults():
+    assert default_settings() == EXPECTED_DEFAULTS
+
+
+def test_no_sources_give_the_defaults():
+    assert load_settings(environ={}) == EXPECTED_DEFAULTS
+    assert load_settings(parse_flags([]), environ={}) == EXPECTED_DEFAULTS
+
+
+def test_config_file_is_not_read_implicitly(tmp_path, monkeypatch):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "traceproxy.toml").write_text("workers = 8\n")
+    (tmp_path / "traceproxy.toml").write_text("workers = 8\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_settings(environ={}).workers == 1
+
+
+def test_environ_defaults_to_os_environ(monkeypatch):
+    monkeypatch.setenv("TRACEPROXY_WORKERS", "6")
+    assert load_settings().workers == 6
+
+
+# --- precedence: flags > env > file > defaults ---
+
+FILE = "workers = 2\n[timeouts]\nconnect = 2.0\n"
+ENV = {"TRACEPROXY_WORKERS": "3", "TRACEPROXY_TIMEOUTS_CONNECT": "3"}
+FLAGS = ["--workers", "4", "--timeouts-connect", "4"]
+
+
+@pytest.mark.parametrize(
+    "use_file, use_env, use_flags, winner",
+    [
+        (False, False, False, 1),
+        (True, False, False, 2),
+        (False, True, False, 3),
+        (False, False, True, 4),
+        (True, True, False, 3),
+        (True, False, True, 4),
+        (False, True, True, 4),
+        (True, True, True, 4),
+    ],
+    ids=[
+        "defaults", "file", "env", "flag", "env-beats-file", "flag-beats-file", "flag-beats-env",
+        "flag-beats-env-and-file",
+    ],
+)
+def test_precedence(tmp_path, use_file, use_env, use_flags, winner):
+    settings = load(
+        tmp_path, argv=FLAGS if use_flags else [], env=ENV if use_env else {}, toml=FILE if use_file else None
+    )
+    assert settings.workers == winner
+    assert settings.timeouts.connect == (5.0 if winner == 1 else float(winner))
+
+
+def test_config_flag_beats_config_env(tmp_path):
+    flag_file, env_file = tmp_path / "flag.toml", tmp_path / "env.toml"
+    flag_file.write_text("workers = 2\n")
+    env_file.write_text("workers = 3\n")
+    flags = parse_flags(["--config", str(flag_file)])
+    settings = load_settings(flags, environ={"TRACEPROXY_CONFIG": str(env_file)})
+    assert settings.workers == 2
+
+
+def test_flags_as_dict_of_dotted_keys(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text("[pool]\nmax_connections = 7\n")
+    flags = {"config": str(path), "timeouts.connect": "2.5", "workers": 3, "admin": None}
+    settings = load_settings(flags, environ={})
+    assert (settings.timeouts.connect, settings.workers, settings.pool.max_connections) == (2.5, 3, 7)
+    assert settings.admin == EXPECTED_DEFAULTS.admin  # None means "not given"
+
+
+def test_other_environment_variables_are_ignored():
+    environ = {"PATH": "/bin", "TRACEPROXYX": "1", "traceproxy_workers": "9"}
+    assert load_settings(environ=environ) == EXPECTED_DEFAULTS
+
+
+# --- value forms ---
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--listen", "[::1]:8000"], HostPort("::1", 8000)),
+        (["--listen", "[2001:db8::1]:443"], HostPort("2001:db8::1", 443)),
+        (["--listen", "0.0.0.0:80"], HostPort("0.0.0.0", 80)),
+        (["--listen", "localhost:0"], HostPort("localhost", 0)),
+        (["--listen", " proxy.example:8000 "], HostPort("proxy.example", 8000)),
+    ],
+    ids=["ipv6-loopback", "ipv6-global", "ipv4-any", "port-0-picks-free-port", "hostname-with-spaces"],
+)
+def test_listen_address_forms(tmp_path, argv, expected):
+    assert load(tmp_path, argv=argv).listen == expected
+
+
+def test_host_port_str_brackets_ipv6():
+    assert str(HostPort("::1", 8000)) == "[::1]:8000"
+    assert str(HostPort("127.0.0.1", 8000)) == "127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
+    "url, host, port, authority, text",
+    [
+        ("http://127.0.0.1:30000", "127.0.0.1", 30000, "127.0.0.1:30000", "http://127.0.0.1:30000"),
+        ("http://router/", "router", 80, "router:80", "http://router:80"),
+        ("HTTP://engine:8080/", "engine", 8080, "engine:8080", "http://engine:8080"),
+        ("http://[::1]:30000/", "::1", 30000, "[::1]:30000", "http://[::1]:30000"),
+        ("http://[fd00::2]", "fd00::2", 80, "[fd00::2]:80", "http://[fd00::2]:80"),
+    ],
+    ids=["ipv4", "default-port-and-slash", "uppercase-scheme", "ipv6", "ipv6-default-port"],
+)
+def test_upstream_url_forms(tmp_path, url, host, port, authority, text):
+    upstream = load(tmp_path, env={"TRACEPROXY_UPSTREAM": url}).upstream
+    assert upstream == UpstreamURL(host, port)
+    assert upstream.authority == authority
+    assert str(upstream) == text
+
+
+@pytest.mark.parametrize(
+    "word, expected",
+    [("true", True), ("false", False), ("1", True), ("0", False), ("yes", True), ("no", False),
+     ("on", True), ("off", False), ("TRUE", True), ("Off", False)],
+)
+def test_boolean_words_from_env(word, expected):
+    environ = {"TRACEPROXY_FORWARDING_PRESERVE_HOST": word, "TRACEPROXY_FORWARDING_X_FORWARDED": word}
+    forwarding = load_settings(environ=environ).forwarding
+    assert forwarding == Forwarding(preserve_host=expected, x_forwarded=expected)
+
+
+def test_native_toml_values(tmp_path):
+    toml = "workers = 4\nadmin_public = true\n[timeouts]\nconnect = 2\n[forwarding]\npreserve_host = false\n"
+    settings = load(tmp_path, toml=toml)
+    assert settings.timeouts.connect == 2.0 and isinstance(settings.timeouts.connect, float)
+    assert (settings.workers, settings.admin_public, settings.forwarding.preserve_host) == (4, True, False)
+
+
+BOUNDARY_VALUES = [
+    ("timeouts.upstream_headers", "0", 0.0),
+    ("timeouts.upstream_read", "0", 0.0),
+    ("timeouts.client_body", "0", 0.0),
+    ("timeouts.shutdown_grace", "0", 0.0),
+    ("pool.max_connections", "0", 0),
+    ("pool.retry_buffer_bytes", "0", 0),
+    ("timeouts.connect", "0.25", 0.25),
+    ("workers", "64", 64),
+    ("limits.max_header_bytes", "1024", 1024),
+    ("limits.max_target_bytes", "64", 64),
+]
+
+
+@pytest.mark.parametrize(
+    "dotted, text, expected", BOUNDARY_VALUES, ids=[f"{d}={t}" for d, t, _ in BOUNDARY_VALUES]
+)
+def test_boundary_values_accepted(dotted, text, expected):
+    settings = load_settings({dotted: text}, environ={})
+    section, _, key = dotted.rpartition(".")
+    value = getattr(getattr(settings, section) if section else settings, key)
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "source", [{"toml": 'admin = "off"\n'}, {"env": {"TRACEPROXY_ADMIN": "OFF"}}, {"argv": ["--admin", "off"]}],
+    ids=["file", "env", "flag"],
+)
+def test_admin_off_disables_admin(tmp_path, source):
+    assert load(tmp_path, **source).admin is None
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--admin", "localhost:9464"], HostPort("localhost", 9464)),
+        (["--admin", "[::1]:9464"], HostPort("::1", 9464)),
+        (["--admin", "127.0.0.2:9464"], HostPort("127.0.0.2", 9464)),
+        (["--admin", "0.0.0.0:9464", "--admin-public", "true"], HostPort("0.0.0.0", 9464)),
+    ],
+    ids=["localhost", "ipv6-loopback", "loopback-net", "public-when-allowed"],
+)
+def test_admin_addresses_accepted(tmp_path, argv, expected):
+    assert load(tmp_path, argv=argv).admin == expected
+
+
+# --- errors: each names the dotted key, the source, the bad value and the expected form ---
+
+ERROR_CASES = [
+    ("bad-float", {"env": {"TRACEPROXY_TIMEOUTS_CONNECT": "abc"}},
+     ["timeouts.connect", "env TRACEPROXY_TIMEOUTS_CONNECT", "'abc'", "a number of seconds > 0"]),
+    ("infinite-float", {"argv": ["--timeouts-upstream-read", "inf"]},
+     ["timeouts.upstream_read", "flag --timeouts-upstream-read", "'inf'", "seconds >= 0 (0 = off)"]),
+    ("negative-timeout", {"argv": ["--timeouts-client-body", "-1"]},
+     ["timeouts.client_body", "flag --timeouts-client-body", "'-1'", "seconds >= 0 (0 = off)"]),
+    ("zero-connect-timeout", {"toml": "[timeouts]\nconnect = 0\n"},
+     ["timeouts.connect", "file {path}", "= 0 ", "seconds > 0"]),
+    ("zero-keepalive", {"env": {"TRACEPROXY_TIMEOUTS_CLIENT_KEEPALIVE": "0"}},
+     ["timeouts.client_keepalive", "env TRACEPROXY_TIMEOUTS_CLIENT_KEEPALIVE", "seconds > 0"]),
+    ("zero-pool-idle", {"toml": "[pool]\nidle_timeout = 0.0\n"}, ["pool.idle_timeout", "seconds > 0"]),
+    ("host-port-missing-port", {"argv": ["--listen", "localhost"]},
+     ["listen", "flag --listen", "'localhost'", "missing port", "HOST:PORT"]),
+    ("host-port-bad-port", {"argv": ["--listen", "127.0.0.1:http"]}, ["listen", "'127.0.0.1:http'", "HOST:PORT"]),
+    ("host-port-out-of-range", {"argv": ["--listen", "127.0.0.1:70000"]}, ["listen", "out of range", "HOST:PORT"]),
+    ("host-port-empty-host", {"argv": ["--listen", ":8000"]}, ["listen", "HOST:PORT"]),
+    ("host-port-bad-hostname", {"argv": ["--listen", "bad_host!:8000"]},
+     ["listen", "'bad_host!:8000'", "HOST:PORT"]),
+    ("ipv6-without-brackets", {"argv": ["--listen", "::1:8000"]}, ["listen", "brackets", "[::1]:8000"]),
+    ("ipv6-bad-address", {"argv": ["--listen", "[::zz]:8000"]}, ["listen", "'[::zz]:8000'", "HOST:PORT"]),
+    ("https-upstream", {"env": {"TRACEPROXY_UPSTREAM": "https://router:443"}},
+     ["upstream", "env TRACEPROXY_UPSTREAM", "TLS upstreams are not supported", "http://HOST[:PORT]"]),
+    ("upstream-with-path", {"toml": 'upstream = "http://router:8000/v1"\n'},
+     ["upstream", "file {path}", "only a host and port", "no path other than /"]),
+    ("upstream-without-scheme", {"argv": ["--upstream", "router:8000"]},
+     ["upstream", "flag --upstream", "'router:8000'", "http://HOST[:PORT]"]),
+    ("upstream-port-0", {"argv": ["--upstream", "http://router:0"]}, ["upstream", "out of range 1..65535"]),
+    ("unknown-toml-key", {"toml": "[timeouts]\nconect = 1\n"},
+     ["unknown key timeouts.conect", "{path}", "did you mean timeouts.connect"]),
+    ("unknown-toml-section", {"toml": "[timeout]\nconnect = 1\n"}, ["unknown key timeout ", "{path}"]),
+    ("unknown-top-level-key", {"toml": "worker = 2\n"}, ["unknown key worker ", "did you mean workers"]),
+    ("section-given-as-value", {"toml": "timeouts = 5\n"}, ["timeouts", "{path}", "[timeouts] table"]),
+    ("unknown-env-var", {"env": {"TRACEPROXY_TIMEOUT_CONNECT": "1"}},
+     ["TRACEPROXY_TIMEOUT_CONNECT", "did you mean TRACEPROXY_TIMEOUTS_CONNECT"]),
+    ("admin-public-without-permission", {"argv": ["--admin", "0.0.0.0:9464"]},
+     ["admin", "flag --admin", "'0.0.0.0:9464'", "not a loopback address", "admin_public = true"]),
+    ("admin-hostname-without-permission", {"env": {"TRACEPROXY_ADMIN": "metrics.internal:9464"}},
+     ["admin", "env TRACEPROXY_ADMIN", "not a loopback address"]),
+    ("workers-zero", {"argv": ["--workers", "0"]},
+     ["workers", "flag --workers", "'0'", "an integer from 1 to 64"]),
+    ("workers-too-many", {"env": {"TRACEPROXY_WORKERS": "65"}}, ["workers", "'65'", "an integer from 1 to 64"]),
+    ("workers-float", {"toml": "workers = 2.0\n"}, ["workers", "2.0", "an integer from 1 to 64"]),
+    ("bool-where-int", {"toml": "workers = true\n"}, ["workers = True", "an integer from 1 to 64"]),
+    ("bool-where-float", {"toml": "[timeouts]\nconnect = true\n"}, ["timeouts.connect = True", "seconds > 0"]),
+    ("bad-bool", {"env": {"TRACEPROXY_FORWARDING_X_FORWARDED": "maybe"}},
+     ["forwarding.x_forwarded", "'maybe'", "true or false"]),
+    ("int-where-bool", {"toml": "[forwarding]\npreserve_host = 1\n"},
+     ["forwarding.preserve_host", "true or false"]),
+    ("header-limit-too-small", {"argv": ["--limits-max-header-bytes", "512"]},
+     ["limits.max_header_bytes", "flag --limits-max-header-bytes", "an integer >= 1024"]),
+    ("negative-pool-size", {"argv": ["--pool-max-connections", "-1"]},
+     ["pool.max_connections", "an integer >= 0 (0 = unlimited)"]),
+    ("invalid-toml", {"toml": "[timeouts]\nconnect = \n"}, ["{path}", "not valid TOML", "line 2"]),
+]
+
+
+@pytest.mark.parametrize("source, fragments", [case[1:] for case in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+def test_config_errors(tmp_path, source, fragments):
+    with pytest.raises(ConfigError) as error:
+        load(tmp_path, **source)
+    message = str(error.value)
+    for fragment in fragments:
+        assert fragment.format(path=tmp_path / "traceproxy.toml") in message
+
+
+@pytest.mark.parametrize(
+    "flags, env, source",
+    [
+        (["--config", "{path}"], {}, "flag --config"),
+        ([], {"TRACEPROXY_CONFIG": "{path}"}, "env TRACEPROXY_CONFIG"),
+    ],
+    ids=["flag", "env"],
+)
+def test_missing_config_file_names_the_path(tmp_path, flags, env, source):
+    path = str(tmp_path / "absent.toml")
+    argv = [arg.format(path=path) for arg in flags]
+    environ = {name: value.format(path=path) for name, value in env.items()}
+    with pytest.raises(ConfigError, match=re.escape(path)) as error:
+        load_settings(parse_flags(argv), environ=environ)
+    assert "does not exist" in str(error.value) and source in str(error.value)
+
+
+def test_unknown_dict_flag_is_an_error():
+    with pytest.raises(ConfigError, match="unknown key timeouts.conect"):
+        load_settings({"timeouts.conect": "1"}, environ={})
+
+
+# --- replace() ---
+
+
+def test_replace_changes_only_the_named_keys():
+    base = default_settings()
+    changed = base.replace(**{"timeouts.connect": 1.0, "workers": "3", "admin": None})
+    assert changed.timeouts.connect == 1.0 and changed.workers == 3 and changed.admin is None
+    assert changed == dataclasses.replace(
+        base, workers=3, admin=None, timeouts=dataclasses.replace(base.timeouts, connect=1.0)
+    )
+    assert base == EXPECTED_DEFAULTS
+
+
+def test_replace_accepts_typed_addresses():
+    settings = default_settings().replace(listen=HostPort("::1", 0), upstream=UpstreamURL("engine", 8080))
+    assert (settings.listen, settings.upstream) == (HostPort("::1", 0), UpstreamURL("engine", 8080))
+
+
+@pytest.mark.parametrize(
+    "start, overrides, fragments",
+    [
+        ({}, {"workers": 0}, ["workers", "replace()", "from 1 to 64"]),
+        ({}, {"timeouts.connect": -1.0}, ["timeouts.connect", "replace()", "seconds > 0"]),
+        ({}, {"timeouts.conect": 1.0}, ["unknown key timeouts.conect", "did you mean timeouts.connect"]),
+        ({}, {"admin": "0.0.0.0:9464"}, ["admin", "not a loopback address"]),
+        ({"admin": "0.0.0.0:9464", "admin_public": True}, {"admin_public": False}, ["admin", "not a loopback"]),
+        ({}, {"upstream": "https://router"}, ["upstream", "TLS upstreams are not supported"]),
+    ],
+    ids=["workers", "negative-timeout", "unknown-key", "public-admin", "revoking-admin-public", "https-upstream"],
+)
+def test_replace_validates(start, overrides, fragments):
+    settings = default_settings().replace(**start)
+    with pytest.raises(ConfigError) as error:
+        settings.replace(**overrides)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+# --- the schema, the flags and the shipped default file ---
+
+
+def test_schema_matches_the_settings_dataclasses():
+    def fields(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    sections = {"timeouts": Timeouts, "pool": Pool, "limits": Limits, "forwarding": Forwarding}
+    assert [s.key for s in SCHEMA if not s.section] == [n for n in fields(Settings) if n not in sections]
+    for name, cls in sections.items():
+        assert [s.key for s in SCHEMA if s.section == name] == fields(cls)
+
+
+def test_flag_and_env_names():
+    names = {s.dotted: (s.flag, s.env) for s in SCHEMA}
+    assert names["listen"] == ("--listen", "TRACEPROXY_LISTEN")
+    assert names["admin_public"] == ("--admin-public", "TRACEPROXY_ADMIN_PUBLIC")
+    assert names["timeouts.connect"] == ("--timeouts-connect", "TRACEPROXY_TIMEOUTS_CONNECT")
+    assert names["pool.retry_buffer_bytes"] == ("--pool-retry-buffer-bytes", "TRACEPROXY_POOL_RETRY_BUFFER_BYTES")
+    assert len({flag for flag, _ in names.values()}) == len({env for _, env in names.values()}) == len(SCHEMA)
+
+
+def test_every_flag_defaults_to_none():
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    namespace = parser.parse_args([])
+    assert vars(namespace) == dict.fromkeys(vars(namespace), None)
+    assert len(vars(namespace)) == len(SCHEMA) + 1  # + --config
+    help_text = parser.format_help()
+    for setting in SCHEMA:
+        assert setting.flag in help_text
+
+
+def test_shipped_config_file_is_the_rendered_default():
+    assert SHIPPED_CONFIG.read_text() == render_default_toml()
+
+
+def test_shipped_config_file_loads_to_the_defaults():
+    assert load_settings(parse_flags(["--config", str(SHIPPED_CONFIG)]), environ={}) == EXPECTED_DEFAULTS
+
+
+def test_rendered_default_sets_nothing_but_names_every_key_with_its_meaning():
+    text = render_default_toml()
+    assert tomllib.loads(text) == {"timeouts": {}, "pool": {}, "limits": {}, "forwarding": {}}
+    assert "flags" in text and "TRACEPROXY_" in text
+    comments = re.sub(r"\n# ", " ", text)
+    for setting in SCHEMA:
+        assert f"# {setting.key} = " in text
+        assert setting.meaning in comments and setting.kind.expected in comments
+
+
+def test_rendered_default_with_every_key_uncommented_loads_to_the_defaults(tmp_path):
+    uncommented, count = re.subn(r"(?m)^# (\w+ = )", r"\1", render_default_toml())
+    assert count == len(SCHEMA)
+    assert load(tmp_path, toml=uncommented) == EXPECTED_DEFAULTS

@@ -1,0 +1,228 @@
+"""Byte-level behaviour of the proxy with a raw-socket client: framing, headers,
+keep-alive, pipelining, HTTP/1.0, Expect, HEAD. Raw requests are module constants."""
+
+from __future__ import annotations
+
+import socket
+
+from .support import RawClient, header_value, raw_exchange, wait_until
+
+HOP_BY_HOP_REQUEST = (
+    b"GET /v1/models HTTP/1.1\r\n"
+    b"Host: client.example\r\n"
+    b"Connection: keep-alive, X-Secret-Hop\r\n"
+    b"Keep-Alive: timeout=5\r\n"
+    b"X-Secret-Hop: must-not-pass\r\n"
+    b"Proxy-Authorization: Basic abc\r\n"
+    b"TE: trailers\r\n"
+    b"Upgrade-Insecure-Requests: 1\r\n"
+    b"X-Forwarded-For: 10.0.0.1\r\n"
+    b"X-End-To-End: kept\r\n"
+    b"\r\n"
+)
+
+PIPELINED = (
+    b"POST /one HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"
+    b"POST /two HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\ndef"
+    b"GET /three HTTP/1.1\r\nHost: a\r\n\r\n"
+)
+
+HTTP10_REQUEST = b"GET /v1/models HTTP/1.0\r\n\r\n"
+HTTP10_KEEPALIVE_REQUEST = b"GET /v1/models HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+
+
+def _capture_one_request(response: bytes):
+    async def handler(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            writer.write(response)
+            await writer.drain()
+
+    return handler
+
+
+OK_EMPTY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+
+def test_hop_by_hop_headers_removed_and_forwarding_headers_appended(scripted_upstream, start_proxy):
+    up = scripted_upstream(_capture_one_request(OK_EMPTY))
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    client.send(HOP_BY_HOP_REQUEST, expect=("GET",))
+    assert client.response().status == 200
+    head = bytes(up.received[0]).split(b"\r\n\r\n")[0]
+    names = {line.split(b":")[0].lower() for line in head.split(b"\r\n")[1:]}
+    assert not names & {b"keep-alive", b"x-secret-hop", b"proxy-authorization", b"te"}
+    assert header_value(head, b"connection") in (None, b"keep-alive")
+    assert header_value(head, b"x-end-to-end") == b"kept"
+    assert header_value(head, b"upgrade-insecure-requests") == b"1"  # not hop-by-hop
+    assert header_value(head, b"host") == b"client.example"
+    assert header_value(head, b"x-forwarded-for") == b"10.0.0.1, 127.0.0.1"
+    assert header_value(head, b"x-forwarded-proto") == b"http"
+    assert header_value(head, b"x-forwarded-host") == b"client.example"
+
+
+def test_host_replaced_when_preserve_host_is_off(scripted_upstream, start_proxy):
+    up = scripted_upstream(_capture_one_request(OK_EMPTY))
+    proxy = start_proxy(up.url, **{"forwarding.preserve_host": False})
+    RawClient(proxy.port).roundtrip("GET", "/")
+    head = bytes(up.received[0])
+    assert header_value(head, b"host") == f"127.0.0.1:{up.port}".encode()
+
+
+def test_hop_by_hop_response_headers_removed_end_to_end_kept(scripted_upstream, start_proxy):
+    response = (b"HTTP/1.1 201 Created Just Now\r\nContent-Length: 2\r\nConnection: X-Up-Hop\r\n"
+                b"X-Up-Hop: secret\r\nKeep-Alive: timeout=5\r\nX-Model: m1\r\nSet-Cookie: a=1\r\n"
+                b"Set-Cookie: b=2\r\n\r\nok")
+    up = scripted_upstream(_capture_one_request(response))
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    resp = client.roundtrip("GET", "/")
+    assert resp.status == 201 and resp.head.reason == b"Created Just Now"
+    assert resp.body == b"ok"
+    assert "x-up-hop" not in resp.headers
+    assert resp.headers["x-model"] == "m1"
+    assert [v for k, v in resp.header_list if k == "set-cookie"] == ["a=1", "b=2"]
+    assert resp.headers.get("keep-alive") == "timeout=75"  # ours, not the upstream's
+
+
+def test_close_delimited_upstream_response_becomes_chunked_for_http11(scripted_upstream, start_proxy):
+    async def handler(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nfirst part, ")
+        await writer.drain()
+        writer.write(b"second part")
+        await writer.drain()
+        writer.close()
+
+    up = scripted_upstream(handler)
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    resp = client.roundtrip("GET", "/")
+    assert resp.headers.get("transfer-encoding") == "chunked"
+    assert resp.complete and resp.body == b"first part, second part"
+    # The client connection stays usable: its response had a visible end.
+    resp2 = client.roundtrip("GET", "/")
+    assert resp2.complete and resp2.body == b"first part, second part"
+
+
+def test_close_delimited_response_to_http10_client_closes_connection(scripted_upstream, start_proxy):
+    async def handler(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil close")
+        writer.close()
+
+    up = scripted_upstream(handler)
+    proxy = start_proxy(up.url)
+    raw = raw_exchange(proxy.port, HTTP10_REQUEST)
+    head, body = raw.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.0 200")
+    assert header_value(head, b"transfer-encoding") is None
+    assert header_value(head, b"connection") == b"close"
+    assert body == b"until close"
+
+
+def test_http10_client_keep_alive_only_when_asked(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url)
+    raw = raw_exchange(proxy.port, HTTP10_REQUEST)
+    assert raw.startswith(b"HTTP/1.0 200") and header_value(raw, b"connection") == b"close"
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        for _ in range(2):
+            sock.sendall(HTTP10_KEEPALIVE_REQUEST)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += sock.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = int(header_value(head, b"content-length"))
+            while len(body) < length:
+                body += sock.recv(65536)
+            assert header_value(head, b"connection") == b"keep-alive"
+
+
+def test_pipelined_requests_answered_in_order(scripted_upstream, start_proxy):
+    async def handler(reader, writer, upstream):
+        while True:
+            head, body = await reader.read_request()
+            path = head.split(b" ")[1]
+            payload = path + b":" + body
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            await writer.drain()
+
+    up = scripted_upstream(handler)
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    client.send(PIPELINED, expect=("POST", "POST", "GET"))
+    bodies = [client.response().body for _ in range(3)]
+    assert bodies == [b"/one:abc", b"/two:def", b"/three:"]
+
+
+def test_expect_100_continue_answered_before_body(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        body = b"x" * 1000
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 1000\r\n\r\n")
+        interim = sock.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(body)
+        data = b""
+        while not data.endswith(body):
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed early"
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200")
+
+
+def test_head_request_gets_headers_and_no_body(scripted_upstream, start_proxy):
+    up = scripted_upstream(_capture_one_request(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n"))
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    resp = client.roundtrip("HEAD", "/")
+    assert resp.status == 200 and resp.headers["content-length"] == "1234" and resp.body == b""
+    # Same connection, same upstream connection, next request fine.
+    resp = client.roundtrip("HEAD", "/")
+    assert resp.status == 200
+    assert up.connections == 1
+
+
+def test_no_content_and_not_modified_have_no_body(scripted_upstream, start_proxy):
+    responses = iter([b"HTTP/1.1 204 No Content\r\n\r\n", b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n"])
+
+    async def handler(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            writer.write(next(responses))
+            await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(handler).url)
+    client = RawClient(proxy.port)
+    assert client.roundtrip("GET", "/a").status == 204
+    resp = client.roundtrip("GET", "/b")
+    assert resp.status == 304 and resp.headers["etag"] == '"x"'
+
+
+def test_interim_upstream_responses_are_not_forwarded(scripted_upstream, start_proxy):
+    up = scripted_upstream(_capture_one_request(
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"))
+    proxy = start_proxy(up.url)
+    raw = raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 200 OK") and raw.endswith(b"hi")
+
+
+def test_chunked_request_body_forwarded_intact(scripted_upstream, start_proxy):
+    async def handler(reader, writer, upstream):
+        _, body = await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(handler).url)
+    raw = raw_exchange(proxy.port, b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n"
+                                   b"Connection: close\r\n\r\n5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\n\r\n")
+    assert raw.endswith(b"\r\n\r\nhello world")
+
+
+def test_idle_client_connection_closed_after_keepalive_timeout(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url, **{"timeouts.client_keepalive": 0.3})
+    client = RawClient(proxy.port)
+    assert client.roundtrip("GET", "/health").status == 200
+    assert client.is_closed_by_peer(wait=3)
+    assert wait_until(lambda: not proxy.ctx.connections)

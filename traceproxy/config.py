@@ -1,0 +1,509 @@
+"""Typed traceproxy settings from flags, TRACEPROXY_* environment variables, a TOML file and defaults.
+
+Precedence, highest first: flags, environment, file, defaults. The file is read only when named by
+--config or TRACEPROXY_CONFIG. Flags, environment names, TOML keys and the shipped default file are
+all derived from SCHEMA. Loading has no side effects beyond reading that one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import ipaddress
+import math
+import os
+import re
+import textwrap
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+ENV_PREFIX = "TRACEPROXY_"
+CONFIG_ENV = "TRACEPROXY_CONFIG"
+
+
+class ConfigError(Exception):
+    """An invalid setting; the message names the key, its source, the bad value and the expected form."""
+
+
+class _Rejected(ValueError):
+    """A parser's specific reason, shown before the expected form. Any other ValueError shows only the form."""
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class HostPort:
+    host: str  # IPv6 without brackets, ready for bind()
+    port: int
+
+    def __str__(self) -> str:
+        return _join_host_port(self.host, self.port)
+
+
+@dataclass(frozen=True)
+class UpstreamURL:
+    host: str
+    port: int
+
+    @property
+    def authority(self) -> str:
+        return _join_host_port(self.host, self.port)
+
+    def __str__(self) -> str:
+        return f"http://{self.authority}"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float
+    upstream_headers: float
+    upstream_read: float
+    client_headers: float
+    client_body: float
+    client_keepalive: float
+    shutdown_grace: float
+
+
+@dataclass(frozen=True)
+class Pool:
+    idle_timeout: float
+    max_connections: int
+    retry_buffer_bytes: int
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_client_connections: int
+    max_header_bytes: int
+    max_target_bytes: int
+
+
+@dataclass(frozen=True)
+class Forwarding:
+    preserve_host: bool
+    x_forwarded: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen: HostPort
+    upstream: UpstreamURL
+    admin: HostPort | None  # None: admin listener disabled
+    admin_public: bool
+    workers: int
+    timeouts: Timeouts
+    pool: Pool
+    limits: Limits
+    forwarding: Forwarding
+
+    def replace(self, **dotted_overrides: Any) -> Settings:
+        """A copy with some keys changed, e.g. replace(**{"timeouts.connect": 1.0}); validated like any source."""
+        raw = {s.dotted: (_as_raw(s.value_in(self)), "the settings being replaced") for s in SCHEMA}
+        for dotted, value in dotted_overrides.items():
+            if dotted not in _BY_DOTTED:
+                raise _unknown("key", dotted, _BY_DOTTED, "replace()")
+            raw[dotted] = (_as_raw(value), "replace()")
+        return _build(raw)
+
+
+# --- kinds: how a raw value (a TOML value, or a string from a flag or env var) becomes a typed one ---
+
+
+@dataclass(frozen=True)
+class Kind:
+    parse: Callable[[Any], Any]  # raises ValueError on a bad value
+    expected: str  # the accepted form, quoted in errors, --help and the default file
+    metavar: str
+
+
+def _number(raw: Any, cast: type) -> Any:
+    # bool is an int subclass, and int(2.5) would silently truncate
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)) or (cast is int and isinstance(raw, float)):
+        raise ValueError
+    value = cast(raw)
+    if not math.isfinite(value):
+        raise ValueError
+    return value
+
+
+def _str(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ValueError
+    return raw
+
+
+def seconds(*, zero: str | None = None) -> Kind:
+    """Finite seconds: > 0, or >= 0 when `zero` says what 0 means."""
+
+    def parse(raw: Any) -> float:
+        value = _number(raw, float)
+        if value < 0 or (value == 0 and zero is None):
+            raise ValueError
+        return value
+
+    return Kind(parse, f"a number of seconds >= 0 (0 = {zero})" if zero else "a number of seconds > 0", "SECONDS")
+
+
+def integer(minimum: int, maximum: int | None = None, *, zero: str | None = None) -> Kind:
+    def parse(raw: Any) -> int:
+        value = _number(raw, int)
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError
+        return value
+
+    if maximum is not None:
+        expected = f"an integer from {minimum} to {maximum}"
+    else:
+        expected = f"an integer >= {minimum}" + (f" (0 = {zero})" if zero else "")
+    return Kind(parse, expected, "N")
+
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True}
+_BOOL_WORDS |= {"false": False, "0": False, "no": False, "off": False}
+
+
+def boolean() -> Kind:
+    def parse(raw: Any) -> bool:
+        if isinstance(raw, bool):
+            return raw
+        word = _str(raw).lower()
+        if word not in _BOOL_WORDS:
+            raise ValueError
+        return _BOOL_WORDS[word]
+
+    return Kind(parse, "true or false (also 1/0, yes/no, on/off)", "BOOL")
+
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def _port(text: str, minimum: int) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError
+    port = int(text)
+    if not minimum <= port <= 65535:
+        raise _Rejected(f"port {port} is out of range {minimum}..65535")
+    return port
+
+
+def _split_host_port(text: str, *, default_port: int | None, min_port: int) -> tuple[str, int]:
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError
+        ipaddress.IPv6Address(host)
+        port_text = rest[1:] if rest else None
+    else:
+        host, colon, port_text = text.partition(":")
+        if ":" in port_text:
+            raise _Rejected("an IPv6 address needs brackets")
+        if not _HOSTNAME.fullmatch(host):
+            raise ValueError
+        port_text = port_text if colon else None
+    if port_text is None:
+        if default_port is None:
+            raise _Rejected("missing port")
+        return host, default_port
+    return host, _port(port_text, min_port)
+
+
+def address(*, off: bool = False) -> Kind:
+    """HOST:PORT to listen on; port 0 lets the OS pick one (for tests). With `off`, "off" or None gives None."""
+
+    def parse(raw: Any) -> HostPort | None:
+        if off and (raw is None or _str(raw).lower() == "off"):
+            return None
+        return HostPort(*_split_host_port(_str(raw), default_port=None, min_port=0))
+
+    expected = "HOST:PORT such as 127.0.0.1:8000 or [::1]:8000" + (", or off" if off else "")
+    return Kind(parse, expected, "HOST:PORT")
+
+
+def http_url() -> Kind:
+    def parse(raw: Any) -> UpstreamURL:
+        text = _str(raw)
+        scheme = text.partition("://")[0].lower()
+        if scheme == "https":
+            raise _Rejected("TLS upstreams are not supported")
+        if scheme != "http":
+            raise ValueError
+        authority = text[7:].removesuffix("/")
+        if any(c in authority for c in "/?#@"):
+            raise _Rejected("only a host and port may follow http://")
+        return UpstreamURL(*_split_host_port(authority, default_port=80, min_port=1))
+
+    return Kind(parse, "http://HOST[:PORT] with no path other than / (port defaults to 80)", "URL")
+
+
+# --- the schema ---
+
+
+@dataclass(frozen=True)
+class Setting:
+    section: str  # "" for a top-level key
+    key: str
+    kind: Kind
+    default: Any  # in TOML form; parsed like any other source
+    meaning: str
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.key}" if self.section else self.key
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dotted.replace(".", "-").replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dotted.replace(".", "_").upper()
+
+    def value_in(self, settings: Settings) -> Any:
+        return getattr(getattr(settings, self.section) if self.section else settings, self.key)
+
+
+# Hazard: top-level keys must come first and each section's rows must be contiguous, or the
+# rendered default file stops being valid TOML once its keys are uncommented.
+SCHEMA: tuple[Setting, ...] = (
+    Setting("", "listen", address(), "127.0.0.1:8000", "Address the proxy listens on for clients."),
+    Setting("", "upstream", http_url(), "http://127.0.0.1:30000",
+            "Base URL of the router or engine that requests are forwarded to."),
+    Setting("", "admin", address(off=True), "127.0.0.1:9464",
+            "Address of the read-only admin listener; off disables it."),
+    Setting("", "admin_public", boolean(), False, "Allow the admin listener on a non-loopback address."),
+    Setting("", "workers", integer(1, 64), 1, "Number of processes sharing the listen port (SO_REUSEPORT)."),
+    Setting("timeouts", "connect", seconds(), 5.0, "Connecting to the upstream."),
+    Setting("timeouts", "upstream_headers", seconds(zero="off"), 600.0,
+            "From sending the request upstream to receiving the response headers, else 504. "
+            "Long because a long prefill is normal."),
+    Setting("timeouts", "upstream_read", seconds(zero="off"), 600.0,
+            "Longest silence between upstream response body bytes before the response is aborted."),
+    Setting("timeouts", "client_headers", seconds(), 30.0,
+            "Receiving a complete request head, counted from its first byte."),
+    Setting("timeouts", "client_body", seconds(zero="off"), 60.0,
+            "Longest silence between request body bytes, else 408."),
+    Setting("timeouts", "client_keepalive", seconds(), 75.0,
+            "An idle client keep-alive connection is closed after this."),
+    Setting("timeouts", "shutdown_grace", seconds(zero="stop at once"), 30.0,
+            "On SIGTERM or SIGINT, in-flight streams get this long to finish."),
+    Setting("pool", "idle_timeout", seconds(), 4.0,
+            "An idle upstream keep-alive connection is closed after this; kept below the 5 s idle "
+            "timeout of uvicorn-based engines so a connection the engine is closing is not reused."),
+    Setting("pool", "max_connections", integer(0, zero="unlimited"), 1024,
+            "Upstream connections open at once; further requests wait."),
+    Setting("pool", "retry_buffer_bytes", integer(0, zero="never retry"), 1048576,
+            "Request bytes kept so a request that failed on a stale reused connection can be resent "
+            "once on a fresh one; larger requests are not retried."),
+    Setting("limits", "max_client_connections", integer(1), 10000,
+            "Open client connections; at the cap the longest-idle keep-alive connection is closed to make room."),
+    Setting("limits", "max_header_bytes", integer(1024), 65536, "A request head larger than this gets 431."),
+    Setting("limits", "max_target_bytes", integer(64), 8192, "A request target longer than this gets 414."),
+    Setting("forwarding", "preserve_host", boolean(), True,
+            "Forward the client's Host header; false sends the upstream's host:port instead."),
+    Setting("forwarding", "x_forwarded", boolean(), True,
+            "Append X-Forwarded-For, X-Forwarded-Proto and X-Forwarded-Host."),
+)
+
+_SECTIONS: dict[str, tuple[type, str]] = {
+    "timeouts": (Timeouts, "Timeouts, in seconds."),
+    "pool": (Pool, "Upstream connection pool."),
+    "limits": (Limits, "Limits on clients and requests."),
+    "forwarding": (Forwarding, "Headers sent to the upstream."),
+}
+_BY_DOTTED = {s.dotted: s for s in SCHEMA}
+_BY_ENV = {s.env: s for s in SCHEMA}
+_TOP_LEVEL = {s.key for s in SCHEMA if not s.section}
+
+Raw = dict[str, tuple[Any, str]]  # dotted key -> (raw value, where it came from)
+
+
+# --- building Settings ---
+
+
+def _as_raw(value: Any) -> Any:
+    return str(value) if isinstance(value, (HostPort, UpstreamURL)) else value
+
+
+def _unknown(what: str, name: str, known: Iterable[str], where: str = "") -> ConfigError:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
+    place = f" in {where}" if where else ""
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return ConfigError(f"unknown {what} {name}{place}{hint}")
+
+
+def _parse(setting: Setting, raw: Any, source: str) -> Any:
+    try:
+        return setting.kind.parse(raw.strip() if isinstance(raw, str) else raw)
+    except ValueError as e:
+        reason = f"{e}; " if isinstance(e, _Rejected) else ""
+        message = f"{setting.dotted} = {raw!r} (from {source}): {reason}expected {setting.kind.expected}"
+        raise ConfigError(message) from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # other hostnames: resolving them here would be a side effect
+
+
+def _check_admin_exposure(admin: HostPort | None, admin_public: bool, source: str) -> None:
+    if admin is None or admin_public or _is_loopback(admin.host):
+        return
+    raise ConfigError(
+        f"admin = {str(admin)!r} (from {source}): {admin.host} is not a loopback address; expected a "
+        "loopback HOST:PORT (127.0.0.1, [::1] or localhost) or off, or set admin_public = true"
+    )
+
+
+def _build(raw: Raw) -> Settings:
+    values = {s.dotted: _parse(s, *raw[s.dotted]) for s in SCHEMA}
+    _check_admin_exposure(values["admin"], values["admin_public"], raw["admin"][1])
+    sections = {
+        name: cls(**{s.key: values[s.dotted] for s in SCHEMA if s.section == name})
+        for name, (cls, _) in _SECTIONS.items()
+    }
+    return Settings(**{key: values[key] for key in _TOP_LEVEL}, **sections)
+
+
+def _defaults() -> Raw:
+    return {s.dotted: (s.default, "default") for s in SCHEMA}
+
+
+def default_settings() -> Settings:
+    return _build(_defaults())
+
+
+# --- sources ---
+
+
+def _read_toml(path: str, source: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} (from {source}) does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} (from {source}) cannot be read: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _file_values(doc: Mapping[str, Any], where: str) -> Raw:
+    raw: Raw = {}
+    for name, value in doc.items():
+        if name in _SECTIONS and not isinstance(value, dict):
+            raise ConfigError(f"{name} = {value!r} (from {where}): expected a [{name}] table")
+        pairs = {f"{name}.{key}": v for key, v in value.items()} if name in _SECTIONS else {name: value}
+        for dotted, v in pairs.items():
+            if dotted not in _BY_DOTTED:
+                raise _unknown("key", dotted, _BY_DOTTED, where)
+            raw[dotted] = (v, where)
+    return raw
+
+
+def _env_values(environ: Mapping[str, str]) -> Raw:
+    raw: Raw = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        if name not in _BY_ENV:
+            raise _unknown("environment variable", name, _BY_ENV)
+        raw[_BY_ENV[name].dotted] = (value, f"env {name}")
+    return raw
+
+
+def _given_flags(flags: argparse.Namespace | Mapping[str, Any] | None) -> dict[str, Any]:
+    """Flags that were given, as dotted key -> raw value, plus "config" for --config."""
+    if flags is None:
+        return {}
+    if isinstance(flags, argparse.Namespace):
+        given = {s.dotted: getattr(flags, s.dest, None) for s in SCHEMA}
+        given["config"] = getattr(flags, "config", None)
+    else:
+        for name in flags:
+            if name != "config" and name not in _BY_DOTTED:
+                raise _unknown("key", name, _BY_DOTTED, "flags")
+        given = dict(flags)
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def load_settings(
+    flags: argparse.Namespace | Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Settings from flags > TRACEPROXY_* environment > the file named by --config/TRACEPROXY_CONFIG > defaults."""
+    environ = os.environ if environ is None else environ
+    given = _given_flags(flags)
+    raw = _defaults()
+    if "config" in given:
+        path, source = str(given.pop("config")), "flag --config"
+    else:
+        path, source = environ.get(CONFIG_ENV), f"env {CONFIG_ENV}"
+    if path is not None:
+        raw.update(_file_values(_read_toml(path, source), f"file {path}"))
+    raw.update(_env_values(environ))
+    raw.update({dotted: (value, f"flag {_BY_DOTTED[dotted].flag}") for dotted, value in given.items()})
+    return _build(raw)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds --config and one flag per setting; all default to None so "not given" stays visible."""
+    group = parser.add_argument_group("settings (flags > TRACEPROXY_* env > --config file > defaults)")
+    group.add_argument("--config", metavar="PATH", default=None,
+                       help=f"TOML config file (env {CONFIG_ENV}); none is read unless named")
+    for s in SCHEMA:
+        text = f"{s.meaning} Expected: {s.kind.expected}. Default: {_toml_value(s.default)}. Env: {s.env}."
+        # argparse %-formats help strings
+        group.add_argument(s.flag, dest=s.dest, metavar=s.kind.metavar, default=None, help=text.replace("%", "%%"))
+
+
+# --- the default config file ---
+
+_HEADER = """\
+# traceproxy configuration file (TOML).
+#
+# Every setting is shown commented out with its built-in default; uncomment a
+# line to change it. The file is read only when named by --config PATH or
+# TRACEPROXY_CONFIG=PATH. Precedence, highest first:
+#   1. command-line flags            --timeouts-connect 2.5
+#   2. TRACEPROXY_* environment      TRACEPROXY_TIMEOUTS_CONNECT=2.5
+#   3. this file                     [timeouts] connect = 2.5
+#   4. built-in defaults
+"""
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _comment(text: str) -> list[str]:
+    return ["# " + line for line in textwrap.wrap(text, 76)]
+
+
+def render_default_toml() -> str:
+    lines = [_HEADER.rstrip("\n")]
+    section = ""
+    for s in SCHEMA:
+        if s.section != section:
+            section = s.section
+            lines += ["", *_comment(_SECTIONS[section][1]), f"[{section}]"]
+        lines += ["", *_comment(s.meaning), *_comment(f"Expected: {s.kind.expected}."),
+                  f"# {s.key} = {_toml_value(s.default)}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_default_toml(), end="")
