@@ -1,0 +1,87 @@
+"""Command line: ``traceproxy serve | upstream | demo | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from . import __version__
+from .config import ConfigError, add_flags, load_settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    if argv[:1] == ["bench"]:
+        from .bench.runner import main as bench_main
+
+        return bench_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="traceproxy", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"traceproxy {__version__}")
+    parser.set_defaults(command=None)
+    sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy. Every flag is also a "
+                           "config-file key and a TRACEPROXY_<KEY> environment variable; flags win.")
+    add_flags(serve)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(run=_serve)
+
+    upstream = sub.add_parser("upstream", help="run the built-in OpenAI-compatible test upstream")
+    upstream.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)")
+    upstream.add_argument("--idle-close-after", type=float, default=0.0,
+                          help="close idle keep-alive connections after this many seconds (0 = never)")
+    upstream.set_defaults(run=_upstream)
+
+    demo = sub.add_parser("demo", help="run the built-in upstream and the proxy, and show a few turns through it")
+    demo.set_defaults(run=_demo)
+
+    sub.add_parser("bench", help="measure the proxy against a direct connection (see traceproxy bench --help)")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .app import run
+
+    try:
+        settings = load_settings(args)
+    except ConfigError as exc:
+        print(f"traceproxy: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(settings)
+
+
+def _upstream(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from .sim.fast import FastUpstream
+
+    host, _, port = args.listen.rpartition(":")
+
+    async def serve() -> None:
+        up = await FastUpstream(host or "127.0.0.1", int(port or 0), idle_close_after=args.idle_close_after).start()
+        print(f"fast upstream listening on {up.url}", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        uvloop.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _demo(_args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo()
