@@ -188,7 +188,9 @@ class ClientConnection(asyncio.Protocol):
         record.http_version = self.parser.get_http_version()
         record.mark(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         headers = self._headers
-        framing = H.request_framing(headers)  # BadRequest propagates to data_received
+        if self.parser.should_upgrade():
+            raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
+        framing = H.request_framing(headers, record.http_version)  # BadRequest propagates to data_received
         H.check_host(headers, record.http_version)
         expect = next((v for n, v in headers if n.lower() == _EXPECT), None)
         if expect is not None:

@@ -59,7 +59,7 @@ def connection_tokens(headers: Headers) -> set[bytes]:
     return tokens
 
 
-def request_framing(headers: Headers) -> RequestFraming:
+def request_framing(headers: Headers, http_version: str = "1.1") -> RequestFraming:
     """How the request body is delimited, refusing anything ambiguous (RFC 9112 section 6)."""
     lengths: list[bytes] = []
     codings: list[bytes] = []
@@ -72,6 +72,9 @@ def request_framing(headers: Headers) -> RequestFraming:
     if lengths and codings:
         raise BadRequest(400, "both Content-Length and Transfer-Encoding are present")
     if codings:
+        if http_version != "1.1":
+            # RFC 9112 section 6.1: chunked framing from an HTTP/1.0 sender is faulty.
+            raise BadRequest(400, "Transfer-Encoding in an HTTP/1.0 request")
         if codings != [b"chunked"]:
             shown = b", ".join(codings).decode("latin-1")
             raise BadRequest(400, f"unsupported Transfer-Encoding {shown!r}: only 'chunked' is accepted")

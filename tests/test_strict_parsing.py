@@ -1,0 +1,123 @@
+"""Strict, safe parsing of client input: nothing ambiguous is ever forwarded, the
+client gets a 4xx with a reason and the connection is closed, and the proxy keeps
+serving everyone else."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from .support import RawClient, header_value, raw_exchange
+
+GOOD = b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+
+# (id, raw request, expected status)
+BAD_REQUESTS = [
+    ("cl-and-te", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    ("te-and-cl", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n", 400),
+    ("conflicting-cl", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", 400),
+    ("cl-list-conflict", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 6\r\n\r\nhello!", 400),
+    ("cl-not-a-number", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5x\r\n\r\nhello", 400),
+    ("cl-negative", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400),
+    ("te-gzip", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
+    ("te-chunked-not-last", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", 400),
+    ("te-double-chunked", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", 400),
+    ("te-obfuscated-x", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: xchunked\r\n\r\n0\r\n\r\n", 400),
+    ("te-obfuscated-space-before-colon", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding : chunked\r\n\r\n0\r\n\r\n", 400),
+    ("te-obfuscated-vertical-tab", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding:\x0bchunked\r\n\r\n0\r\n\r\n", 400),
+    ("te-on-http10", b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    ("bad-chunk-size", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n", 400),
+    ("chunk-size-overflow", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffff\r\nx\r\n", 400),
+    ("control-char-in-value", b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x01b\r\n\r\n", 400),
+    ("nul-in-value", b"GET / HTTP/1.1\r\nHost: a\r\nX-Bad: a\x00b\r\n\r\n", 400),
+    ("control-char-in-name", b"GET / HTTP/1.1\r\nHost: a\r\nX\x01Bad: v\r\n\r\n", 400),
+    ("line-without-colon", b"GET / HTTP/1.1\r\nHost: a\r\nNoColonHere\r\n\r\n", 400),
+    ("bare-lf-in-header", b"GET / HTTP/1.1\r\nHost: a\r\nX-A: 1\nX-B: 2\r\n\r\n", 400),
+    ("obs-fold", b"GET / HTTP/1.1\r\nHost: a\r\nX-A: 1\r\n folded\r\n\r\n", 400),
+    ("missing-host-http11", b"GET / HTTP/1.1\r\nX-A: 1\r\n\r\n", 400),
+    ("two-hosts", b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+    ("garbage", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),
+    ("bad-version", b"GET / HTTP/9.9\r\nHost: a\r\n\r\n", 400),
+    ("unsupported-expect", b"POST / HTTP/1.1\r\nHost: a\r\nExpect: teapot\r\nContent-Length: 0\r\n\r\n", 417),
+    ("websocket-upgrade", b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 501),
+]
+
+
+@pytest.mark.parametrize("raw,status", [(r, s) for _, r, s in BAD_REQUESTS], ids=[i for i, _, _ in BAD_REQUESTS])
+def test_bad_request_rejected_closed_and_never_forwarded(fast_upstream, start_proxy, raw, status):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    reply = raw_exchange(proxy.port, raw)  # returns once the proxy closed the connection
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), reply
+    assert header_value(head, b"connection") == b"close"
+    assert header_value(head, b"x-traceproxy-outcome") == b"DPE"
+    error = json.loads(body)["error"]
+    assert error["code"] == "DPE" and error["message"]
+    assert up.requests == 0  # nothing ambiguous reached the upstream
+    assert raw_exchange(proxy.port, GOOD).startswith(b"HTTP/1.1 200")  # still serving
+
+
+def test_oversized_head_gets_431(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"limits.max_header_bytes": 4096})
+    raw = b"GET / HTTP/1.1\r\nHost: a\r\n" + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"v" * 100) for i in range(60)) + b"\r\n"
+    assert raw_exchange(proxy.port, raw).startswith(b"HTTP/1.1 431 ")
+    assert up.requests == 0
+
+
+def test_endless_header_value_cut_off_with_431(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_header_bytes": 4096})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\nX-Endless: ")
+        reply = b""
+        for _ in range(64):  # never ends the header; the proxy must stop us
+            try:
+                sock.sendall(b"v" * 1024)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        sock.settimeout(5)
+        try:
+            reply = sock.recv(65536)
+        except ConnectionResetError:
+            pass
+    assert reply.startswith(b"HTTP/1.1 431 ") or reply == b""
+
+
+def test_oversized_target_gets_414(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"limits.max_target_bytes": 256})
+    raw = b"GET /" + b"a" * 300 + b" HTTP/1.1\r\nHost: a\r\n\r\n"
+    assert raw_exchange(proxy.port, raw).startswith(b"HTTP/1.1 414 ")
+    assert up.requests == 0
+
+
+def test_slow_header_sender_gets_408(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url, **{"timeouts.client_headers": 0.3})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\n")
+        reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408 ")
+        assert b'"DHT"' in reply
+        assert sock.recv(65536) == b""  # and closed
+
+
+def test_silent_new_connection_closed_after_header_timeout(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url, **{"timeouts.client_headers": 0.3})
+    client = RawClient(proxy.port)
+    started = time.monotonic()
+    assert client.is_closed_by_peer(wait=3)
+    assert time.monotonic() - started < 3
+
+
+def test_bad_request_behind_a_good_pipelined_one_is_answered_after_it(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    raw = GOOD.replace(b"Connection: close\r\n", b"") + b"GET / HTTP/1.1\r\nHost: a\r\nBad Header\r\n\r\n"
+    reply = raw_exchange(proxy.port, raw)
+    first, _, rest = reply.partition(b"HTTP/1.1 400 ")
+    assert first.startswith(b"HTTP/1.1 200 ") and rest
+    assert up.requests == 1
