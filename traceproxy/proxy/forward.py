@@ -38,6 +38,12 @@ if TYPE_CHECKING:
 # Request bytes held while no upstream connection is ready yet; past this the
 # client is paused rather than buffered.
 PENDING_HIGH_WATER = 256 * 1024
+# Lingering close: after an error reply sent before the request body was read,
+# keep reading and discarding the body (up to these bounds) before closing, so the
+# client's unsent bytes do not make our kernel reset the connection and destroy
+# the error reply before the client reads it.
+LINGER_MAX_BYTES = 8 * 1024 * 1024
+LINGER_MAX_SECONDS = 2.0
 
 
 class RequestHead:
@@ -78,6 +84,8 @@ class Exchange:
         self.keep_client_alive = head.keep_alive
         self.awaiting_drain = False
         self.finished = False
+        self.lingering = False
+        self._lingered_bytes = 0
         self._client_out: list[bytes] = []
         self._upstream_paused_by_client = False
         self._timers: list[asyncio.TimerHandle] = []
@@ -127,6 +135,9 @@ class Exchange:
     # Phase: the request body (client -> upstream)
     # ---------------------------------------------------------------------------
     def request_body(self, data: bytes) -> None:
+        if self.finished:
+            self._linger_discard(len(data))
+            return
         record = self.record
         record.downstream_rx_body_bytes += len(data)
         record.last_downstream_rx_ns = time.monotonic_ns()
@@ -137,6 +148,11 @@ class Exchange:
             self._queue_upstream(framed)
 
     def request_done(self) -> None:
+        if self.finished:
+            self.request_complete = True
+            if self.lingering:
+                self._stop_lingering()
+            return
         now = time.monotonic_ns()
         self._stamp(Mark.LAST_DOWNSTREAM_RX_BYTE, now)
         self.request_complete = True
@@ -320,6 +336,7 @@ class Exchange:
             self._fail(Flag.UPE, f"{self._where(self.record.attempt)}: {detail}")
 
     def client_lost(self) -> None:
+        self.lingering = False
         if not self.finished:
             self._fail(Flag.DC, "client closed the connection", client_gone=True)
 
@@ -336,10 +353,12 @@ class Exchange:
             self.connect_task.cancel()
             self.connect_task = None
         self.ctx.pool.cancel_wait(self)
+        linger = False
         if client_gone:
             pass
         elif not self.response_started:
             self.keep_client_alive = self.keep_client_alive and self.request_complete
+            linger = not self.request_complete and outcome is not Flag.DBT
             status = outcome.local_status or 502
             self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11))
             self.record.status = status
@@ -347,15 +366,36 @@ class Exchange:
             # The response already started: end it short so the client can tell.
             self._client_out.clear()
             self.keep_client_alive = False
-        self._finish(outcome, message)
+        self._finish(outcome, message, hand_back=not linger)
+        if linger:
+            self._start_lingering()
 
-    def _finish(self, outcome: Outcome, error: str | None) -> None:
+    def _start_lingering(self) -> None:
+        self.lingering = True
+        self.client.resume_reading("pending")
+        self.client.resume_reading("upstream")
+        self._timers.append(asyncio.get_running_loop().call_later(LINGER_MAX_SECONDS, self._stop_lingering))
+
+    def _linger_discard(self, size: int) -> None:
+        self._lingered_bytes += size
+        if self.lingering and self._lingered_bytes > LINGER_MAX_BYTES:
+            self._stop_lingering()
+
+    def _stop_lingering(self) -> None:
+        if self.lingering:
+            self.lingering = False
+            for timer in self._timers:
+                timer.cancel()
+            self.client.exchange_finished(self, False)
+
+    def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True) -> None:
         self.finished = True
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
         self.ctx.end_request(self.record, outcome, error)
-        self.client.exchange_finished(self, self.keep_client_alive)
+        if hand_back:
+            self.client.exchange_finished(self, self.keep_client_alive)
 
     # ---------------------------------------------------------------------------
     # Deadlines: one timer each, re-armed lazily instead of per chunk

@@ -1,0 +1,184 @@
+"""Upstream failures are explicit and distinguishable, and a failure after the response
+started is visible to the client as a truncated response, never a complete one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+from .support import RawClient, header_value, wait_until
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _error(resp) -> dict:
+    assert resp.headers["content-type"] == "application/json"
+    return json.loads(resp.body)["error"]
+
+
+def test_connect_refused_is_502_uf(start_proxy):
+    proxy = start_proxy(f"http://127.0.0.1:{_closed_port()}")
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}")
+    assert resp.status == 502
+    assert resp.headers["x-traceproxy-outcome"] == "UF"
+    error = _error(resp)
+    assert error["code"] == "UF" and error["type"] == "upstream_connection_failure"
+    assert "refused" in error["message"]
+
+
+def test_no_response_headers_in_time_is_504_ut(scripted_upstream, start_proxy):
+    async def silent(reader, writer, upstream):
+        await reader.read_request()
+        await reader.read(1)  # returns b"" once the proxy gives up on us
+
+    up = scripted_upstream(silent)
+    proxy = start_proxy(up.url, **{"timeouts.upstream_headers": 0.3})
+    client = RawClient(proxy.port)
+    resp = client.roundtrip("GET", "/")
+    assert resp.status == 504 and _error(resp)["code"] == "UT"
+    assert "no response headers after 0.3 s" in _error(resp)["message"]
+    # The stuck upstream connection is closed, not left holding a slot.
+    assert wait_until(lambda: len(up.closed_at) == 1, timeout=2)
+    # The client connection survives a local error reply.
+    assert client.roundtrip("GET", "/").status == 504
+
+
+def test_malformed_upstream_response_is_502_upe(scripted_upstream, start_proxy):
+    async def garbage(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello")
+
+    proxy = start_proxy(scripted_upstream(garbage).url)
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert resp.status == 502 and _error(resp)["code"] == "UPE"
+
+
+def test_not_http_at_all_is_502_upe(scripted_upstream, start_proxy):
+    async def garbage(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    proxy = start_proxy(scripted_upstream(garbage).url)
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert resp.status == 502 and _error(resp)["code"] == "UPE"
+
+
+def test_upstream_closes_mid_chunked_stream_client_sees_truncation(scripted_upstream, start_proxy):
+    async def dies(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"e\r\ndata: token1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    proxy = start_proxy(scripted_upstream(dies).url)
+    client = RawClient(proxy.port)
+    resp = client.roundtrip("POST", "/v1/chat/completions", body=b"{}")
+    assert resp.status == 200
+    assert resp.body == b"data: token1\n\n"
+    assert not resp.complete  # no terminating chunk: the client can tell
+    assert client.is_closed_by_peer()
+
+
+def test_upstream_closes_short_of_content_length_client_sees_truncation(scripted_upstream, start_proxy):
+    async def short(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly forty bytes of the hundred promised")
+        await writer.drain()
+        writer.close()
+
+    proxy = start_proxy(scripted_upstream(short).url)
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert resp.status == 200 and resp.headers["content-length"] == "100"
+    assert not resp.complete and len(resp.body) < 100
+
+
+def test_upstream_closes_before_any_byte_on_fresh_connection_is_502_uc_not_retried(scripted_upstream, start_proxy):
+    async def hangs_up(reader, writer, upstream):
+        await reader.read_request()
+        writer.transport.abort()
+
+    up = scripted_upstream(hangs_up)
+    proxy = start_proxy(up.url)
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/completions", body=b"{}")
+    assert resp.status == 502 and _error(resp)["code"] == "UC"
+    assert "new connection" in _error(resp)["message"]
+    assert up.connections == 1  # fresh-connection failures are not retried
+
+
+def test_stream_silent_past_upstream_read_timeout_is_aborted(scripted_upstream, start_proxy):
+    async def stalls(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    proxy = start_proxy(scripted_upstream(stalls).url, **{"timeouts.upstream_read": 0.3})
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert resp.status == 200 and resp.body == b"hello" and not resp.complete
+
+
+def test_client_disconnect_mid_stream_closes_upstream_at_once(scripted_upstream, start_proxy):
+    async def slow_stream(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(200):
+            writer.write(b"6\r\ntoken%d\r\n" % (i % 10))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    up = scripted_upstream(slow_stream)
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", body=b"{}")
+    assert client.sock.recv(4096).startswith(b"HTTP/1.1 200")
+    client.close()
+    left = time.monotonic()
+    assert up.closed.wait(1.0), "the engine must see its connection close within a second"
+    assert up.closed_at[0] - left < 1.0
+    assert wait_until(lambda: not proxy.ctx.in_flight, timeout=2)
+
+
+def test_client_disconnect_while_waiting_for_headers_closes_upstream(scripted_upstream, start_proxy):
+    async def prefill_forever(reader, writer, upstream):
+        await reader.read_request()
+        await reader.read(1)  # returns b"" when the proxy closes its side
+
+    up = scripted_upstream(prefill_forever)
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    client.request("POST", "/generate", body=b"{}")
+    assert wait_until(lambda: up.connections == 1, timeout=2)
+    client.close()
+    assert up.closed.wait(1.0)
+
+
+def test_response_to_client_that_stops_reading_applies_backpressure(scripted_upstream, start_proxy):
+    total = 50 * 1024 * 1024
+    written = {"bytes": 0}
+
+    async def big(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        block = bytes(range(256)) * 256
+        while written["bytes"] < total:
+            writer.write(block)
+            await writer.drain()
+            written["bytes"] += len(block)
+
+    proxy = start_proxy(scripted_upstream(big).url)
+    client = RawClient(proxy.port)
+    client.request("GET", "/big")
+    time.sleep(1.0)  # the client reads nothing: the upstream must be held back
+    held_back_at = written["bytes"]
+    assert held_back_at < 24 * 1024 * 1024, "proxy buffered instead of pausing the upstream"
+    resp = client.response()
+    assert resp.complete and len(resp.body) == total
+    assert resp.body == (bytes(range(256)) * 256) * (total // 65536)
