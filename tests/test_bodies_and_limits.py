@@ -1,0 +1,122 @@
+"""Bodies pass byte-identical and streamed both ways; client limits hold without
+locking anyone out."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import socket
+import threading
+
+import pytest
+
+from .support import RawClient, wait_until
+
+MB = 1024 * 1024
+
+
+def _random_bytes(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_8mb_random_upload_echoed_byte_identical(fast_upstream, start_proxy, chunked):
+    proxy = start_proxy(fast_upstream().url)
+    body = _random_bytes(8 * MB, seed=1)
+    client = RawClient(proxy.port, timeout=30)
+    if chunked:
+        headers = [("Transfer-Encoding", "chunked")]
+        client.request("POST", "/echo", headers=headers, body=body)
+        resp = client.response()
+    else:
+        resp = client.roundtrip("POST", "/echo", body=body)
+    assert resp.status == 200 and resp.complete
+    assert hashlib.sha256(resp.body).hexdigest() == hashlib.sha256(body).hexdigest()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_50mb_random_download_byte_identical(scripted_upstream, start_proxy, framing):
+    payload = _random_bytes(50 * MB, seed=2)
+
+    async def serve(reader, writer, upstream):
+        await reader.read_request()
+        if framing == "chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for start in range(0, len(payload), 1 << 20):
+                piece = payload[start:start + (1 << 20)]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload))
+            for start in range(0, len(payload), 1 << 20):
+                writer.write(payload[start:start + (1 << 20)])
+                await writer.drain()
+        await writer.drain()
+        await reader.read(1)
+
+    proxy = start_proxy(scripted_upstream(serve).url)
+    resp = RawClient(proxy.port, timeout=30).roundtrip("GET", "/weights")
+    assert resp.complete
+    assert hashlib.sha256(resp.body).hexdigest() == hashlib.sha256(payload).hexdigest()
+
+
+def test_request_body_stalled_client_gets_408(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"timeouts.client_body": 0.3})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nonly a few")
+        reply = sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408 ") and b'"DBT"' in reply
+    assert wait_until(lambda: not proxy.ctx.in_flight)
+
+
+def test_at_the_connection_cap_the_longest_idle_connection_makes_room(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_client_connections": 20})
+    idle = [RawClient(proxy.port) for _ in range(20)]
+    for client in idle:
+        assert client.roundtrip("GET", "/health").status == 200
+    newcomer = RawClient(proxy.port)
+    assert newcomer.roundtrip("GET", "/health").status == 200
+    assert idle[0].is_closed_by_peer(wait=2)  # the oldest idle one was closed
+    assert idle[-1].roundtrip("GET", "/health").status == 200
+    for client in idle + [newcomer]:
+        client.close()
+
+
+def test_at_the_cap_with_no_idle_connection_new_clients_get_503(scripted_upstream, start_proxy, loop_thread):
+    import asyncio
+
+    release = asyncio.Event()
+
+    async def held(reader, writer, upstream):
+        await reader.read_request()
+        await release.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(held).url, **{"limits.max_client_connections": 3})
+    busy = [RawClient(proxy.port) for _ in range(3)]
+    for client in busy:
+        client.request("GET", "/")
+    assert wait_until(lambda: len(proxy.ctx.in_flight) == 3)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 503 ") and b'"DO"' in reply
+    loop_thread.call(release.set)
+    assert all(c.response().status == 200 for c in busy)
+
+
+def test_thousands_of_idle_keepalive_clients_do_not_lock_out_a_new_one(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(2000):
+            idle.append(socket.create_connection(("127.0.0.1", proxy.port), timeout=5))
+        assert wait_until(lambda: len(proxy.ctx.connections) == 2000, timeout=10)
+        resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true}')
+        assert resp.status == 200 and resp.complete
+    finally:
+        for sock in idle:
+            sock.close()

@@ -1,0 +1,115 @@
+"""The upstream pool: reuse, idle expiry, stale connections never surfacing as client
+errors, the single resend on a fresh connection, and waiting for a free slot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from .support import RawClient, wait_until
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+def _answers_then_drops_next_request(drop_after: int):
+    """Answers ``drop_after`` requests on a connection, then closes on the next one
+    without a byte of response: the keep-alive race as the proxy sees it."""
+
+    async def handler(reader, writer, upstream):
+        for _ in range(drop_after):
+            await reader.read_request()
+            writer.write(OK)
+            await writer.drain()
+        await reader.read_request()
+        writer.transport.abort()
+
+    return handler
+
+
+def test_request_that_hits_a_stale_reused_connection_is_resent_once(scripted_upstream, start_proxy):
+    up = scripted_upstream(_answers_then_drops_next_request(1))
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    assert client.roundtrip("POST", "/v1/chat/completions", body=b'{"turn": 1}').body == b"ok"
+    resp = client.roundtrip("POST", "/v1/chat/completions", body=b'{"turn": 2}')
+    assert resp.status == 200 and resp.body == b"ok"
+    assert proxy.ctx.pool.stats["stale_retried"] == 1
+    assert up.connections == 2
+    # The resent request arrived whole on the fresh connection.
+    assert bytes(up.received[1]).endswith(b'{"turn": 2}')
+
+
+def test_stale_connection_and_request_too_big_to_resend_is_explicit_502(scripted_upstream, start_proxy):
+    up = scripted_upstream(_answers_then_drops_next_request(1))
+    proxy = start_proxy(up.url, **{"pool.retry_buffer_bytes": 1024})
+    client = RawClient(proxy.port)
+    client.roundtrip("POST", "/", body=b"small")
+    resp = client.roundtrip("POST", "/", body=b"x" * 4096)
+    assert resp.status == 502
+    error = json.loads(resp.body)["error"]
+    assert error["code"] == "SRC"
+    assert "retry_buffer_bytes" in error["message"] and "reused connection" in error["message"]
+    assert up.connections == 1
+
+
+def test_resend_that_fails_again_is_urx(scripted_upstream, start_proxy):
+    state = {"conn": 0}
+
+    async def handler(reader, writer, upstream):
+        state["conn"] += 1
+        if state["conn"] == 1:
+            await reader.read_request()
+            writer.write(OK)
+            await writer.drain()
+        await reader.read_request()
+        writer.transport.abort()
+
+    proxy = start_proxy(scripted_upstream(handler).url)
+    client = RawClient(proxy.port)
+    client.roundtrip("GET", "/")
+    resp = client.roundtrip("GET", "/")
+    assert resp.status == 502 and json.loads(resp.body)["error"]["code"] == "URX"
+
+
+def test_idle_connection_closed_by_upstream_is_dropped_before_use(fast_upstream, start_proxy):
+    up = fast_upstream(idle_close_after=0.1)
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    for _ in range(3):
+        assert client.roundtrip("GET", "/health").status == 200
+        assert wait_until(lambda: up.idle_closes >= 1 and not proxy.ctx.pool.idle, timeout=2)
+        up.idle_closes = 0
+    # Detected while idle, so never retried and never an error.
+    assert proxy.ctx.pool.stats["stale_retried"] == 0
+    assert proxy.ctx.pool.stats["opened"] == 3
+
+
+def test_pool_idle_timeout_closes_connections_before_the_engine_would(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.2})
+    RawClient(proxy.port).roundtrip("GET", "/health")
+    assert len(proxy.ctx.pool.idle) == 1
+    assert wait_until(lambda: not proxy.ctx.pool.idle and not up.connections, timeout=3)
+
+
+def test_requests_wait_for_a_free_upstream_connection_at_the_cap(scripted_upstream, start_proxy, loop_thread):
+    release = asyncio.Event()
+
+    async def held(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            await release.wait()
+            writer.write(OK)
+            await writer.drain()
+
+    up = scripted_upstream(held)
+    proxy = start_proxy(up.url, **{"pool.max_connections": 1})
+    first, second = RawClient(proxy.port), RawClient(proxy.port)
+    first.request("GET", "/1")
+    assert wait_until(lambda: up.connections == 1)
+    second.request("GET", "/2")
+    assert wait_until(lambda: len(proxy.ctx.pool.waiters) == 1)
+    loop_thread.call(release.set)
+    assert first.response().body == b"ok"
+    assert second.response().body == b"ok"
+    assert up.connections == 1  # the waiter got the released connection
