@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from aiohttp import web
@@ -16,6 +17,7 @@ def build_admin_app(ctx: ServerContext, started_ns: int) -> web.Application:
             {
                 "status": "draining" if ctx.shutting_down else "ok",
                 "version": __version__,
+                "pid": os.getpid(),
                 "uptime_s": round((time.monotonic_ns() - started_ns) / 1e9, 3),
                 "upstream": str(ctx.settings.upstream),
                 "client_connections": len(ctx.connections),

@@ -1,0 +1,142 @@
+"""``traceproxy serve`` as operators run it: a real process, its admin endpoint,
+graceful shutdown on SIGTERM, and several workers sharing one port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from .support import RawClient, wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def upstream_process():
+    proc = subprocess.Popen([sys.executable, "-m", "traceproxy", "upstream"], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    yield line.rsplit(" ", 1)[1].strip()
+    proc.terminate()
+    proc.wait(10)
+
+
+def _serve(upstream: str, *extra: str, env: dict | None = None):
+    port, admin = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
+         "--admin", f"127.0.0.1:{admin}", *extra],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+    )
+    ok = wait_until(lambda: _healthz(admin) is not None or proc.poll() is not None, timeout=15, interval=0.05)
+    assert ok and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "no /healthz"
+    return proc, port, admin
+
+
+def _healthz(admin: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/healthz", timeout=1) as resp:
+            return json.loads(resp.read())
+    except OSError:
+        return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_bad_config_value_is_a_startup_error_naming_the_key():
+    result = subprocess.run([sys.executable, "-m", "traceproxy", "serve", "--pool-idle-timeout", "soon"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "pool.idle_timeout" in result.stderr and "--pool-idle-timeout" in result.stderr
+
+
+def test_bad_environment_value_is_a_startup_error_naming_the_variable():
+    result = subprocess.run([sys.executable, "-m", "traceproxy", "serve"], capture_output=True, text=True,
+                            timeout=30, env={**os.environ, "TRACEPROXY_WORKERS": "many"})
+    assert result.returncode == 2 and "TRACEPROXY_WORKERS" in result.stderr
+
+
+def test_version():
+    result = subprocess.run([sys.executable, "-m", "traceproxy", "--version"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.startswith("traceproxy ")
+
+
+def test_serve_proxies_and_reports_health(upstream_process):
+    proc, port, admin = _serve(upstream_process)
+    try:
+        health = _healthz(admin)
+        assert health["status"] == "ok" and health["upstream"] == upstream_process
+        resp = RawClient(port).roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true}')
+        assert resp.status == 200 and resp.body.rstrip().endswith(b"data: [DONE]")
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+
+
+def test_sigterm_lets_an_in_flight_stream_finish_then_exits(upstream_process):
+    proc, port, admin = _serve(upstream_process, "--timeouts-shutdown-grace", "20")
+    try:
+        client = RawClient(port, timeout=20)
+        # 30 tokens at 20 tok/s: a stream of about 1.5 s, in flight when SIGTERM lands.
+        client.request("POST", "/v1/chat/completions", headers=[("x-fake-tps", "20")],
+                       body=b'{"stream": true, "max_tokens": 30}')
+        assert wait_until(lambda: _healthz(admin)["requests_in_flight"] == 1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(OSError):  # no longer accepting
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        rest = client.response()
+        assert rest.complete, "an in-flight stream within grace must not be cut"
+        assert rest.body.count(b"data: ") == 32  # 30 tokens, usage, [DONE]
+        assert proc.wait(15) == 0
+    finally:
+        _stop(proc)
+
+
+def test_sigterm_grace_expired_cuts_the_stream_visibly(upstream_process):
+    proc, port, admin = _serve(upstream_process, "--timeouts-shutdown-grace", "0.5")
+    try:
+        client = RawClient(port, timeout=20)
+        client.request("POST", "/v1/chat/completions", headers=[("x-fake-tps", "5")],
+                       body=b'{"stream": true, "max_tokens": 50}')
+        assert wait_until(lambda: _healthz(admin)["requests_in_flight"] == 1)
+        proc.send_signal(signal.SIGTERM)
+        cut = client.response()
+        assert cut.status == 200 and b"data: " in cut.body and not cut.complete
+        assert proc.wait(15) == 0
+    finally:
+        _stop(proc)
+
+
+def test_workers_share_the_listen_port(upstream_process):
+    proc, port, admin = _serve(upstream_process, "--workers", "2")
+    try:
+        pids = set()
+        for _ in range(40):
+            resp = RawClient(port).roundtrip("GET", "/health")
+            assert resp.status == 200
+            pids.add(_healthz(admin)["pid"])
+        assert len(pids) == 2, "both workers should answer"
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
