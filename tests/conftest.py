@@ -4,6 +4,7 @@ import pytest
 
 from traceproxy.app import ProxyServer
 from traceproxy.config import default_settings
+from traceproxy.lifecycle.hooks import Fanout
 from traceproxy.sim.fast import FastUpstream
 
 from .support import LoopThread, ScriptedUpstream
@@ -21,11 +22,11 @@ def start_proxy(loop_thread):
     """``start_proxy(upstream_url, **{"dotted.key": value})`` -> a running ProxyServer."""
     started: list[ProxyServer] = []
 
-    def factory(upstream_url: str, **overrides) -> ProxyServer:
+    def factory(upstream_url: str, observers=(), **overrides) -> ProxyServer:
         settings = default_settings().replace(
             **{"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream_url, **overrides}
         )
-        server = ProxyServer(settings)
+        server = ProxyServer(settings, Fanout(list(observers)))
         loop_thread.run(server.start())
         started.append(server)
         return server

@@ -1,0 +1,72 @@
+"""Pure header rules, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from traceproxy.proxy import headers as H
+
+CTX = H.ForwardingContext(client_ip="192.0.2.7", scheme="http", upstream_authority=b"10.0.0.9:30000",
+                          preserve_host=True, x_forwarded=True)
+
+FRAMING = [
+    ("no-body", [], H.RequestFraming(False, 0)),
+    ("length", [(b"Content-Length", b"12")], H.RequestFraming(False, 12)),
+    ("same-length-twice", [(b"Content-Length", b"12"), (b"content-length", b"12")], H.RequestFraming(False, 12)),
+    ("length-list-same", [(b"Content-Length", b"12, 12")], H.RequestFraming(False, 12)),
+    ("chunked", [(b"Transfer-Encoding", b"Chunked")], H.RequestFraming(True, None)),
+]
+
+
+@pytest.mark.parametrize("headers,expected", [(h, e) for _, h, e in FRAMING], ids=[i for i, _, _ in FRAMING])
+def test_request_framing(headers, expected):
+    assert H.request_framing(headers) == expected
+
+
+def test_connection_listed_names_are_hop_by_hop():
+    headers = [(b"Connection", b"close, X-Foo"), (b"X-Foo", b"1"), (b"X-Bar", b"2"), (b"Keep-Alive", b"x")]
+    assert H.end_to_end(headers) == [(b"X-Bar", b"2")]
+
+
+def test_upstream_head_is_http11_with_recomputed_framing():
+    head = H.upstream_request_head("POST", b"/v1/x?y=1", [(b"Host", b"api"), (b"Content-Length", b"3")],
+                                   H.RequestFraming(False, 3), CTX)
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /v1/x?y=1 HTTP/1.1"
+    assert b"Content-Length: 3" in lines and b"Host: api" in lines
+    assert b"X-Forwarded-For: 192.0.2.7" in lines and b"X-Forwarded-Host: api" in lines
+    assert head.endswith(b"\r\n\r\n")
+
+
+def test_chunked_request_is_forwarded_chunked():
+    head = H.upstream_request_head("POST", b"/", [(b"Host", b"a"), (b"Transfer-Encoding", b"chunked")],
+                                   H.RequestFraming(True, None), CTX)
+    assert head.count(b"Transfer-Encoding: chunked") == 1 and b"Content-Length" not in head
+
+
+def test_forwarded_headers_off_leaves_them_untouched():
+    ctx = H.ForwardingContext("192.0.2.7", "http", b"u:1", preserve_host=False, x_forwarded=False)
+    head = H.upstream_request_head("GET", b"/", [(b"Host", b"a"), (b"X-Forwarded-For", b"1.1.1.1")],
+                                   H.RequestFraming(False, 0), ctx)
+    assert b"X-Forwarded-For: 1.1.1.1\r\n" in head and b"Host: u:1\r\n" in head and b"Host: a" not in head
+
+
+RESPONSE_FRAMING = [
+    ("length", 200, "GET", [(b"Content-Length", b"5")], False, True, (H.ResponseFraming.LENGTH, b"5")),
+    ("chunked-to-11", 200, "GET", [], True, True, (H.ResponseFraming.CHUNKED, None)),
+    ("close-delimited-to-11", 200, "GET", [], False, True, (H.ResponseFraming.CHUNKED, None)),
+    ("chunked-to-10", 200, "GET", [], True, False, (H.ResponseFraming.CLOSE, None)),
+    ("head-keeps-length", 200, "HEAD", [(b"Content-Length", b"9")], False, True, (H.ResponseFraming.NONE, b"9")),
+    ("no-content", 204, "GET", [], False, True, (H.ResponseFraming.NONE, None)),
+    ("not-modified", 304, "GET", [(b"Content-Length", b"9")], False, True, (H.ResponseFraming.NONE, b"9")),
+]
+
+
+@pytest.mark.parametrize("status,method,headers,chunked,http11,expected",
+                         [r[1:] for r in RESPONSE_FRAMING], ids=[r[0] for r in RESPONSE_FRAMING])
+def test_response_framing_is_always_unambiguous_for_the_client(status, method, headers, chunked, http11, expected):
+    assert H.response_framing(status, method, headers, chunked, http11) == expected
+
+
+def test_chunk_encoding():
+    assert H.chunk(b"hello world") == b"b\r\nhello world\r\n"

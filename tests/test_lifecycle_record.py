@@ -1,0 +1,74 @@
+"""The lifecycle record as the proxy fills it: marks in order, the keep-alive ledger,
+and exactly one ``on_done`` per request whatever way it ended."""
+
+from __future__ import annotations
+
+import collections
+import socket
+
+from traceproxy.lifecycle.flags import Flag
+from traceproxy.lifecycle.marks import Mark
+
+from .support import RawClient, raw_exchange, wait_until
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.started: list = []
+        self.marks = collections.defaultdict(list)
+        self.done: list = []
+
+    def on_request_start(self, record):
+        self.started.append(record)
+
+    def on_mark(self, record, mark):
+        self.marks[record.id].append(mark)
+
+    def on_done(self, record):
+        self.done.append(record)
+
+
+def test_healthy_streams_record_marks_in_order_and_the_keepalive_ledger(fast_upstream, start_proxy):
+    rec = Recorder()
+    proxy = start_proxy(fast_upstream().url, observers=[rec])
+    client = RawClient(proxy.port)
+    for _ in range(3):
+        assert client.roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true, "max_tokens": 5}').complete
+    assert wait_until(lambda: len(rec.done) == 3)
+    first, second, third = rec.done
+    assert [r.sequence for r in rec.done] == [1, 2, 3]
+    assert first.idle_gap_ns is None and second.idle_gap_ns > 0
+    assert not first.attempt.reused and second.attempt.reused and third.attempt.reused
+    assert third.attempt.connection_request_number == 3
+    for record in rec.done:
+        assert record.outcome is Flag.OK and record.status == 200
+        stamped = [record.when(m) for m in (Mark.FIRST_DOWNSTREAM_RX_BYTE, Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE,
+                                            Mark.POOL_ACQUIRED, Mark.LAST_UPSTREAM_TX_BYTE,
+                                            Mark.LAST_UPSTREAM_RX_HEADER_BYTE, Mark.FIRST_UPSTREAM_RX_BODY_BYTE,
+                                            Mark.LAST_UPSTREAM_RX_BYTE, Mark.LAST_DOWNSTREAM_TX_BYTE)]
+        assert None not in stamped and stamped == sorted(stamped)
+        assert record.upstream_rx_chunks >= 1 and record.upstream_rx_body_bytes == record.downstream_tx_body_bytes
+        assert len(rec.marks[record.id]) == len(set(rec.marks[record.id]))
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):
+    rec = Recorder()
+    proxy = start_proxy(fast_upstream().url, observers=[rec])
+    RawClient(proxy.port).roundtrip("GET", "/health")  # OK
+    raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nHost: a\r\nBad\r\n\r\n")  # DPE
+    half = socket.create_connection(("127.0.0.1", proxy.port))
+    half.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nab")
+    assert wait_until(lambda: len(rec.started) == 3)
+    half.close()  # DC while the body is incomplete
+    dead = start_proxy(f"http://127.0.0.1:{_closed_port()}", observers=[rec])
+    RawClient(dead.port).roundtrip("GET", "/")  # UF
+    assert wait_until(lambda: len(rec.done) == 4)
+    assert sorted(r.outcome.code for r in rec.done) == ["DC", "DPE", "OK", "UF"]
+    assert {r.id for r in rec.started} == {r.id for r in rec.done}
+    assert not proxy.ctx.in_flight and not dead.ctx.in_flight
