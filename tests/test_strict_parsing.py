@@ -121,3 +121,28 @@ def test_bad_request_behind_a_good_pipelined_one_is_answered_after_it(fast_upstr
     first, _, rest = reply.partition(b"HTTP/1.1 400 ")
     assert first.startswith(b"HTTP/1.1 200 ") and rest
     assert up.requests == 1
+
+
+def test_bad_chunk_in_a_pipelined_request_body_is_answered_in_turn(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    raw = (GOOD.replace(b"Connection: close\r\n", b"")
+           + b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
+    reply = raw_exchange(proxy.port, raw, timeout=5)
+    first, _, rest = reply.partition(b"HTTP/1.1 400 ")
+    assert first.startswith(b"HTTP/1.1 200 ") and b'"DPE"' in rest
+    assert up.requests == 1
+    assert not proxy.ctx.in_flight
+
+
+def test_bad_chunk_in_the_active_request_body_fails_it_at_once(scripted_upstream, start_proxy):
+    async def reads_forever(reader, writer, upstream):
+        await reader.read(1 << 20)
+        await reader.read(1 << 20)
+
+    proxy = start_proxy(scripted_upstream(reads_forever).url)
+    started = time.monotonic()
+    reply = raw_exchange(proxy.port, b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                     b"3\r\nabc\r\nzz\r\n", timeout=5)
+    assert reply.startswith(b"HTTP/1.1 400 ") and b'"DPE"' in reply
+    assert time.monotonic() - started < 1.5  # closed at once, no lingering on a dead parser

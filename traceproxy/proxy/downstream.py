@@ -263,12 +263,18 @@ class ClientConnection(asyncio.Protocol):
         """Refuse the request being parsed; nothing of it has been forwarded."""
         self.rejection = (status, outcome, reason)
         self.pause_reading("rejected")
-        if self.parsing_exchange is not None and self.parsing_exchange is self.active:
+        broken = self.parsing_exchange
+        if broken is not None and broken is self.active:
             # The bad bytes are inside the body of the active request (e.g. a bad
             # chunk size): that request cannot complete, so it is the one that fails.
             self.parsing = None
             self.active.abort(outcome, reason)
             return
+        if broken is not None and broken in self.queue:
+            # A pipelined request with a broken body never starts; its 400 goes
+            # out in its turn, after the responses before it.
+            self.queue.remove(broken)
+            self.parsing_exchange = None
         if self.active is None and not self.queue:
             self._send_rejection()
 

@@ -358,7 +358,9 @@ class Exchange:
             pass
         elif not self.response_started:
             self.keep_client_alive = self.keep_client_alive and self.request_complete
-            linger = not self.request_complete and outcome is not Flag.DBT
+            # No lingering after a body timeout (the client is stalled) or a body
+            # the parser refused (nothing after it can be read).
+            linger = not self.request_complete and outcome not in (Flag.DBT, Flag.DPE)
             status = outcome.local_status or 502
             self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11))
             self.record.status = status

@@ -76,6 +76,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self.user is user and not self._complete:
                 user.upstream_protocol_error(f"malformed response: {_parser_reason(exc)}")
                 return
+            self._extra_message = True  # garbage after a complete response: never reuse
         if self._complete and self.user is user:
             user.upstream_response_complete(self._reusable())
         elif self.user is user:

@@ -1,0 +1,109 @@
+"""CPU and memory of the benchmark's server processes, read with psutil.
+
+A process is measured with its descendants (a proxy given by ``--proxy-cmd`` may
+fork workers). CPU is read as a before/after snapshot around each measured run;
+RSS is sampled by a background thread for the peak, and VmHWM is read at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a process and its live descendants."""
+    total = 0.0
+    for proc in _tree(pid):
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def rss_bytes(pid: int) -> int:
+    total = 0
+    for proc in _tree(pid):
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def vm_hwm_bytes(pid: int) -> int | None:
+    """The kernel's peak RSS of one process (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class CpuWindow:
+    """CPU % of some processes between ``start()`` and ``stop()`` (100 = one core)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._t0 = 0.0
+        self._cpu0: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._cpu0 = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def stop(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self._t0, 1e-9)
+        return {name: round(100 * (cpu_seconds(pid) - self._cpu0[name]) / wall, 1) for name, pid in self.pids.items()}
+
+
+class RssSampler:
+    """Samples the RSS of one process tree every ``interval`` seconds in a daemon thread."""
+
+    def __init__(self, pid: int, interval: float = 0.1) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.peak = 0
+        self.window_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> None:
+        rss = rss_bytes(self.pid)
+        self.peak = max(self.peak, rss)
+        self.window_peak = max(self.window_peak, rss)
+
+    def take_window(self) -> int:
+        """The peak since the last call, then start a new window."""
+        self.sample()
+        peak, self.window_peak = self.window_peak, 0
+        return peak
+
+    def start(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(2)
+        self.sample()
+        return self.peak
