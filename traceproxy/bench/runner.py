@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", type=float, metavar="F",
                         help="multiply connection counts, rounds and durations (default 1, or %g with --quick)"
                         % QUICK_SCALE)
-    parser.add_argument("--quick", action="store_true", help="a short smoke run (about 20 s)")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (about 15 s)")
     parser.add_argument("--reps", type=int, default=1, metavar="N", help="direct/proxy pairs per scenario (default 1)")
     parser.add_argument("--load-procs", type=int, default=1, metavar="N", help="load generator processes (default 1)")
     parser.add_argument("--no-warmup", action="store_true",
