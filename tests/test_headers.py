@@ -20,17 +20,28 @@ FRAMING = [
 
 @pytest.mark.parametrize("headers,expected", [(h, e) for _, h, e in FRAMING], ids=[i for i, _, _ in FRAMING])
 def test_request_framing(headers, expected):
-    assert H.request_framing(headers) == expected
+    assert H.parse_request_headers([(b"Host", b"a")] + headers).framing == expected
 
 
-def test_connection_listed_names_are_hop_by_hop():
-    headers = [(b"Connection", b"close, X-Foo"), (b"X-Foo", b"1"), (b"X-Bar", b"2"), (b"Keep-Alive", b"x")]
-    assert H.end_to_end(headers) == [(b"X-Bar", b"2")]
+def test_connection_listed_names_are_hop_by_hop_both_ways():
+    headers = [(b"Host", b"a"), (b"Connection", b"close, X-Foo"), (b"X-Foo", b"1"), (b"X-Bar", b"2"),
+               (b"Keep-Alive", b"x")]
+    assert H.parse_request_headers(headers).end_to_end == [(b"Host", b"a"), (b"X-Bar", b"2")]
+    assert H.parse_response_headers(headers[1:]).end_to_end == [(b"X-Bar", b"2")]
+
+
+def test_expect_and_forwarded_headers_are_set_aside():
+    parts = H.parse_request_headers([(b"Host", b"a"), (b"Expect", b"100-continue"),
+                                     (b"X-Forwarded-For", b"1.1.1.1"), (b"x-forwarded-for", b"2.2.2.2")])
+    assert parts.expect == b"100-continue" and parts.end_to_end == [(b"Host", b"a")]
+    assert parts.forwarded == [(b"X-Forwarded-For", b"1.1.1.1"), (b"x-forwarded-for", b"2.2.2.2")]
+    head = H.upstream_request_head("GET", b"/", parts, CTX)
+    assert b"X-Forwarded-For: 1.1.1.1, 2.2.2.2, 192.0.2.7\r\n" in head
 
 
 def test_upstream_head_is_http11_with_recomputed_framing():
-    head = H.upstream_request_head("POST", b"/v1/x?y=1", [(b"Host", b"api"), (b"Content-Length", b"3")],
-                                   H.RequestFraming(False, 3), CTX)
+    parts = H.parse_request_headers([(b"Host", b"api"), (b"Content-Length", b"3")])
+    head = H.upstream_request_head("POST", b"/v1/x?y=1", parts, CTX)
     lines = head.split(b"\r\n")
     assert lines[0] == b"POST /v1/x?y=1 HTTP/1.1"
     assert b"Content-Length: 3" in lines and b"Host: api" in lines
@@ -39,33 +50,35 @@ def test_upstream_head_is_http11_with_recomputed_framing():
 
 
 def test_chunked_request_is_forwarded_chunked():
-    head = H.upstream_request_head("POST", b"/", [(b"Host", b"a"), (b"Transfer-Encoding", b"chunked")],
-                                   H.RequestFraming(True, None), CTX)
+    parts = H.parse_request_headers([(b"Host", b"a"), (b"Transfer-Encoding", b"chunked")])
+    head = H.upstream_request_head("POST", b"/", parts, CTX)
     assert head.count(b"Transfer-Encoding: chunked") == 1 and b"Content-Length" not in head
 
 
 def test_forwarded_headers_off_leaves_them_untouched():
     ctx = H.ForwardingContext("192.0.2.7", "http", b"u:1", preserve_host=False, x_forwarded=False)
-    head = H.upstream_request_head("GET", b"/", [(b"Host", b"a"), (b"X-Forwarded-For", b"1.1.1.1")],
-                                   H.RequestFraming(False, 0), ctx)
+    parts = H.parse_request_headers([(b"Host", b"a"), (b"X-Forwarded-For", b"1.1.1.1")])
+    head = H.upstream_request_head("GET", b"/", parts, ctx)
     assert b"X-Forwarded-For: 1.1.1.1\r\n" in head and b"Host: u:1\r\n" in head and b"Host: a" not in head
 
 
+CL5, CL9, TE = (b"Content-Length", b"5"), (b"Content-Length", b"9"), (b"Transfer-Encoding", b"chunked")
 RESPONSE_FRAMING = [
-    ("length", 200, "GET", [(b"Content-Length", b"5")], False, True, (H.ResponseFraming.LENGTH, b"5")),
-    ("chunked-to-11", 200, "GET", [], True, True, (H.ResponseFraming.CHUNKED, None)),
-    ("close-delimited-to-11", 200, "GET", [], False, True, (H.ResponseFraming.CHUNKED, None)),
-    ("chunked-to-10", 200, "GET", [], True, False, (H.ResponseFraming.CLOSE, None)),
-    ("head-keeps-length", 200, "HEAD", [(b"Content-Length", b"9")], False, True, (H.ResponseFraming.NONE, b"9")),
-    ("no-content", 204, "GET", [], False, True, (H.ResponseFraming.NONE, None)),
-    ("not-modified", 304, "GET", [(b"Content-Length", b"9")], False, True, (H.ResponseFraming.NONE, b"9")),
+    ("length", 200, "GET", [CL5], True, (H.ResponseFraming.LENGTH, b"5")),
+    ("chunked-to-11", 200, "GET", [TE], True, (H.ResponseFraming.CHUNKED, None)),
+    ("close-delimited-to-11", 200, "GET", [], True, (H.ResponseFraming.CHUNKED, None)),
+    ("chunked-to-10", 200, "GET", [TE], False, (H.ResponseFraming.CLOSE, None)),
+    ("head-keeps-length", 200, "HEAD", [CL9], True, (H.ResponseFraming.NONE, b"9")),
+    ("no-content", 204, "GET", [], True, (H.ResponseFraming.NONE, None)),
+    ("not-modified", 304, "GET", [CL9], True, (H.ResponseFraming.NONE, b"9")),
 ]
 
 
-@pytest.mark.parametrize("status,method,headers,chunked,http11,expected",
+@pytest.mark.parametrize("status,method,headers,http11,expected",
                          [r[1:] for r in RESPONSE_FRAMING], ids=[r[0] for r in RESPONSE_FRAMING])
-def test_response_framing_is_always_unambiguous_for_the_client(status, method, headers, chunked, http11, expected):
-    assert H.response_framing(status, method, headers, chunked, http11) == expected
+def test_response_framing_is_always_unambiguous_for_the_client(status, method, headers, http11, expected):
+    parts = H.parse_response_headers(headers)
+    assert H.response_framing(status, method, parts, http11) == expected
 
 
 def test_chunk_encoding():

@@ -38,7 +38,6 @@ from .local_reply import error_response
 log = logging.getLogger("traceproxy.downstream")
 
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
-_EXPECT = b"expect"
 
 
 class ClientConnection(asyncio.Protocol):
@@ -48,6 +47,7 @@ class ClientConnection(asyncio.Protocol):
         self.record: ClientConnectionRecord | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.closing = False
+        self.feeding = False  # inside parser.feed_data: upstream writes are batched
         self.write_paused = False
         self.reading_paused_for: set[str] = set()
         # The request whose head/body is being parsed now.
@@ -61,6 +61,8 @@ class ClientConnection(asyncio.Protocol):
         self.queue: collections.deque[Exchange] = collections.deque()
         self.rejection: tuple[int, Outcome, str] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._on_deadline = None
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -71,6 +73,7 @@ class ClientConnection(asyncio.Protocol):
         self.peer_ip = peer[0] if peer else "unknown"
         self.record = ClientConnectionRecord(peer=f"{peer[0]}:{peer[1]}" if peer else "unknown",
                                              opened_ns=time.monotonic_ns())
+        self.forwarding = self.ctx.forwarding_for(self)
         if not self.ctx.admit(self):
             self.closing = True
             self.transport.write(error_response(503, Flag.DO, "too many client connections", keep_alive=False))
@@ -81,7 +84,9 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        self._cancel_timer()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
         if self.active is not None:
@@ -136,6 +141,7 @@ class ClientConnection(asyncio.Protocol):
         if self.closing or self.rejection is not None:
             return
         in_head = self.parsing is None or not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE)
+        self.feeding = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -151,6 +157,10 @@ class ClientConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.reject(400, Flag.DPE, f"malformed request: {exc}")
             return
+        finally:
+            self.feeding = False
+            if self.active is not None:
+                self.active.flush_upstream()
         if in_head and self.parsing is not None and not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE):
             self._head_bytes += len(data)
             if self._head_bytes > self.ctx.limits.max_header_bytes:
@@ -187,19 +197,14 @@ class ClientConnection(asyncio.Protocol):
         record.target = self._url.decode("latin-1")
         record.http_version = self.parser.get_http_version()
         record.mark(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
-        headers = self._headers
         if self.parser.should_upgrade():
             raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
-        framing = H.request_framing(headers, record.http_version)  # BadRequest propagates to data_received
-        H.check_host(headers, record.http_version)
-        expect = next((v for n, v in headers if n.lower() == _EXPECT), None)
-        if expect is not None:
-            if expect.strip().lower() != b"100-continue":
-                raise H.BadRequest(417, "unsupported Expect value: only 100-continue is understood")
-            headers = [(n, v) for n, v in headers if n.lower() != _EXPECT]
+        parts = H.parse_request_headers(self._headers, record.http_version)  # BadRequest -> data_received
+        if parts.expect is not None and parts.expect.strip().lower() != b"100-continue":
+            raise H.BadRequest(417, "unsupported Expect value: only 100-continue is understood")
         head = RequestHead(
-            record.method, self._url, headers, framing, record.http_version == "1.1",
-            self.parser.should_keep_alive() and not self.ctx.shutting_down, expect is not None,
+            record.method, self._url, parts, record.http_version == "1.1",
+            self.parser.should_keep_alive() and not self.ctx.shutting_down, parts.expect is not None,
         )
         exchange = Exchange(self.ctx, self, record, head)
         self.parsing_exchange = exchange
@@ -296,22 +301,40 @@ class ClientConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------
     # Connection timers
     # ---------------------------------------------------------------------------
+    # One handle per connection, re-aimed lazily: arming a later deadline than the
+    # one already armed costs nothing, and the handle re-arms itself when it fires
+    # early. Keep-alive connections would otherwise create and cancel two timers
+    # per request.
     def _arm_timer(self, seconds: float, callback) -> None:
-        self._cancel_timer()
-        self._timer = asyncio.get_running_loop().call_later(seconds, callback)
-
-    def _cancel_timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + seconds
+        self._deadline, self._on_deadline = due, callback
+        if self._timer is not None and self._timer.when() <= due:
+            return
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+        self._timer = loop.call_at(due, self._timer_fired)
+
+    def _cancel_timer(self) -> None:
+        self._on_deadline = None
+
+    def _timer_fired(self) -> None:
+        self._timer = None
+        callback = self._on_deadline
+        if callback is None or self.closing:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:
+            self._timer = loop.call_at(self._deadline, self._timer_fired)
+            return
+        self._on_deadline = None
+        callback()
 
     def _on_idle_timeout(self) -> None:
-        self._timer = None
         if self.active is None and self.parsing is None:
             self.close()
 
     def _on_header_timeout(self) -> None:
-        self._timer = None
         if self.parsing is not None and not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE):
             waited = self.ctx.timeouts.client_headers
             self.rejection = (408, Flag.DHT, f"request head not complete after {waited:g} s")

@@ -47,13 +47,13 @@ LINGER_MAX_SECONDS = 2.0
 
 
 class RequestHead:
-    __slots__ = ("method", "target", "headers", "framing", "http11", "keep_alive", "expect_continue")
+    __slots__ = ("method", "target", "parts", "framing", "http11", "keep_alive", "expect_continue")
 
-    def __init__(self, method, target, headers, framing, http11, keep_alive, expect_continue):
+    def __init__(self, method, target, parts, http11, keep_alive, expect_continue):
         self.method: str = method
         self.target: bytes = target
-        self.headers: H.Headers = headers
-        self.framing: H.RequestFraming = framing
+        self.parts: H.RequestParts = parts
+        self.framing: H.RequestFraming = parts.framing
         self.http11: bool = http11
         self.keep_alive: bool = keep_alive
         self.expect_continue: bool = expect_continue
@@ -73,9 +73,7 @@ class Exchange:
         self.pending_size = 0
         # The head goes first, even when a pipelined request's body arrives
         # before its exchange starts.
-        self._queue_upstream(H.upstream_request_head(
-            head.method, head.target, head.headers, head.framing, ctx.forwarding_for(client)
-        ))
+        self._queue_upstream(H.upstream_request_head(head.method, head.target, head.parts, client.forwarding))
         self.sent_log: list[bytes] | None = []
         self.sent_size = 0
         self.request_complete = False
@@ -88,15 +86,19 @@ class Exchange:
         self._lingered_bytes = 0
         self._client_out: list[bytes] = []
         self._upstream_paused_by_client = False
-        self._timers: list[asyncio.TimerHandle] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._started_ns = 0
+        self._expects_body = bool(head.framing.chunked or head.framing.content_length)
+        self._upstream_out: list[bytes] = []
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
     # ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._arm(self.ctx.timeouts.upstream_headers, self._check_upstream_headers_deadline)
-        if self.head.framing.chunked or self.head.framing.content_length:
-            self._arm(self.ctx.timeouts.client_body, self._check_client_body_deadline)
+        self._started_ns = now = time.monotonic_ns()
+        self._aim_timer(now)
         self._acquire(fresh=False)
 
     def _acquire(self, fresh: bool) -> None:
@@ -180,7 +182,16 @@ class Exchange:
                 log.append(data)
             else:
                 self.sent_log = None
-        self.upstream.transport.write(data)
+        self._upstream_out.append(data)
+        if not self.client.feeding:
+            self.flush_upstream()
+
+    def flush_upstream(self) -> None:
+        """Write what one client read produced in one call (head and body together)."""
+        out = self._upstream_out
+        if out and self.upstream is not None:
+            self._upstream_out = []
+            self.upstream.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def upstream_write_paused(self) -> None:
         self.client.pause_reading("upstream")
@@ -195,7 +206,7 @@ class Exchange:
         self._stamp_once(Mark.FIRST_UPSTREAM_RX_BYTE, time.monotonic_ns())
         self.sent_log = None  # the upstream answered: this request is never resent
 
-    def upstream_response_head(self, status: int, reason: bytes, headers: H.Headers, upstream_chunked: bool) -> None:
+    def upstream_response_head(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
         if self.finished:
             return
         now = time.monotonic_ns()
@@ -204,7 +215,7 @@ class Exchange:
         self._stamp(Mark.LAST_UPSTREAM_RX_HEADER_BYTE, now)
         record.status = status
         self.sent_log = None
-        framing, length = H.response_framing(status, self.head.method, headers, upstream_chunked, self.head.http11)
+        framing, length = H.response_framing(status, self.head.method, parts, self.head.http11)
         self.response_framing = framing
         # Keep the client connection only if its request was read to the end and
         # the response has a length the client can see.
@@ -213,15 +224,14 @@ class Exchange:
             and not self.client.closing
         )
         head = H.client_response_head(
-            status, reason, headers, framing, length, self.keep_client_alive, self.head.http11,
+            status, reason, parts.end_to_end, framing, length, self.keep_client_alive, self.head.http11,
             keepalive_timeout=self.ctx.advertised_keepalive,
         )
         self._client_out.append(head)
         self.response_started = True
         self._stamp(Mark.FIRST_DOWNSTREAM_TX_BYTE, now)
-        if self.ctx.timeouts.upstream_read:
-            record.last_upstream_rx_ns = now
-            self._arm(self.ctx.timeouts.upstream_read, self._check_upstream_read_deadline)
+        record.last_upstream_rx_ns = now
+        self._aim_timer(now)
 
     # ---------------------------------------------------------------------------
     # Phase: the response body (upstream -> client)
@@ -376,7 +386,7 @@ class Exchange:
         self.lingering = True
         self.client.resume_reading("pending")
         self.client.resume_reading("upstream")
-        self._timers.append(asyncio.get_running_loop().call_later(LINGER_MAX_SECONDS, self._stop_lingering))
+        self._linger_timer = asyncio.get_running_loop().call_later(LINGER_MAX_SECONDS, self._stop_lingering)
 
     def _linger_discard(self, size: int) -> None:
         self._lingered_bytes += size
@@ -386,56 +396,70 @@ class Exchange:
     def _stop_lingering(self) -> None:
         if self.lingering:
             self.lingering = False
-            for timer in self._timers:
-                timer.cancel()
+            self._linger_timer.cancel()
             self.client.exchange_finished(self, False)
 
     def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True) -> None:
         self.finished = True
-        for timer in self._timers:
-            timer.cancel()
-        self._timers.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._upstream_out.clear()
         self.ctx.end_request(self.record, outcome, error)
         if hand_back:
             self.client.exchange_finished(self, self.keep_client_alive)
 
     # ---------------------------------------------------------------------------
-    # Deadlines: one timer each, re-armed lazily instead of per chunk
+    # Deadlines: one timer per exchange, aimed at the nearest deadline and re-aimed
+    # when it fires, instead of being reset on every chunk.
     # ---------------------------------------------------------------------------
-    def _arm(self, seconds: float, check) -> None:
-        if seconds:
-            self._timers.append(asyncio.get_running_loop().call_later(seconds, check))
+    def _deadlines(self, now: int) -> list[tuple[int, Outcome]]:
+        """(deadline ns, outcome) for every limit that still applies."""
+        t, record, out = self.ctx.timeouts, self.record, []
+        if t.upstream_headers and not record.has(Mark.LAST_UPSTREAM_RX_HEADER_BYTE):
+            out.append((self._started_ns + int(t.upstream_headers * 1e9), Flag.UT))
+        if t.client_body and not self.request_complete and self._expects_body:
+            # Our own pause (the upstream not reading) is not client silence.
+            last = now if self.client.reading_paused else (record.last_downstream_rx_ns or self._started_ns)
+            out.append((last + int(t.client_body * 1e9), Flag.DBT))
+        if t.upstream_read and self.response_started and not record.has(Mark.LAST_UPSTREAM_RX_BYTE):
+            # Our own pause (the client not reading) is not upstream silence.
+            last = now if self._upstream_paused_by_client else record.last_upstream_rx_ns
+            out.append((last + int(t.upstream_read * 1e9), Flag.SI))
+        return out
 
-    def _check_upstream_headers_deadline(self) -> None:
-        if not self.finished and not self.record.has(Mark.LAST_UPSTREAM_RX_HEADER_BYTE):
+    def _aim_timer(self, now: int) -> None:
+        deadlines = self._deadlines(now)
+        if not deadlines:
+            return
+        due = min(d for d, _ in deadlines)
+        if self._timer is not None and self._timer_due <= due:
+            return  # the armed timer fires first and re-aims itself
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = asyncio.get_running_loop().call_later(max(due - now, 0) / 1e9, self._timer_fired)
+
+    def _timer_fired(self) -> None:
+        self._timer = None
+        if self.finished:
+            return
+        now = time.monotonic_ns()
+        expired = [outcome for due, outcome in self._deadlines(now) if due <= now]
+        if not expired:
+            self._aim_timer(now)
+        elif expired[0] is Flag.UT:
             waited = self.ctx.timeouts.upstream_headers
             self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers after {waited:g} s")
-
-    def _check_upstream_read_deadline(self) -> None:
-        if self.finished or self.record.has(Mark.LAST_UPSTREAM_RX_BYTE):
-            return
-        limit = self.ctx.timeouts.upstream_read
-        silent = (time.monotonic_ns() - self.record.last_upstream_rx_ns) / 1e9
-        if self._upstream_paused_by_client or silent < limit:
-            # Our own pause (client not reading) is not upstream silence.
-            self._arm(max(limit - silent, 0.01) if not self._upstream_paused_by_client else limit,
-                      self._check_upstream_read_deadline)
-            return
-        self._fail(Flag.SI, f"{self._where(self.record.attempt)}: response body silent for {silent:.1f} s "
-                   f"after {self.record.upstream_rx_body_bytes} bytes")
-
-    def _check_client_body_deadline(self) -> None:
-        if self.finished or self.request_complete:
-            return
-        limit = self.ctx.timeouts.client_body
-        last = self.record.last_downstream_rx_ns or self.record.when(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE)
-        silent = (time.monotonic_ns() - last) / 1e9
-        if self.client.reading_paused or silent < limit:
-            self._arm(max(limit - silent, 0.01) if not self.client.reading_paused else limit,
-                      self._check_client_body_deadline)
-            return
-        self.keep_client_alive = False
-        self._fail(Flag.DBT, f"request body silent for {silent:.1f} s after {self.record.downstream_rx_body_bytes} bytes")
+        elif expired[0] is Flag.DBT:
+            silent = (now - (self.record.last_downstream_rx_ns or self._started_ns)) / 1e9
+            self.keep_client_alive = False
+            self._fail(Flag.DBT, f"request body silent for {silent:.1f} s after "
+                       f"{self.record.downstream_rx_body_bytes} bytes")
+        else:
+            silent = (now - self.record.last_upstream_rx_ns) / 1e9
+            self._fail(Flag.SI, f"{self._where(self.record.attempt)}: response body silent for {silent:.1f} s "
+                       f"after {self.record.upstream_rx_body_bytes} bytes")
 
     # ---------------------------------------------------------------------------
     def _stamp(self, mark: Mark, now: int | None = None) -> None:

@@ -51,24 +51,65 @@ def _tokens(value: bytes) -> list[bytes]:
     return [t.strip().lower() for t in value.split(b",") if t.strip()]
 
 
-def connection_tokens(headers: Headers) -> set[bytes]:
-    tokens: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            tokens.update(_tokens(value))
-    return tokens
+@dataclass(slots=True)
+class RequestParts:
+    """What one pass over the request headers found (see ``parse_request_headers``)."""
+
+    framing: RequestFraming
+    host: bytes | None
+    expect: bytes | None
+    # End-to-end headers in order: no hop-by-hop, framing, Expect or X-Forwarded-*.
+    end_to_end: Headers
+    forwarded: Headers  # the client's own X-Forwarded-* headers, as sent
 
 
-def request_framing(headers: Headers, http_version: str = "1.1") -> RequestFraming:
-    """How the request body is delimited, refusing anything ambiguous (RFC 9112 section 6)."""
+# Connection tokens that never name another header field.
+_NOT_NAMES = HOP_BY_HOP | {b"close"}
+_REQUEST_SPECIAL = HOP_BY_HOP | _FRAMING | _FORWARDED | {b"host", b"expect"}
+
+
+def parse_request_headers(headers: Headers, http_version: str = "1.1") -> RequestParts:
+    """One pass over the request headers; raises ``BadRequest`` for anything ambiguous.
+
+    Framing follows RFC 9112 section 6: Content-Length with Transfer-Encoding,
+    conflicting lengths, any coding but a lone ``chunked``, and chunked from an
+    HTTP/1.0 sender are all refused. Exactly one Host is required in HTTP/1.1.
+    """
+    kept: Headers = []
     lengths: list[bytes] = []
     codings: list[bytes] = []
+    hosts: list[bytes] = []
+    listed: set[bytes] = set()
+    forwarded: Headers = []
+    expect = None
     for name, value in headers:
         lname = name.lower()
-        if lname == b"content-length":
+        if lname not in _REQUEST_SPECIAL:
+            kept.append((name, value))
+        elif lname == b"content-length":
             lengths.extend(v.strip() for v in value.split(b","))
         elif lname == b"transfer-encoding":
             codings.extend(_tokens(value))
+        elif lname == b"host":
+            hosts.append(value)
+            kept.append((name, value))
+        elif lname == b"connection":
+            listed.update(_tokens(value))
+        elif lname == b"expect":
+            expect = value
+        elif lname in _FORWARDED:
+            forwarded.append((name, value))
+    if listed - _NOT_NAMES:
+        kept = [(n, v) for n, v in kept if n.lower() not in listed]
+    if len(hosts) > 1:
+        raise BadRequest(400, "more than one Host header")
+    if not hosts and http_version == "1.1":
+        raise BadRequest(400, "missing Host header")
+    framing = _framing(lengths, codings, http_version)
+    return RequestParts(framing, hosts[0] if hosts else None, expect, kept, forwarded)
+
+
+def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> RequestFraming:
     if lengths and codings:
         raise BadRequest(400, "both Content-Length and Transfer-Encoding are present")
     if codings:
@@ -86,23 +127,6 @@ def request_framing(headers: Headers, http_version: str = "1.1") -> RequestFrami
     return RequestFraming(chunked=False, content_length=int(lengths[0]))
 
 
-def check_host(headers: Headers, http_version: str) -> bytes | None:
-    """The Host value; exactly one is required in HTTP/1.1 (RFC 9112 section 3.2)."""
-    hosts = [value for name, value in headers if name.lower() == b"host"]
-    if len(hosts) > 1:
-        raise BadRequest(400, "more than one Host header")
-    if not hosts and http_version == "1.1":
-        raise BadRequest(400, "missing Host header")
-    return hosts[0] if hosts else None
-
-
-def end_to_end(headers: Headers) -> Headers:
-    """Headers minus hop-by-hop ones, minus names listed in Connection, minus framing."""
-    listed = connection_tokens(headers)
-    drop = HOP_BY_HOP | _FRAMING | listed
-    return [(n, v) for n, v in headers if n.lower() not in drop]
-
-
 @dataclass(frozen=True, slots=True)
 class ForwardingContext:
     client_ip: str
@@ -115,52 +139,74 @@ class ForwardingContext:
 def upstream_request_head(
     method: str,
     target: bytes,
-    headers: Headers,
-    framing: RequestFraming,
+    parts: RequestParts,
     ctx: ForwardingContext,
     extra: Headers = (),
 ) -> bytes:
     """The request head sent upstream: always HTTP/1.1, keep-alive, framing recomputed."""
-    out = end_to_end(headers)
-    host = next((v for n, v in headers if n.lower() == b"host"), None)
-    if not ctx.preserve_host or host is None:
-        out = [(n, v) for n, v in out if n.lower() != b"host"]
-        out.insert(0, (b"Host", ctx.upstream_authority))
-    if ctx.x_forwarded:
-        out = _append_forwarded(out, ctx, host)
-    out.extend(extra)
-    if framing.chunked:
-        out.append((b"Transfer-Encoding", b"chunked"))
-    elif framing.content_length or method in ("POST", "PUT", "PATCH"):
-        out.append((b"Content-Length", str(framing.content_length or 0).encode()))
+    out = parts.end_to_end
+    if not ctx.preserve_host or parts.host is None:
+        out = [(b"Host", ctx.upstream_authority)] + [(n, v) for n, v in out if n.lower() != b"host"]
     lines = [b"%s %s HTTP/1.1\r\n" % (method.encode("ascii"), target)]
     lines.extend(b"%s: %s\r\n" % pair for pair in out)
+    if ctx.x_forwarded:
+        lines.extend(_forwarded_lines(parts, ctx))
+    else:
+        lines.extend(b"%s: %s\r\n" % pair for pair in parts.forwarded)
+    lines.extend(b"%s: %s\r\n" % pair for pair in extra)
+    framing = parts.framing
+    if framing.chunked:
+        lines.append(b"Transfer-Encoding: chunked\r\n")
+    elif framing.content_length or method in ("POST", "PUT", "PATCH"):
+        lines.append(b"Content-Length: %d\r\n" % (framing.content_length or 0))
     lines.append(b"\r\n")
     return b"".join(lines)
 
 
-def _append_forwarded(out: Headers, ctx: ForwardingContext, host: bytes | None) -> Headers:
+def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> list[bytes]:
     """Append to X-Forwarded-* (comma-joined, like nginx's $proxy_add_x_forwarded_for)."""
-    existing = {b"x-forwarded-for": [], b"x-forwarded-proto": [], b"x-forwarded-host": []}
-    kept: Headers = []
-    for name, value in out:
-        lname = name.lower()
-        if lname in _FORWARDED:
-            existing[lname].append(value)
-        else:
-            kept.append((name, value))
-    ours = {
-        b"x-forwarded-for": ctx.client_ip.encode("ascii"),
-        b"x-forwarded-proto": ctx.scheme.encode("ascii"),
-        b"x-forwarded-host": host,
-    }
-    for lname, display in ((b"x-forwarded-for", b"X-Forwarded-For"),
-                           (b"x-forwarded-proto", b"X-Forwarded-Proto"),
-                           (b"x-forwarded-host", b"X-Forwarded-Host")):
-        values = existing[lname] + ([ours[lname]] if ours[lname] is not None else [])
+    existing: dict[bytes, list[bytes]] = {}
+    for name, value in parts.forwarded:
+        existing.setdefault(name.lower(), []).append(value)
+    ours = (
+        (b"X-Forwarded-For", b"x-forwarded-for", ctx.client_ip.encode("ascii")),
+        (b"X-Forwarded-Proto", b"x-forwarded-proto", ctx.scheme.encode("ascii")),
+        (b"X-Forwarded-Host", b"x-forwarded-host", parts.host),
+    )
+    lines = []
+    for display, lname, value in ours:
+        values = existing.get(lname, []) + ([value] if value is not None else [])
         if values:
-            kept.append((display, b", ".join(values)))
-    return kept
+            lines.append(b"%s: %s\r\n" % (display, b", ".join(values)))
+    return lines
+
+
+@dataclass(slots=True)
+class ResponseParts:
+    chunked: bool
+    content_length: bytes | None
+    end_to_end: Headers
+
+
+def parse_response_headers(headers: Headers) -> ResponseParts:
+    """One pass over the upstream's response headers."""
+    kept: Headers = []
+    chunked = False
+    length = None
+    listed: set[bytes] = set()
+    for name, value in headers:
+        lname = name.lower()
+        if lname not in HOP_BY_HOP and lname != b"content-length":
+            kept.append((name, value))
+        elif lname == b"content-length":
+            length = value.strip()
+        elif lname == b"transfer-encoding":
+            chunked = True
+        elif lname == b"connection":
+            listed.update(_tokens(value))
+    if listed - _NOT_NAMES:
+        kept = [(n, v) for n, v in kept if n.lower() not in listed]
+    return ResponseParts(chunked, length, kept)
 
 
 class ResponseFraming:
@@ -173,13 +219,13 @@ class ResponseFraming:
 
 
 def response_framing(
-    status: int, request_method: str, upstream_headers: Headers, upstream_chunked: bool, client_http11: bool
+    status: int, request_method: str, parts: ResponseParts, client_http11: bool
 ) -> tuple[str, bytes | None]:
     """(framing, content-length value) for the response to the client."""
-    length = next((v.strip() for n, v in upstream_headers if n.lower() == b"content-length"), None)
+    length = parts.content_length
     if request_method == "HEAD" or status in (204, 304) or 100 <= status < 200:
         return ResponseFraming.NONE, length if request_method == "HEAD" or status == 304 else None
-    if length is not None and not upstream_chunked:
+    if length is not None and not parts.chunked:
         return ResponseFraming.LENGTH, length
     return (ResponseFraming.CHUNKED if client_http11 else ResponseFraming.CLOSE), None
 
@@ -187,7 +233,7 @@ def response_framing(
 def client_response_head(
     status: int,
     reason: bytes,
-    upstream_headers: Headers,
+    end_to_end_headers: Headers,
     framing: str,
     content_length: bytes | None,
     keep_alive: bool,
@@ -197,7 +243,7 @@ def client_response_head(
 ) -> bytes:
     version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
     lines = [b"%s %d %s\r\n" % (version, status, reason)]
-    lines.extend(b"%s: %s\r\n" % pair for pair in end_to_end(upstream_headers))
+    lines.extend(b"%s: %s\r\n" % pair for pair in end_to_end_headers)
     lines.extend(b"%s: %s\r\n" % pair for pair in extra)
     if content_length is not None:
         lines.append(b"Content-Length: %s\r\n" % content_length)

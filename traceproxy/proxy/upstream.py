@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from ..lifecycle.timeline import UpstreamConnectionRecord
+from . import headers as H
 
 if TYPE_CHECKING:
     from .forward import Exchange
@@ -48,7 +49,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._reason = b""
         self._head_only = False
         self._in_interim = False
-        self._chunked = False
         self._complete = False
         self._extra_message = False
         self._close_delimited = False
@@ -119,7 +119,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._reason = b""
         self._head_only = head_only
         self._in_interim = False
-        self._chunked = False
         self._complete = False
         self._extra_message = False
         self._close_delimited = False
@@ -154,11 +153,10 @@ class UpstreamConnection(asyncio.Protocol):
             self._headers = []
             self._reason = b""
             return
-        self._chunked = any(n.lower() == b"transfer-encoding" for n, _ in self._headers)
-        has_length = any(n.lower() == b"content-length" for n, _ in self._headers)
+        parts = H.parse_response_headers(self._headers)
         no_body = self._head_only or status in (204, 304)
-        self._close_delimited = not (no_body or self._chunked or has_length)
-        self.user.upstream_response_head(status, self._reason or b"", self._headers, self._chunked)
+        self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
+        self.user.upstream_response_head(status, self._reason or b"", parts)
         # Read keep-alive now: llhttp resets its flags once the message completes.
         self._keep_alive = self._parser.should_keep_alive()
         if no_body:
