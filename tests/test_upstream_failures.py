@@ -182,3 +182,15 @@ def test_response_to_client_that_stops_reading_applies_backpressure(scripted_ups
     resp = client.response()
     assert resp.complete and len(resp.body) == total
     assert resp.body == (bytes(range(256)) * 256) * (total // 65536)
+
+
+def test_error_before_the_body_arrived_drains_it_and_keeps_the_connection(start_proxy):
+    proxy = start_proxy(f"http://127.0.0.1:{_closed_port()}")
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 20\r\n\r\n")
+        reply = sock.recv(65536)  # the 502 comes before the body was sent
+        assert reply.startswith(b"HTTP/1.1 502 ") and header_value(reply, b"connection") is None
+        sock.sendall(b"x" * 20)  # drained, not mistaken for the next request
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: a\r\n\r\n")
+        second = sock.recv(65536)
+        assert second.startswith(b"HTTP/1.1 502 ") and b'"UF"' in second

@@ -153,7 +153,7 @@ class Exchange:
         if self.finished:
             self.request_complete = True
             if self.lingering:
-                self._stop_lingering()
+                self._stop_lingering(True)
             return
         now = time.monotonic_ns()
         self._stamp(Mark.LAST_DOWNSTREAM_RX_BYTE, now)
@@ -175,9 +175,9 @@ class Exchange:
     def _send_upstream(self, data: bytes) -> None:
         if not data:
             return
+        self.sent_size += len(data)
         log = self.sent_log
         if log is not None:
-            self.sent_size += len(data)
             if self.sent_size <= self.ctx.retry_buffer_bytes:
                 log.append(data)
             else:
@@ -323,8 +323,10 @@ class Exchange:
                 self._resend_on_fresh_connection(why)
                 return
             if attempt.index == 0:
-                self._fail(Flag.SRC, f"{where}: {why} before any response byte; request of "
-                           f"{self.sent_size} bytes exceeds retry_buffer_bytes, not resent")
+                limit = self.ctx.retry_buffer_bytes
+                reason = (f"request of at least {self.sent_size} bytes exceeds pool.retry_buffer_bytes ({limit})"
+                          if limit else "resending is off (pool.retry_buffer_bytes = 0)")
+                self._fail(Flag.SRC, f"{where}: {why} before any response byte; {reason}, not resent")
                 return
         if attempt.index > 0 and bytes_received == 0:
             self._fail(Flag.URX, f"{where}: {why} before any response byte, after a resend")
@@ -367,10 +369,12 @@ class Exchange:
         if client_gone:
             pass
         elif not self.response_started:
-            self.keep_client_alive = self.keep_client_alive and self.request_complete
-            # No lingering after a body timeout (the client is stalled) or a body
-            # the parser refused (nothing after it can be read).
-            linger = not self.request_complete and outcome not in (Flag.DBT, Flag.DPE)
+            if not self.request_complete:
+                # Drain the rest of the body, then keep the connection, as nginx
+                # does; but not after a body timeout (the client is stalled) or a
+                # body the parser refused (nothing after it can be read).
+                linger = outcome not in (Flag.DBT, Flag.DPE)
+                self.keep_client_alive = self.keep_client_alive and linger and self._rest_of_body_drainable()
             status = outcome.local_status or 502
             self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11))
             self.record.status = status
@@ -382,22 +386,29 @@ class Exchange:
         if linger:
             self._start_lingering()
 
+    def _rest_of_body_drainable(self) -> bool:
+        framing = self.head.framing
+        if framing.chunked:
+            return True  # bounded by LINGER_MAX_BYTES while draining
+        return framing.content_length - self.record.downstream_rx_body_bytes <= LINGER_MAX_BYTES
+
     def _start_lingering(self) -> None:
         self.lingering = True
         self.client.resume_reading("pending")
         self.client.resume_reading("upstream")
-        self._linger_timer = asyncio.get_running_loop().call_later(LINGER_MAX_SECONDS, self._stop_lingering)
+        self._linger_timer = asyncio.get_running_loop().call_later(
+            LINGER_MAX_SECONDS, self._stop_lingering, False)
 
     def _linger_discard(self, size: int) -> None:
         self._lingered_bytes += size
         if self.lingering and self._lingered_bytes > LINGER_MAX_BYTES:
-            self._stop_lingering()
+            self._stop_lingering(False)
 
-    def _stop_lingering(self) -> None:
+    def _stop_lingering(self, body_complete: bool) -> None:
         if self.lingering:
             self.lingering = False
             self._linger_timer.cancel()
-            self.client.exchange_finished(self, False)
+            self.client.exchange_finished(self, body_complete and self.keep_client_alive)
 
     def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True) -> None:
         self.finished = True
