@@ -3,11 +3,12 @@ locking anyone out."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-import os
 import random
 import socket
 import threading
+import time
 
 import pytest
 
@@ -86,8 +87,6 @@ def test_at_the_connection_cap_the_longest_idle_connection_makes_room(fast_upstr
 
 
 def test_at_the_cap_with_no_idle_connection_new_clients_get_503(scripted_upstream, start_proxy, loop_thread):
-    import asyncio
-
     release = asyncio.Event()
 
     async def held(reader, writer, upstream):
@@ -120,3 +119,54 @@ def test_thousands_of_idle_keepalive_clients_do_not_lock_out_a_new_one(fast_upst
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_upload_to_an_upstream_that_stops_reading_applies_backpressure(scripted_upstream, start_proxy):
+    async def reads_head_only(reader, writer, upstream):
+        await reader.read_head()
+        await asyncio.sleep(30)  # and never reads the body
+
+    proxy = start_proxy(scripted_upstream(reads_head_only).url)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % (200 * MB))
+        sock.setblocking(False)
+        block = b"u" * 65536
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline and sent < 200 * MB:
+            try:
+                sent += sock.send(block)
+            except BlockingIOError:
+                time.sleep(0.01)
+    assert sent < 48 * MB, f"the proxy accepted {sent // MB} MB the upstream never read"
+
+
+def test_sse_events_are_forwarded_as_they_arrive(scripted_upstream, start_proxy, loop_thread):
+    """The upstream sends the next event only after the client has seen the previous
+    one: any buffering in the proxy turns this into a hang."""
+    seen = [threading.Event() for _ in range(3)]
+
+    async def lockstep(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i, event in enumerate(seen):
+            payload = b"data: token%d\n\n" % i
+            writer.write(b"%x\r\n%s\r\n" % (len(payload), payload))
+            await writer.drain()
+            for _ in range(500):  # bounded: 5 s
+                if event.is_set():
+                    break
+                await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(lockstep).url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=3) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        received = b""
+        for i, event in enumerate(seen):
+            while b"data: token%d" % i not in received:
+                chunk = sock.recv(65536)  # times out (fails) if the proxy holds the event back
+                assert chunk
+                received += chunk
+            event.set()
