@@ -338,9 +338,10 @@ class Exchange:
         attempt.outcome = Flag.SRC
         attempt.error = f"{self._where(attempt)}: {why} before any response byte"
         self.ctx.pool.stats["stale_retried"] += 1
+        # Everything the dead connection was given goes again, first, and once.
         self.pending = self.sent_log + self.pending
         self.pending_size = sum(len(b) for b in self.pending)
-        self.sent_log, self.sent_size = [], 0
+        self.sent_log, self.sent_size, self._upstream_out = [], 0, []
         self._acquire(fresh=True)
 
     def upstream_protocol_error(self, detail: str) -> None:
