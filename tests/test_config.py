@@ -13,8 +13,10 @@ from traceproxy.config import (
     HostPort,
     Limits,
     Pool,
+    RequestIds,
     Settings,
     Timeouts,
+    Tracing,
     UpstreamURL,
     add_flags,
     default_settings,
@@ -42,6 +44,9 @@ EXPECTED_DEFAULTS = Settings(
     pool=Pool(idle_timeout=4.0, max_connections=1024, retry_buffer_bytes=1048576),
     limits=Limits(max_client_connections=10000, max_header_bytes=65536, max_target_bytes=8192),
     forwarding=Forwarding(preserve_host=True, x_forwarded=True),
+    request_id=RequestIds(headers=("x-request-id",), inject_rid=False),
+    tracing=Tracing(exporter="auto", otlp_endpoint="", otlp_protocol="", file_path="traceproxy-data/spans.jsonl",
+                    service_name="", healthy_sample_ratio=None, queue_spans=8192),
 )
 
 
@@ -381,7 +386,8 @@ def test_schema_matches_the_settings_dataclasses():
     def fields(cls):
         return [f.name for f in dataclasses.fields(cls)]
 
-    sections = {"timeouts": Timeouts, "pool": Pool, "limits": Limits, "forwarding": Forwarding}
+    sections = {"timeouts": Timeouts, "pool": Pool, "limits": Limits, "forwarding": Forwarding,
+                "request_id": RequestIds, "tracing": Tracing}
     assert [s.key for s in SCHEMA if not s.section] == [n for n in fields(Settings) if n not in sections]
     for name, cls in sections.items():
         assert [s.key for s in SCHEMA if s.section == name] == fields(cls)
@@ -417,7 +423,8 @@ def test_shipped_config_file_loads_to_the_defaults():
 
 def test_rendered_default_sets_nothing_but_names_every_key_with_its_meaning():
     text = render_default_toml()
-    assert tomllib.loads(text) == {"timeouts": {}, "pool": {}, "limits": {}, "forwarding": {}}
+    assert tomllib.loads(text) == {"timeouts": {}, "pool": {}, "limits": {}, "forwarding": {}, "request_id": {},
+                                   "tracing": {}}
     assert "flags" in text and "TRACEPROXY_" in text
     comments = re.sub(r"\n# ", " ", text)
     for setting in SCHEMA:
@@ -429,3 +436,30 @@ def test_rendered_default_with_every_key_uncommented_loads_to_the_defaults(tmp_p
     uncommented, count = re.subn(r"(?m)^# (\w+ = )", r"\1", render_default_toml())
     assert count == len(SCHEMA)
     assert load(tmp_path, toml=uncommented) == EXPECTED_DEFAULTS
+
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [("x-request-id", ("x-request-id",)), ("X-Request-Id, x-correlation-id", ("x-request-id", "x-correlation-id"))],
+    ids=["one", "two-mixed-case"],
+)
+def test_request_id_headers_from_env(raw, expected):
+    settings = load_settings({}, {"TRACEPROXY_REQUEST_ID_HEADERS": raw})
+    assert settings.request_id.headers == expected
+
+
+@pytest.mark.parametrize(
+    "key,raw,expected_form",
+    [("request_id.headers", "bad header", "header names"), ("tracing.exporter", "jaeger", "'otlp'"),
+     ("tracing.healthy_sample_ratio", "1.5", "from 0 to 1"), ("tracing.otlp_protocol", "thrift", "'grpc'")],
+    ids=["header-with-space", "unknown-exporter", "ratio-above-one", "unknown-protocol"],
+)
+def test_tracing_and_request_id_errors_name_the_key(key, raw, expected_form):
+    with pytest.raises(ConfigError) as err:
+        load_settings({key: raw}, {})
+    assert key in str(err.value) and expected_form in str(err.value)
+
+
+def test_empty_sample_ratio_means_from_the_environment():
+    assert load_settings({"tracing.healthy_sample_ratio": ""}, {}).tracing.healthy_sample_ratio is None
+    assert load_settings({"tracing.healthy_sample_ratio": "0.25"}, {}).tracing.healthy_sample_ratio == 0.25

@@ -88,6 +88,23 @@ class Forwarding:
 
 
 @dataclass(frozen=True)
+class RequestIds:
+    headers: tuple[str, ...]  # lower-case header names, first one used when generating
+    inject_rid: bool
+
+
+@dataclass(frozen=True)
+class Tracing:
+    exporter: str  # auto | otlp | file | console | off
+    otlp_endpoint: str
+    otlp_protocol: str  # "" | grpc | http/protobuf
+    file_path: str
+    service_name: str
+    healthy_sample_ratio: float | None  # None: from OTEL_TRACES_SAMPLER, else 1.0
+    queue_spans: int
+
+
+@dataclass(frozen=True)
 class Settings:
     listen: HostPort
     upstream: UpstreamURL
@@ -98,6 +115,8 @@ class Settings:
     pool: Pool
     limits: Limits
     forwarding: Forwarding
+    request_id: RequestIds
+    tracing: Tracing
 
     def replace(self, **dotted_overrides: Any) -> Settings:
         """A copy with some keys changed, e.g. replace(**{"timeouts.connect": 1.0}); validated like any source."""
@@ -238,6 +257,48 @@ def http_url() -> Kind:
     return Kind(parse, "http://HOST[:PORT] with no path other than / (port defaults to 80)", "URL")
 
 
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def header_names() -> Kind:
+    """One or more HTTP header names, comma-separated in a flag or env var, a list in TOML."""
+
+    def parse(raw: Any) -> tuple[str, ...]:
+        items = list(raw) if isinstance(raw, (list, tuple)) else _str(raw).split(",")
+        names = tuple(_str(item).strip().lower() for item in items)
+        if not names or not all(_HEADER_NAME.fullmatch(n) for n in names):
+            raise ValueError
+        return names
+
+    return Kind(parse, 'one or more header names, e.g. ["x-request-id", "x-correlation-id"]', "NAMES")
+
+
+def choice(*options: str) -> Kind:
+    def parse(raw: Any) -> str:
+        value = _str(raw).strip().lower()
+        if value not in options:
+            raise ValueError
+        return value
+
+    return Kind(parse, "one of " + ", ".join(repr(o) for o in options), "|".join(o or '""' for o in options))
+
+
+def text() -> Kind:
+    return Kind(lambda raw: _str(raw).strip(), "a string", "TEXT")
+
+
+def ratio(*, empty: str) -> Kind:
+    def parse(raw: Any) -> float | None:
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            return None
+        value = _number(raw, float)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError
+        return value
+
+    return Kind(parse, f'a number from 0 to 1, or "" ({empty})', "RATIO")
+
+
 # --- the schema ---
 
 
@@ -309,6 +370,30 @@ SCHEMA: tuple[Setting, ...] = (
             "Forward the client's Host header; false sends the upstream's host:port instead."),
     Setting("forwarding", "x_forwarded", boolean(), True,
             "Append X-Forwarded-For, X-Forwarded-Proto and X-Forwarded-Host."),
+    Setting("request_id", "headers", header_names(), ["x-request-id"],
+            "Headers that carry the client's request id (like the router's --request-id-headers); "
+            "the first one is generated when none is present, and returned on every response."),
+    Setting("request_id", "inject_rid", boolean(), False,
+            "For JSON bodies of SGLang /generate, set the body field rid to the request id when absent, "
+            "so the engines' own logs carry it (the router keeps rid on /generate, strips it on chat)."),
+    Setting("tracing", "exporter", choice("auto", "otlp", "file", "console", "off"), "auto",
+            "Where spans go: auto = otlp when OTEL_EXPORTER_OTLP_ENDPOINT or otlp_endpoint is set, "
+            "else the local file."),
+    Setting("tracing", "otlp_endpoint", text(), "",
+            "OTLP endpoint; empty = OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT."),
+    Setting("tracing", "otlp_protocol", choice("", "grpc", "http/protobuf"), "",
+            "OTLP protocol; empty = OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL, "
+            "else http/protobuf."),
+    Setting("tracing", "file_path", text(), "traceproxy-data/spans.jsonl",
+            "The local span file (OTLP/JSON lines, as the OpenTelemetry Collector's file exporter "
+            "writes and its file receiver reads)."),
+    Setting("tracing", "service_name", text(), "",
+            "Resource service.name; empty = OTEL_SERVICE_NAME, else traceproxy."),
+    Setting("tracing", "healthy_sample_ratio", ratio(empty="from OTEL_TRACES_SAMPLER, else 1"), "",
+            "Fraction of healthy requests whose trace is kept; requests that errored or stalled are "
+            "always kept. Decided when the request ends."),
+    Setting("tracing", "queue_spans", integer(64), 8192,
+            "Spans waiting for the exporter process; beyond this new spans are dropped and counted."),
 )
 
 _SECTIONS: dict[str, tuple[type, str]] = {
@@ -316,6 +401,9 @@ _SECTIONS: dict[str, tuple[type, str]] = {
     "pool": (Pool, "Upstream connection pool."),
     "limits": (Limits, "Limits on clients and requests."),
     "forwarding": (Forwarding, "Headers sent to the upstream."),
+    "request_id": (RequestIds, "Request ids."),
+    "tracing": (Tracing, "OpenTelemetry tracing. The standard OTEL_* environment variables apply "
+                "where a key is left empty."),
 }
 _BY_DOTTED = {s.dotted: s for s in SCHEMA}
 _BY_ENV = {s.env: s for s in SCHEMA}
@@ -490,7 +578,7 @@ def _toml_value(value: Any) -> str:
 
 
 def _comment(text: str) -> list[str]:
-    return ["# " + line for line in textwrap.wrap(text, 76)]
+    return ["# " + line for line in textwrap.wrap(text, 76, break_on_hyphens=False)]
 
 
 def render_default_toml() -> str:

@@ -1,0 +1,1 @@
+"""Observers: they watch the lifecycle and never touch the proxy's sockets."""

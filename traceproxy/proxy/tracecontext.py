@@ -1,0 +1,71 @@
+"""W3C Trace Context (traceparent, tracestate, traceresponse): pure functions.
+
+Rules followed (W3C Trace Context, level 1 and level 2 for ``traceresponse``):
+a ``traceparent`` is ``version-traceid-parentid-flags`` in lowercase hex; version
+``ff`` is invalid; an all-zero trace id or parent id is invalid; version ``00`` has
+exactly four fields, later versions may append fields after a ``-``. An invalid
+value is not repaired: the receiver starts a new trace (and we keep the rejected
+value for the span). ``tracestate`` is passed on unchanged, several headers joined
+with commas.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+_HEX = frozenset(b"0123456789abcdef")
+_rand = random.getrandbits
+
+
+class TraceParent(NamedTuple):
+    trace_id: int
+    parent_span_id: int
+    sampled: bool
+
+
+def parse_traceparent(value: bytes) -> TraceParent | None:
+    """The parsed header, or None when it is invalid and a new trace must start."""
+    value = value.strip()
+    if len(value) < 55 or value[2:3] != b"-" or value[35:36] != b"-" or value[52:53] != b"-":
+        return None
+    version, trace_id, span_id, flags = value[:2], value[3:35], value[36:52], value[53:55]
+    if not _is_hex(version) or version == b"ff":
+        return None
+    if version == b"00" and len(value) != 55:
+        return None
+    if len(value) > 55 and value[55:56] != b"-":
+        return None
+    if not (_is_hex(trace_id) and _is_hex(span_id) and _is_hex(flags)):
+        return None
+    tid, sid = int(trace_id, 16), int(span_id, 16)
+    if tid == 0 or sid == 0:
+        return None
+    return TraceParent(tid, sid, bool(int(flags, 16) & 1))
+
+
+def _is_hex(part: bytes) -> bool:
+    return _HEX.issuperset(part)
+
+
+def format_traceparent(trace_id: int, span_id: int, sampled: bool) -> bytes:
+    return b"00-%032x-%016x-%s" % (trace_id, span_id, b"01" if sampled else b"00")
+
+
+def new_trace_id() -> int:
+    while True:
+        value = _rand(128)
+        if value:
+            return value
+
+
+def new_span_id() -> int:
+    while True:
+        value = _rand(64)
+        if value:
+            return value
+
+
+def new_request_id() -> str:
+    """A fresh request id: 32 lowercase hex digits, like a uuid4 without dashes."""
+    return "%032x" % _rand(128)
