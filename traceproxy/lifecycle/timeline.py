@@ -75,6 +75,7 @@ class Attempt:
     connection_request_number: int = 0
     outcome: Outcome | None = None
     error: str | None = None
+    span_id: int = 0  # this attempt's CLIENT span, the parent the upstream sees
 
     def attach(self, conn: UpstreamConnectionRecord, reused: bool, now_ns: int) -> None:
         self.connection = conn
@@ -106,6 +107,20 @@ class RequestRecord:
     outcome: Outcome | None = None
     error: str | None = None
     end_ns: int | None = None
+    # Identity: the W3C trace this request belongs to and the proxy's SERVER span.
+    trace_id: int = 0
+    span_id: int = 0
+    parent_span_id: int = 0  # the client's span, 0 when the proxy started the trace
+    sampled: bool = True
+    tracestate: bytes = b""
+    rejected_traceparent: bytes | None = None
+    request_id: str = ""
+    # Cheap evidence for span attributes, read once at the end: the first bytes of
+    # the request body and the last two upstream reads (an SSE stream's usage event
+    # and [DONE] arrive at its end).
+    request_body_head: bytes = b""
+    response_tail: tuple[bytes, bytes] = (b"", b"")
+    max_chunk_gap_ns: int = 0
     # Progress stamps overwritten on every read/write; the watchdog compares them
     # with its deadlines instead of stamping a mark per chunk.
     last_downstream_rx_ns: int | None = None

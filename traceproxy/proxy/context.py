@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from ..lifecycle.flags import Outcome
 from ..lifecycle.hooks import Fanout
 from ..lifecycle.timeline import RequestRecord
-from .headers import ForwardingContext
+from . import tracecontext as tc
+from .headers import ForwardingContext, RequestParts
 from .upstream import UpstreamPool
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ class ServerContext:
         self.in_flight: dict[int, RequestRecord] = {}
         self.shutting_down = False
         self._upstream_host = settings.upstream.authority.encode("ascii")
+        self.request_id_names = tuple(n.encode("ascii") for n in settings.request_id.headers)
+        self.request_id_header = self.request_id_names[0]
+        # Upstream copies of what we set ourselves on every response.
+        self.response_id_names = frozenset({self.request_id_header, b"traceresponse"})
 
     # -- requests ------------------------------------------------------------------
     def start_request(self, record: RequestRecord) -> None:
@@ -57,6 +62,27 @@ class ServerContext:
         self.in_flight.pop(record.id, None)
         if self.fanout.observers:
             self.fanout.done(record)
+
+    def identify(self, record: RequestRecord, parts: RequestParts | None) -> bool:
+        """Stamp the trace and request ids; True when the request id was generated here."""
+        decision = tc.continue_or_start(parts.traceparents if parts is not None else [])
+        record.trace_id, record.parent_span_id = decision.trace_id, decision.parent_span_id
+        record.sampled, record.rejected_traceparent = decision.sampled, decision.rejected
+        record.span_id = tc.new_span_id()
+        if parts is not None and decision.rejected is None and parts.tracestates:
+            record.tracestate = b",".join(parts.tracestates)
+        if parts is not None and parts.request_id is not None:
+            record.request_id = parts.request_id.decode("latin-1")
+            return False
+        record.request_id = tc.new_request_id()
+        return True
+
+    def response_ids(self, record: RequestRecord) -> list[tuple[bytes, bytes]]:
+        """Headers every response carries, the proxy's own errors included."""
+        return [
+            (self.request_id_header, record.request_id.encode("latin-1")),
+            (b"traceresponse", tc.format_traceparent(record.trace_id, record.span_id, record.sampled)),
+        ]
 
     def forwarding_for(self, client: "ClientConnection") -> ForwardingContext:
         fwd = self.settings.forwarding

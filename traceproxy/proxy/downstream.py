@@ -199,12 +199,14 @@ class ClientConnection(asyncio.Protocol):
         record.mark(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.parser.should_upgrade():
             raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
-        parts = H.parse_request_headers(self._headers, record.http_version)  # BadRequest -> data_received
+        parts = H.parse_request_headers(self._headers, record.http_version, self.ctx.request_id_names)
+        generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         if parts.expect is not None and parts.expect.strip().lower() != b"100-continue":
             raise H.BadRequest(417, "unsupported Expect value: only 100-continue is understood")
         head = RequestHead(
             record.method, self._url, parts, record.http_version == "1.1",
             self.parser.should_keep_alive() and not self.ctx.shutting_down, parts.expect is not None,
+            generated_id,
         )
         exchange = Exchange(self.ctx, self, record, head)
         self.parsing_exchange = exchange
@@ -294,7 +296,9 @@ class ClientConnection(asyncio.Protocol):
             self.ctx.start_request(record)
         self.parsing = None
         record.status = status
-        self.write(error_response(status, outcome, reason, keep_alive=False))
+        if not record.trace_id:
+            self.ctx.identify(record, None)
+        self.write(error_response(status, outcome, reason, keep_alive=False, extra=self.ctx.response_ids(record)))
         self.ctx.end_request(record, outcome, reason)
         self.close()
 

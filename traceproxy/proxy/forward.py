@@ -29,6 +29,7 @@ from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import Mark
 from ..lifecycle.timeline import RequestRecord
 from . import headers as H
+from . import tracecontext as tc
 from .local_reply import error_response
 
 if TYPE_CHECKING:
@@ -43,13 +44,15 @@ PENDING_HIGH_WATER = 256 * 1024
 # client's unsent bytes do not make our kernel reset the connection and destroy
 # the error reply before the client reads it.
 LINGER_MAX_BYTES = 8 * 1024 * 1024
+# The start of the request body kept for span attributes (model, stream, max_tokens).
+BODY_HEAD_BYTES = 8192
 LINGER_MAX_SECONDS = 2.0
 
 
 class RequestHead:
-    __slots__ = ("method", "target", "parts", "framing", "http11", "keep_alive", "expect_continue")
+    __slots__ = ("method", "target", "parts", "framing", "http11", "keep_alive", "expect_continue", "generated_id")
 
-    def __init__(self, method, target, parts, http11, keep_alive, expect_continue):
+    def __init__(self, method, target, parts, http11, keep_alive, expect_continue, generated_id=False):
         self.method: str = method
         self.target: bytes = target
         self.parts: H.RequestParts = parts
@@ -57,6 +60,7 @@ class RequestHead:
         self.http11: bool = http11
         self.keep_alive: bool = keep_alive
         self.expect_continue: bool = expect_continue
+        self.generated_id: bool = generated_id  # the request id is ours: send it upstream
 
 
 class Exchange:
@@ -69,11 +73,11 @@ class Exchange:
         self.connect_task: asyncio.Task | None = None
         # Bytes for the upstream not yet written (no connection yet), and bytes
         # written on the current attempt (kept for one resend; None once too big).
+        # Body bytes for the upstream not yet written (no connection yet). The head
+        # is built per attempt, when a connection is ready: each attempt sends its
+        # own CLIENT span as the traceparent parent.
         self.pending: list[bytes] = []
         self.pending_size = 0
-        # The head goes first, even when a pipelined request's body arrives
-        # before its exchange starts.
-        self._queue_upstream(H.upstream_request_head(head.method, head.target, head.parts, client.forwarding))
         self.sent_log: list[bytes] | None = []
         self.sent_size = 0
         self.request_complete = False
@@ -122,11 +126,26 @@ class Exchange:
         self.upstream = conn
         conn.begin_response(self, head_only=self.head.method == "HEAD")
         self._stamp(Mark.FIRST_UPSTREAM_TX_BYTE, now)
+        self._upstream_out.append(self._upstream_head())
         data, self.pending, self.pending_size = self.pending, [], 0
-        self._send_upstream(b"".join(data))
+        if data:
+            self._send_upstream(b"".join(data))
+        elif not self.client.feeding:
+            self.flush_upstream()
         if self.request_complete:
             self._stamp(Mark.LAST_UPSTREAM_TX_BYTE, now)
         self.client.resume_reading("pending")
+
+    def _upstream_head(self) -> bytes:
+        record, attempt = self.record, self.record.attempt
+        attempt.span_id = tc.new_span_id()
+        extra = [(b"traceparent", tc.format_traceparent(record.trace_id, attempt.span_id, record.sampled))]
+        if record.tracestate:
+            extra.append((b"tracestate", record.tracestate))
+        if self.head.generated_id:
+            extra.append((self.ctx.request_id_header, record.request_id.encode("latin-1")))
+        head = self.head
+        return H.upstream_request_head(head.method, head.target, head.parts, self.client.forwarding, extra)
 
     def upstream_connect_failed(self, error: str) -> None:
         self.connect_task = None
@@ -143,6 +162,8 @@ class Exchange:
         record = self.record
         record.downstream_rx_body_bytes += len(data)
         record.last_downstream_rx_ns = time.monotonic_ns()
+        if len(record.request_body_head) < BODY_HEAD_BYTES:
+            record.request_body_head += data[: BODY_HEAD_BYTES - len(record.request_body_head)]
         framed = H.chunk(data) if self.head.framing.chunked else data
         if self.upstream is not None:
             self._send_upstream(framed)
@@ -223,9 +244,11 @@ class Exchange:
             self.head.keep_alive and self.request_complete and framing != H.ResponseFraming.CLOSE
             and not self.client.closing
         )
+        ours = self.ctx.response_id_names
+        headers = [p for p in parts.end_to_end if p[0].lower() not in ours]
         head = H.client_response_head(
-            status, reason, parts.end_to_end, framing, length, self.keep_client_alive, self.head.http11,
-            keepalive_timeout=self.ctx.advertised_keepalive,
+            status, reason, headers, framing, length, self.keep_client_alive, self.head.http11,
+            extra=self.ctx.response_ids(record), keepalive_timeout=self.ctx.advertised_keepalive,
         )
         self._client_out.append(head)
         self.response_started = True
@@ -244,6 +267,9 @@ class Exchange:
         if record.upstream_rx_chunks == 0:
             self._stamp(Mark.FIRST_UPSTREAM_RX_BODY_BYTE, now)
             self._stamp(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE, now)
+        elif now - record.last_upstream_rx_ns > record.max_chunk_gap_ns:
+            record.max_chunk_gap_ns = now - record.last_upstream_rx_ns
+        record.response_tail = (record.response_tail[1], data)
         record.upstream_rx_chunks += 1
         record.upstream_rx_body_bytes += len(data)
         record.last_upstream_rx_ns = now
@@ -377,7 +403,8 @@ class Exchange:
                 linger = outcome not in (Flag.DBT, Flag.DPE)
                 self.keep_client_alive = self.keep_client_alive and linger and self._rest_of_body_drainable()
             status = outcome.local_status or 502
-            self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11))
+            self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
+                                             extra=self.ctx.response_ids(self.record)))
             self.record.status = status
         else:
             # The response already started: end it short so the client can tell.

@@ -61,14 +61,21 @@ class RequestParts:
     # End-to-end headers in order: no hop-by-hop, framing, Expect or X-Forwarded-*.
     end_to_end: Headers
     forwarded: Headers  # the client's own X-Forwarded-* headers, as sent
+    traceparents: list[bytes]  # removed from end_to_end: the proxy sends its own
+    tracestates: list[bytes]  # removed from end_to_end: forwarded only with a valid traceparent
+    request_id: bytes | None  # the first configured request-id header present (kept in end_to_end)
 
 
 # Connection tokens that never name another header field.
 _NOT_NAMES = HOP_BY_HOP | {b"close"}
-_REQUEST_SPECIAL = HOP_BY_HOP | _FRAMING | _FORWARDED | {b"host", b"expect"}
+_TRACE = frozenset({b"traceparent", b"tracestate"})
+_REQUEST_SPECIAL = HOP_BY_HOP | _FRAMING | _FORWARDED | _TRACE | {b"host", b"expect"}
+DEFAULT_REQUEST_ID_NAMES = (b"x-request-id",)
 
 
-def parse_request_headers(headers: Headers, http_version: str = "1.1") -> RequestParts:
+def parse_request_headers(
+    headers: Headers, http_version: str = "1.1", request_id_names: tuple[bytes, ...] = DEFAULT_REQUEST_ID_NAMES
+) -> RequestParts:
     """One pass over the request headers; raises ``BadRequest`` for anything ambiguous.
 
     Framing follows RFC 9112 section 6: Content-Length with Transfer-Encoding,
@@ -81,11 +88,20 @@ def parse_request_headers(headers: Headers, http_version: str = "1.1") -> Reques
     hosts: list[bytes] = []
     listed: set[bytes] = set()
     forwarded: Headers = []
+    traceparents: list[bytes] = []
+    tracestates: list[bytes] = []
+    request_ids: dict[bytes, bytes] = {}
     expect = None
     for name, value in headers:
         lname = name.lower()
         if lname not in _REQUEST_SPECIAL:
             kept.append((name, value))
+            if lname in request_id_names:
+                request_ids.setdefault(lname, value)
+        elif lname == b"traceparent":
+            traceparents.append(value)
+        elif lname == b"tracestate":
+            tracestates.append(value)
         elif lname == b"content-length":
             lengths.extend(v.strip() for v in value.split(b","))
         elif lname == b"transfer-encoding":
@@ -106,7 +122,9 @@ def parse_request_headers(headers: Headers, http_version: str = "1.1") -> Reques
     if not hosts and http_version == "1.1":
         raise BadRequest(400, "missing Host header")
     framing = _framing(lengths, codings, http_version)
-    return RequestParts(framing, hosts[0] if hosts else None, expect, kept, forwarded)
+    request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
+    return RequestParts(framing, hosts[0] if hosts else None, expect, kept, forwarded,
+                        traceparents, tracestates, request_id)
 
 
 def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> RequestFraming:

@@ -69,3 +69,20 @@ def new_span_id() -> int:
 def new_request_id() -> str:
     """A fresh request id: 32 lowercase hex digits, like a uuid4 without dashes."""
     return "%032x" % _rand(128)
+
+
+class TraceDecision(NamedTuple):
+    trace_id: int
+    parent_span_id: int  # 0 when a new trace starts here
+    sampled: bool
+    rejected: bytes | None  # the invalid traceparent value(s), kept for the span
+
+
+def continue_or_start(traceparents: list[bytes]) -> TraceDecision:
+    """Continue exactly one valid incoming traceparent; otherwise start a new trace."""
+    if len(traceparents) == 1:
+        parsed = parse_traceparent(traceparents[0])
+        if parsed is not None:
+            return TraceDecision(parsed.trace_id, parsed.parent_span_id, parsed.sampled, None)
+    rejected = b", ".join(traceparents) if traceparents else None
+    return TraceDecision(new_trace_id(), 0, True, rejected)

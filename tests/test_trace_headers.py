@@ -1,0 +1,144 @@
+"""Trace identity on the wire: W3C traceparent continued or started, tracestate
+passed on, request ids kept or generated, and both returned on every response."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from traceproxy.proxy import tracecontext as tc
+
+from .support import RawClient, header_value, raw_exchange
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+VALID = f"00-{TRACE}-{PARENT}-01"
+
+PARSE_TABLE = [
+    ("valid-sampled", VALID.encode(), (int(TRACE, 16), int(PARENT, 16), True)),
+    ("valid-not-sampled", f"00-{TRACE}-{PARENT}-00".encode(), (int(TRACE, 16), int(PARENT, 16), False)),
+    ("future-version-extra-field", f"cc-{TRACE}-{PARENT}-01-what".encode(), (int(TRACE, 16), int(PARENT, 16), True)),
+    ("version-ff", f"ff-{TRACE}-{PARENT}-01".encode(), None),
+    ("zero-trace-id", f"00-{'0' * 32}-{PARENT}-01".encode(), None),
+    ("zero-parent-id", f"00-{TRACE}-{'0' * 16}-01".encode(), None),
+    ("uppercase", f"00-{TRACE.upper()}-{PARENT}-01".encode(), None),
+    ("version-00-extra-field", f"00-{TRACE}-{PARENT}-01-x".encode(), None),
+    ("short", b"00-abc-def-01", None),
+    ("not-hex", f"00-{'z' * 32}-{PARENT}-01".encode(), None),
+]
+
+
+@pytest.mark.parametrize("value,expected", [(v, e) for _, v, e in PARSE_TABLE], ids=[i for i, _, _ in PARSE_TABLE])
+def test_traceparent_parsing_follows_w3c(value, expected):
+    parsed = tc.parse_traceparent(value)
+    assert (tuple(parsed) if parsed else None) == expected
+
+
+def test_two_traceparent_headers_start_a_new_trace():
+    decision = tc.continue_or_start([VALID.encode(), VALID.encode()])
+    assert decision.trace_id != int(TRACE, 16) and decision.rejected
+
+
+def _recording_upstream(scripted_upstream):
+    async def handler(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Request-Id: upstream-echo\r\n\r\nok")
+            await writer.drain()
+
+    return scripted_upstream(handler)
+
+
+def _upstream_head(up, index=0) -> bytes:
+    return bytes(up.received[index]).split(b"\r\n\r\n")[0]
+
+
+def test_new_trace_and_request_id_when_the_client_sends_none(scripted_upstream, start_proxy):
+    up = _recording_upstream(scripted_upstream)
+    proxy = start_proxy(up.url)
+    resp = RawClient(proxy.port).roundtrip("GET", "/v1/models")
+    head = _upstream_head(up)
+    sent = tc.parse_traceparent(header_value(head, b"traceparent"))
+    assert sent is not None and sent.sampled
+    request_id = header_value(head, b"x-request-id").decode()
+    assert len(request_id) == 32
+    assert resp.headers["x-request-id"] == request_id  # ours replaces the upstream's echo
+    returned = tc.parse_traceparent(resp.headers["traceresponse"].encode())
+    assert returned.trace_id == sent.trace_id
+    assert returned.parent_span_id != sent.parent_span_id  # SERVER span vs the CLIENT span upstream
+
+
+def test_valid_traceparent_is_continued_with_the_proxy_span_as_parent(scripted_upstream, start_proxy):
+    up = _recording_upstream(scripted_upstream)
+    proxy = start_proxy(up.url)
+    resp = RawClient(proxy.port).roundtrip(
+        "GET", "/", headers=[("traceparent", VALID), ("tracestate", "vendor=abc"), ("x-request-id", "client-id-1")])
+    head = _upstream_head(up)
+    sent = tc.parse_traceparent(header_value(head, b"traceparent"))
+    assert sent.trace_id == int(TRACE, 16) and sent.parent_span_id != int(PARENT, 16)
+    assert head.count(b"traceparent") == 1
+    assert header_value(head, b"tracestate") == b"vendor=abc"
+    assert header_value(head, b"x-request-id") == b"client-id-1"
+    assert resp.headers["x-request-id"] == "client-id-1"
+    assert resp.headers["traceresponse"].split("-")[1] == TRACE
+
+
+def test_malformed_traceparent_starts_a_new_trace_and_drops_tracestate(scripted_upstream, start_proxy):
+    up = _recording_upstream(scripted_upstream)
+    proxy = start_proxy(up.url)
+    RawClient(proxy.port).roundtrip("GET", "/", headers=[("traceparent", "00-nonsense"), ("tracestate", "a=b")])
+    head = _upstream_head(up)
+    sent = tc.parse_traceparent(header_value(head, b"traceparent"))
+    assert sent is not None and sent.trace_id != int(TRACE, 16)
+    assert header_value(head, b"tracestate") is None
+
+
+def test_configured_request_id_headers(scripted_upstream, start_proxy):
+    up = _recording_upstream(scripted_upstream)
+    proxy = start_proxy(up.url, **{"request_id.headers": ["x-request-id", "x-correlation-id"]})
+    resp = RawClient(proxy.port).roundtrip("GET", "/", headers=[("X-Correlation-Id", "corr-7")])
+    head = _upstream_head(up)
+    assert header_value(head, b"x-correlation-id") == b"corr-7"
+    assert header_value(head, b"x-request-id") is None  # one id is enough; none generated
+    assert resp.headers["x-request-id"] == "corr-7"
+
+
+def test_proxy_errors_carry_the_ids(start_proxy):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    proxy = start_proxy(f"http://127.0.0.1:{dead}")
+    resp = RawClient(proxy.port).roundtrip("GET", "/", headers=[("traceparent", VALID), ("x-request-id", "rid-9")])
+    assert resp.status == 502
+    assert resp.headers["x-request-id"] == "rid-9" and resp.headers["traceresponse"].split("-")[1] == TRACE
+    reply = raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nHost: a\r\nBad\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400 ")
+    assert header_value(reply, b"x-request-id") and header_value(reply, b"traceresponse")
+
+
+def test_a_resend_is_a_new_client_span_in_the_same_trace(scripted_upstream, start_proxy):
+    async def drops_second(reader, writer, upstream):
+        if upstream.connections == 1:
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await reader.read_request()
+            writer.transport.abort()
+            return
+        while True:
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+
+    up = scripted_upstream(drops_second)
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    client.roundtrip("GET", "/first")
+    assert client.roundtrip("GET", "/second", headers=[("traceparent", VALID)]).status == 200
+    stale_try = bytes(up.received[0]).split(b"GET /second")[1]
+    resend = bytes(up.received[1])
+    first = tc.parse_traceparent(header_value(b"X\r\n" + stale_try, b"traceparent"))
+    second = tc.parse_traceparent(header_value(resend, b"traceparent"))
+    assert first.trace_id == second.trace_id == int(TRACE, 16)
+    assert first.parent_span_id != second.parent_span_id
