@@ -115,6 +115,7 @@ class RequestRecord:
     tracestate: bytes = b""
     rejected_traceparent: bytes | None = None
     request_id: str = ""
+    user_agent: str = ""
     # Cheap evidence for span attributes, read once at the end: the first bytes of
     # the request body and the last two upstream reads (an SSE stream's usage event
     # and [DONE] arrive at its end).

@@ -53,14 +53,14 @@ class ServerContext:
     # -- requests ------------------------------------------------------------------
     def start_request(self, record: RequestRecord) -> None:
         self.in_flight[record.id] = record
-        if self.fanout.observers:
+        if self.fanout.start_observers:
             self.fanout.request_start(record)
 
     def end_request(self, record: RequestRecord, outcome: Outcome, error: str | None) -> None:
         """The only way a request ends: outcome stamped once, observers told once."""
         record.finish(outcome, time.monotonic_ns(), error)
         self.in_flight.pop(record.id, None)
-        if self.fanout.observers:
+        if self.fanout.done_observers:
             self.fanout.done(record)
 
     def identify(self, record: RequestRecord, parts: RequestParts | None) -> bool:
@@ -69,6 +69,8 @@ class ServerContext:
         record.trace_id, record.parent_span_id = decision.trace_id, decision.parent_span_id
         record.sampled, record.rejected_traceparent = decision.sampled, decision.rejected
         record.span_id = tc.new_span_id()
+        if parts is not None and parts.user_agent is not None:
+            record.user_agent = parts.user_agent.decode("latin-1")
         if parts is not None and decision.rejected is None and parts.tracestates:
             record.tracestate = b",".join(parts.tracestates)
         if parts is not None and parts.request_id is not None:

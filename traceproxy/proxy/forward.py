@@ -503,11 +503,11 @@ class Exchange:
     # ---------------------------------------------------------------------------
     def _stamp(self, mark: Mark, now: int | None = None) -> None:
         self.record.mark(mark, time.monotonic_ns() if now is None else now)
-        if self.ctx.fanout.observers:
+        if self.ctx.fanout.mark_observers:
             self.ctx.fanout.mark(self.record, mark)
 
     def _stamp_once(self, mark: Mark, now: int) -> None:
-        if self.record.mark_once(mark, now) and self.ctx.fanout.observers:
+        if self.record.mark_once(mark, now) and self.ctx.fanout.mark_observers:
             self.ctx.fanout.mark(self.record, mark)
 
     def _where(self, attempt) -> str:

@@ -64,6 +64,7 @@ class RequestParts:
     traceparents: list[bytes]  # removed from end_to_end: the proxy sends its own
     tracestates: list[bytes]  # removed from end_to_end: forwarded only with a valid traceparent
     request_id: bytes | None  # the first configured request-id header present (kept in end_to_end)
+    user_agent: bytes | None
 
 
 # Connection tokens that never name another header field.
@@ -91,13 +92,15 @@ def parse_request_headers(
     traceparents: list[bytes] = []
     tracestates: list[bytes] = []
     request_ids: dict[bytes, bytes] = {}
-    expect = None
+    expect = user_agent = None
     for name, value in headers:
         lname = name.lower()
         if lname not in _REQUEST_SPECIAL:
             kept.append((name, value))
             if lname in request_id_names:
                 request_ids.setdefault(lname, value)
+            elif lname == b"user-agent":
+                user_agent = value
         elif lname == b"traceparent":
             traceparents.append(value)
         elif lname == b"tracestate":
@@ -124,7 +127,7 @@ def parse_request_headers(
     framing = _framing(lengths, codings, http_version)
     request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
     return RequestParts(framing, hosts[0] if hosts else None, expect, kept, forwarded,
-                        traceparents, tracestates, request_id)
+                        traceparents, tracestates, request_id, user_agent)
 
 
 def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> RequestFraming:

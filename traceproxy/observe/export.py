@@ -1,0 +1,296 @@
+"""Parent side of span export: hand spans to a separate exporter process, never block.
+
+The proxy's event loop cannot afford OTLP encoding (the SDK encoder costs about twice
+what proxying a request does), so spans leave as pickled batches of ``SpanData``
+over a pipe to ``python -m traceproxy.observe.exporter_main``, which encodes and
+exports them.
+
+Theory of operation:
+- ``submit`` appends to the current batch (O(1)). A full batch (``batch_spans``), a
+  timer (``flush_interval`` after the batch's first span) or ``submit_now`` sends
+  it: pickle, length prefix, one ``transport.write`` on a non-blocking pipe.
+- The one bounded queue is the pipe transport's user-space buffer. It is bounded in
+  spans, not bytes: every frame written is remembered as (end offset in the stream,
+  span count), and ``get_write_buffer_size()`` tells how much of the stream has not
+  reached the kernel yet, hence which frames still wait. A batch that would push the
+  waiting spans past ``queue_spans`` is dropped and counted. (A byte high-water mark
+  would only be a guess: a span's pickled size depends on its attributes.) On top of
+  that queue: at most one partial batch, and the kernel's pipe buffer (64 KiB).
+- The child exports one batch at a time and buffers nothing else, so a slow, down
+  or black-holing collector fills the pipe and then this queue; only drops follow.
+- If the child dies, spans are dropped and counted from then on; it is not
+  restarted (a crash would most likely repeat, e.g. a bad endpoint or an OOM kill).
+  One warning is logged, and ``stats["exporter_alive"]`` turns False for health
+  checks. Spans already in the queue when it dies are lost with it, uncounted.
+- ``stop`` flushes, closes the pipe (EOF: the child exports what is left and exits)
+  and waits; past its deadline it sends SIGTERM, then SIGKILL. It never hangs.
+- The child gets no inherited descriptors but its stdin and the stats pipe
+  (``close_fds``), so it never holds the proxy's listening sockets.
+
+All methods run on the event loop's thread; none is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+
+import traceproxy
+
+from .export_wire import ExportConfig, encode_frame, parse_stats_line
+from .spandata import SpanData
+
+__all__ = ["ExportConfig", "SpanExportPipe"]
+
+log = logging.getLogger("traceproxy.export")
+CHILD_MODULE = "traceproxy.observe.exporter_main"
+# Of stop()'s timeout, the part kept for SIGTERM/SIGKILL after draining overran.
+KILL_RESERVE_SHARE, KILL_RESERVE_MAX = 0.25, 1.0
+
+
+class SpanExportPipe:
+    """Parent side. Never blocks the event loop; bounded; counts drops."""
+
+    def __init__(self, config: ExportConfig) -> None:
+        self.config = config
+        self._batch: list[SpanData] = []
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.WriteTransport | None = None
+        self._writer_lost = False
+        self._waiting = _WaitingFrames()
+        self._stats_reader: _StatsProtocol | None = None
+        self._exit_watch: asyncio.Task | None = None
+        self._accepting = False
+        self._stopping = False
+        self._submitted = 0
+        self._dropped = 0
+
+    # ------------------------------------------------------------------ start
+    async def start(self) -> None:
+        if self._loop is not None:
+            raise RuntimeError("SpanExportPipe.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        if self.config.exporter == "off":
+            return
+        data_read, data_write = os.pipe()
+        stats_read, stats_write = os.pipe()
+        try:
+            self._process = await self._spawn(data_read, stats_write)
+        finally:
+            os.close(data_read)
+            os.close(stats_write)
+        await self._connect_pipes(data_write, stats_read)
+        self._exit_watch = self._loop.create_task(self._watch_exit())
+        self._accepting = True
+
+    async def _spawn(self, stdin_fd: int, stats_fd: int) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            CHILD_MODULE,
+            self.config.to_json(),
+            str(stats_fd),
+            stdin=stdin_fd,
+            pass_fds=(stats_fd,),
+            close_fds=True,
+            env=_child_environment(),
+        )
+
+    async def _connect_pipes(self, data_fd: int, stats_fd: int) -> None:
+        self._writer, _ = await self._loop.connect_write_pipe(
+            lambda: _WriterProtocol(self), open(data_fd, "wb", buffering=0)
+        )
+        self._stats_reader = _StatsProtocol()
+        await self._loop.connect_read_pipe(lambda: self._stats_reader, open(stats_fd, "rb", buffering=0))
+
+    async def _watch_exit(self) -> None:
+        code = await self._process.wait()
+        if not self._stopping:
+            log.warning("span exporter process %d exited (code %s); spans are dropped from now on",
+                        self._process.pid, code)
+        self._accepting = False
+
+    # ----------------------------------------------------------------- submit
+    def submit(self, spans: Iterable[SpanData]) -> None:
+        if not self._accepting:
+            self._drop_uncollected(spans)
+            return
+        before = len(self._batch)
+        self._batch.extend(spans)
+        self._submitted += len(self._batch) - before
+        if len(self._batch) >= self.config.batch_spans:
+            self._flush()
+        elif self._flush_timer is None:
+            self._flush_timer = self._loop.call_later(self.config.flush_interval, self._flush)
+
+    def submit_now(self, spans: Iterable[SpanData]) -> None:
+        """Like ``submit``, then send at once: for spans that must be seen while a request still hangs."""
+        self.submit(spans)
+        self._flush()
+
+    def _drop_uncollected(self, spans: Iterable[SpanData]) -> None:
+        if self.config.exporter == "off":
+            return
+        count = sum(1 for _ in spans)
+        self._submitted += count
+        self._dropped += count
+
+    def _flush(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        if not self._accepting or self._writer_lost or not self._has_room_for(len(batch)):
+            self._dropped += len(batch)
+            return
+        frame = encode_frame(batch)
+        self._writer.write(frame)
+        self._waiting.add(len(frame), len(batch))
+
+    def _has_room_for(self, count: int) -> bool:
+        self._waiting.settle(self._writer.get_write_buffer_size())
+        return self._waiting.spans + count <= self.config.queue_spans
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    @property
+    def stats(self) -> dict:
+        child = self._stats_reader.latest if self._stats_reader else {"exported": 0, "failed": 0}
+        if self._writer is not None and not self._writer_lost:
+            self._waiting.settle(self._writer.get_write_buffer_size())
+        return {
+            "spans_submitted": self._submitted,
+            "spans_dropped": self._dropped,
+            "spans_queued": len(self._batch) + self._waiting.spans,
+            "spans_exported": child["exported"],
+            "spans_failed": child["failed"],
+            "exporter_alive": self._child_alive(),
+        }
+
+    def _child_alive(self) -> bool:
+        return self._process is not None and self._process.returncode is None and not self._writer_lost
+
+    # ------------------------------------------------------------------- stop
+    async def stop(self, timeout: float = 5.0) -> None:
+        if self._process is None or self._stopping:
+            return
+        deadline = self._loop.time() + timeout
+        self._flush()
+        self._stopping = True
+        self._accepting = False
+        self._writer.close()  # EOF for the child once the buffer has drained
+        reserve = min(timeout * KILL_RESERVE_SHARE, KILL_RESERVE_MAX)
+        if not await self._exited_by(deadline - reserve):
+            self._signal_child("terminate")
+            if not await self._exited_by(deadline - reserve / 2):
+                self._signal_child("kill")
+                await self._exited_by(deadline)
+        await self._stats_reader.wait_closed(max(0.0, deadline - self._loop.time()))
+        self._release()
+
+    async def _exited_by(self, when: float) -> bool:
+        if self._process.returncode is not None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exit_watch), max(0.0, when - self._loop.time()))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _signal_child(self, how: str) -> None:
+        log.warning("span exporter process %d did not finish in time: %s", self._process.pid, how)
+        try:
+            getattr(self._process, how)()
+        except ProcessLookupError:
+            pass
+
+    def _release(self) -> None:
+        self._writer.abort()  # drops whatever a dead or killed child never read
+        self._stats_reader.close()
+        if not self._exit_watch.done():
+            self._exit_watch.cancel()
+
+
+class _WaitingFrames:
+    """Frames written to the transport that have not reached the kernel yet."""
+
+    def __init__(self) -> None:
+        self._frames: deque[tuple[int, int]] = deque()  # (stream offset of the frame's end, spans)
+        self._written = 0
+        self.spans = 0
+
+    def add(self, nbytes: int, nspans: int) -> None:
+        self._written += nbytes
+        self._frames.append((self._written, nspans))
+        self.spans += nspans
+
+    def settle(self, still_buffered: int) -> None:
+        delivered = self._written - still_buffered
+        while self._frames and self._frames[0][0] <= delivered:
+            self.spans -= self._frames.popleft()[1]
+
+
+class _WriterProtocol(asyncio.BaseProtocol):
+    def __init__(self, pipe: SpanExportPipe) -> None:
+        self._pipe = pipe
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The child closed its end (died) or we closed ours; either way no more writes.
+        self._pipe._writer_lost = True
+
+
+class _StatsProtocol(asyncio.Protocol):
+    """Reads the child's JSON stats lines; keeps the latest counts."""
+
+    def __init__(self) -> None:
+        self.latest = {"exported": 0, "failed": 0}
+        self._partial = b""
+        self._transport: asyncio.ReadTransport | None = None
+        self._closed = asyncio.Event()
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            counts = parse_stats_line(line)
+            if counts is not None:
+                self.latest = {key: max(value, self.latest[key]) for key, value in counts.items()}
+
+    def eof_received(self) -> None:
+        self._closed.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed.set()
+
+    async def wait_closed(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._closed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _child_environment() -> dict[str, str]:
+    """The proxy's environment, plus the directory this traceproxy was imported from
+    first on PYTHONPATH, so the child runs the same code whatever the working directory."""
+    env = dict(os.environ)
+    package_root = str(Path(traceproxy.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env

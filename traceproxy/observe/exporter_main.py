@@ -1,0 +1,123 @@
+"""The exporter process: batches of spans in on stdin, OTLP (or a file, or stderr) out.
+
+Run as ``python -m traceproxy.observe.exporter_main CONFIG_JSON STATS_FD`` by
+``SpanExportPipe`` (traceproxy/observe/export.py); the framing and the stats lines
+are in ``export_wire.py``.
+
+Theory of operation:
+- One loop on the main thread: read a frame, export it, repeat. The child buffers
+  nothing beyond the batch in hand, so a slow or black-holing collector shows up as
+  a full pipe, and the parent (the one bounded queue in the system) drops and
+  counts. Memory here is bounded by one batch. Each export is bounded by the OTel
+  SDK exporter's own timeout, retries included (``export_timeout`` unless an
+  ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` variable is set).
+- EOF on stdin (the parent's ``stop()``, or the parent died) means: export what is
+  left, shut the exporter down, send the final stats line, exit 0. The child never
+  outlives its parent by more than the export in progress.
+- A thread sends cumulative ``{"exported", "failed"}`` counts once a second when
+  they changed; SIGTERM sends them once more and exits at once (the parent uses it
+  when draining overran its deadline).
+- SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and the
+  parent's orderly stop, not the signal, should end this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+from .export_wire import ExportConfig, read_frame, stats_line
+
+log = logging.getLogger("traceproxy.exporter")
+STATS_INTERVAL = 1.0
+
+
+class Counters:
+    """Spans handed to a sink; written by the main thread only."""
+
+    def __init__(self) -> None:
+        self.exported = 0
+        self.failed = 0
+
+
+class StatsReporter:
+    def __init__(self, fd: int, counters: Counters) -> None:
+        self._fd, self._counters = fd, counters
+        self._stopping = threading.Event()
+        self._last_sent: tuple[int, int] | None = None
+        self._thread = threading.Thread(target=self._report_periodically, name="stats", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self) -> None:
+        counts = (self._counters.exported, self._counters.failed)
+        try:
+            os.write(self._fd, stats_line(*counts))
+        except OSError:
+            pass  # the parent is gone or stopped listening; nothing to tell
+        self._last_sent = counts
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(STATS_INTERVAL * 2)
+        self.send()
+
+    def _report_periodically(self) -> None:
+        while not self._stopping.wait(STATS_INTERVAL):
+            if (self._counters.exported, self._counters.failed) != self._last_sent:
+                self.send()
+
+
+def pump(stream, sink, counters: Counters) -> None:
+    while (batch := read_frame(stream)) is not None:
+        if export_batch(sink, batch):
+            counters.exported += len(batch)
+        else:
+            counters.failed += len(batch)
+
+
+def export_batch(sink, batch: list) -> bool:
+    try:
+        return sink.export(batch)
+    except Exception:  # one bad batch must not end the exporter
+        log.exception("exporting %d spans failed", len(batch))
+        return False
+
+
+def terminate_on_sigterm(reporter: StatsReporter) -> None:
+    def on_sigterm(signum, frame):
+        reporter.send()
+        os._exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def main(argv: list[str]) -> int:
+    config_json, stats_fd = argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.WARNING, format="traceproxy-exporter[%(process)d] %(levelname)s %(name)s: %(message)s"
+    )
+    counters = Counters()
+    reporter = StatsReporter(int(stats_fd), counters)
+    terminate_on_sigterm(reporter)
+    reporter.start()
+    sink = None
+    try:
+        from .export_sinks import make_sink
+
+        sink = make_sink(ExportConfig.from_json(config_json))
+        pump(sys.stdin.buffer, sink, counters)
+    finally:
+        if sink is not None:
+            sink.shutdown()
+        reporter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

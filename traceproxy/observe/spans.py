@@ -1,0 +1,300 @@
+"""From a finished request to its spans, in two steps on two sides of a pipe.
+
+``summarize`` runs in the proxy process, once per request, and only copies what the
+spans need into a flat tuple (cheap: no formatting, no JSON). ``spans_for`` runs in
+the exporter process and builds the SERVER span, one CLIENT span per upstream
+attempt, the marks as span events and every attribute, including the GenAI ones
+parsed from the kept request and response bytes.
+
+Times: marks are monotonic nanoseconds; ``clock_offset_ns`` (unix minus monotonic,
+read by the proxy) turns them into wall-clock times here, at export.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import NamedTuple
+
+from ..lifecycle.flags import BY_CODE
+from ..lifecycle.marks import UPSTREAM_MARKS, Mark
+from ..lifecycle.timeline import RequestRecord
+from . import semconv as sc
+from .spandata import KIND_CLIENT, KIND_SERVER, STATUS_ERROR, STATUS_UNSET, SpanData, SpanEvent
+
+DOWNSTREAM_ORDER = tuple(m for m in Mark if m not in UPSTREAM_MARKS)
+UPSTREAM_ORDER = tuple(m for m in Mark if m in UPSTREAM_MARKS)
+TAIL_BYTES = 4096
+
+# Routes named in span names: low-cardinality paths of OpenAI and SGLang servers.
+KNOWN_ROUTES = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/generate",
+    "/health", "/health_generate", "/get_model_info", "/get_server_info", "/server_info", "/model_info",
+    "/v1/responses", "/metrics",
+})
+_OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/generate": "text_completion",
+               "/v1/embeddings": "embeddings", "/v1/responses": "chat"}
+
+
+class AttemptSummary(NamedTuple):
+    span_id: int
+    index: int
+    connection_id: int
+    reused: bool
+    idle_age_ns: int
+    connection_request_number: int
+    marks: tuple[int, ...]  # UPSTREAM_ORDER, 0 = not reached
+    outcome: str  # "" when the attempt was the request's last
+    error: str
+
+
+class RequestSummary(NamedTuple):
+    trace_id: int
+    span_id: int
+    parent_span_id: int
+    sampled: bool
+    tracestate: str
+    rejected_traceparent: str
+    request_id: str
+    method: str
+    target: str
+    http_version: str
+    status: int
+    outcome: str
+    error: str
+    start_ns: int
+    end_ns: int
+    clock_offset_ns: int
+    marks: tuple[int, ...]  # DOWNSTREAM_ORDER, 0 = not reached
+    client_peer: str
+    client_connection_id: int
+    sequence: int
+    idle_gap_ns: int  # -1 for the first request on a connection
+    user_agent: str
+    server: tuple[str, int]  # the proxy's listen address
+    upstream: tuple[str, int]
+    request_body_bytes: int
+    response_body_bytes: int
+    chunks: int
+    max_chunk_gap_ns: int
+    request_body_head: bytes
+    response_tail: bytes
+    attempts: tuple[AttemptSummary, ...]
+
+
+def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
+              upstream: tuple[str, int]) -> RequestSummary:
+    marks = record.marks
+    previous, last = record.response_tail
+    tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if previous else last[-TAIL_BYTES:]
+    return RequestSummary(
+        record.trace_id, record.span_id, record.parent_span_id, record.sampled,
+        record.tracestate.decode("latin-1"), (record.rejected_traceparent or b"").decode("latin-1"),
+        record.request_id, record.method, record.target, record.http_version, record.status or 0,
+        record.outcome.code, record.error or "", marks.get(Mark.FIRST_DOWNSTREAM_RX_BYTE) or record.end_ns,
+        record.end_ns, clock_offset_ns, tuple(marks.get(m, 0) for m in DOWNSTREAM_ORDER),
+        record.connection.peer, record.connection.id, record.sequence,
+        -1 if record.idle_gap_ns is None else record.idle_gap_ns, record.user_agent, server, upstream,
+        record.downstream_rx_body_bytes, record.downstream_tx_body_bytes, record.upstream_rx_chunks,
+        record.max_chunk_gap_ns, record.request_body_head, tail,
+        tuple(_summarize_attempt(a) for a in record.attempts),
+    )
+
+
+def _summarize_attempt(attempt) -> AttemptSummary:
+    conn = attempt.connection
+    return AttemptSummary(
+        attempt.span_id, attempt.index, conn.id if conn else 0, attempt.reused, attempt.idle_age_ns,
+        attempt.connection_request_number, tuple(attempt.marks.get(m, 0) for m in UPSTREAM_ORDER),
+        attempt.outcome.code if attempt.outcome else "", attempt.error or "",
+    )
+
+
+# ----------------------------------------------------------------------------------
+# In the exporter process
+# ----------------------------------------------------------------------------------
+def spans_for(s: RequestSummary) -> list[SpanData]:
+    route = _route(s.target)
+    server_span = SpanData(
+        s.trace_id, s.span_id, s.parent_span_id, f"{s.method} {route}" if route else s.method, KIND_SERVER,
+        s.start_ns + s.clock_offset_ns, s.end_ns + s.clock_offset_ns, _server_attributes(s, route),
+        _events(DOWNSTREAM_ORDER, s.marks, s.clock_offset_ns), *_status(s.outcome, s.status, s.error),
+        s.tracestate, s.sampled,
+    )
+    spans = [server_span]
+    for attempt in s.attempts:
+        spans.append(_client_span(s, attempt, route))
+    return spans
+
+
+def _client_span(s: RequestSummary, a: AttemptSummary, route: str) -> SpanData:
+    stamped = [t for t in a.marks if t]
+    start = min(stamped) if stamped else s.end_ns
+    last_rx = a.marks[UPSTREAM_ORDER.index(Mark.LAST_UPSTREAM_RX_BYTE)]
+    end = last_rx or s.end_ns  # a failed or cut attempt ends with the request
+    outcome = a.outcome or s.outcome
+    attrs = {
+        sc.HTTP_REQUEST_METHOD: s.method,
+        sc.SERVER_ADDRESS: s.upstream[0],
+        sc.SERVER_PORT: s.upstream[1],
+        sc.NETWORK_PEER_ADDRESS: s.upstream[0],
+        sc.NETWORK_PEER_PORT: s.upstream[1],
+        sc.URL_FULL: f"http://{s.upstream[0]}:{s.upstream[1]}{s.target}",
+        sc.UPSTREAM_CONNECTION_ID: a.connection_id,
+        sc.UPSTREAM_CONNECTION_REUSED: a.reused,
+        sc.UPSTREAM_CONNECTION_IDLE_AGE: a.idle_age_ns / 1e9,
+        sc.UPSTREAM_CONNECTION_REQUEST_NUMBER: a.connection_request_number,
+        sc.OUTCOME: outcome,
+        sc.BLAME: BY_CODE[outcome].blame.value,
+    }
+    if a.index:
+        attrs[sc.HTTP_REQUEST_RESEND_COUNT] = a.index
+    if s.status and not a.outcome:
+        attrs[sc.HTTP_RESPONSE_STATUS_CODE] = s.status
+    status = _status(outcome, s.status if not a.outcome else 0, a.error or s.error)
+    if status[0] == STATUS_ERROR:
+        attrs[sc.ERROR_TYPE] = BY_CODE[outcome].name
+    return SpanData(
+        s.trace_id, a.span_id, s.span_id, f"{s.method} {route}" if route else s.method, KIND_CLIENT,
+        start + s.clock_offset_ns, end + s.clock_offset_ns, attrs,
+        _events(UPSTREAM_ORDER, a.marks, s.clock_offset_ns), *status, s.tracestate, s.sampled,
+    )
+
+
+def _server_attributes(s: RequestSummary, route: str) -> dict:
+    path, _, query = s.target.partition("?")
+    host, _, port = s.client_peer.rpartition(":")
+    attrs = {
+        sc.HTTP_REQUEST_METHOD: s.method,
+        sc.URL_PATH: path,
+        sc.URL_SCHEME: "http",
+        sc.SERVER_ADDRESS: s.server[0],
+        sc.SERVER_PORT: s.server[1],
+        sc.CLIENT_ADDRESS: host,
+        sc.NETWORK_PEER_ADDRESS: host,
+        sc.NETWORK_PROTOCOL_VERSION: s.http_version,
+        sc.HTTP_REQUEST_BODY_SIZE: s.request_body_bytes,
+        sc.HTTP_RESPONSE_BODY_SIZE: s.response_body_bytes,
+        sc.REQUEST_ID: s.request_id,
+        sc.OUTCOME: s.outcome,
+        sc.OUTCOME_NAME: BY_CODE[s.outcome].name,
+        sc.BLAME: BY_CODE[s.outcome].blame.value,
+        sc.CLIENT_CONNECTION_ID: s.client_connection_id,
+        sc.CLIENT_REQUEST_SEQUENCE: s.sequence,
+        sc.ATTEMPTS: len(s.attempts),
+        sc.CHUNKS: s.chunks,
+        sc.CHUNK_MAX_GAP: s.max_chunk_gap_ns / 1e9,
+    }
+    if port.isdigit():
+        attrs[sc.CLIENT_PORT] = attrs[sc.NETWORK_PEER_PORT] = int(port)
+    if query:
+        attrs[sc.URL_QUERY] = query
+    if route:
+        attrs[sc.HTTP_ROUTE] = route
+    if s.status:
+        attrs[sc.HTTP_RESPONSE_STATUS_CODE] = s.status
+    if s.user_agent:
+        attrs[sc.USER_AGENT_ORIGINAL] = s.user_agent
+    if s.idle_gap_ns >= 0:
+        attrs[sc.CLIENT_IDLE_GAP] = s.idle_gap_ns / 1e9
+    if s.rejected_traceparent:
+        attrs[sc.REJECTED_TRACEPARENT] = s.rejected_traceparent
+    if s.error:
+        attrs[sc.ERROR_MESSAGE] = s.error
+    if BY_CODE[s.outcome].blame.value != "-" or s.status >= 500:
+        attrs[sc.ERROR_TYPE] = BY_CODE[s.outcome].name if s.outcome != "OK" else str(s.status)
+    attrs.update(genai_attributes(path, s))
+    return attrs
+
+
+def _route(target: str) -> str:
+    path = target.partition("?")[0]
+    return path if path in KNOWN_ROUTES else ""
+
+
+def _events(order: tuple[Mark, ...], marks: tuple[int, ...], offset: int) -> tuple[SpanEvent, ...]:
+    stamped = sorted((t, m) for m, t in zip(order, marks) if t)
+    return tuple(SpanEvent(m.label, t + offset) for t, m in stamped)
+
+
+def _status(outcome: str, http_status: int, error: str) -> tuple[int, str]:
+    if outcome != "OK":
+        return STATUS_ERROR, error or BY_CODE[outcome].meaning
+    if http_status >= 500:
+        return STATUS_ERROR, f"HTTP {http_status}"
+    return STATUS_UNSET, ""
+
+
+# ----------------------------------------------------------------------------------
+# GenAI attributes: parsed once, here, from the kept bytes
+# ----------------------------------------------------------------------------------
+_DATA_LINE = re.compile(rb"^data: ?(.*)$", re.M)
+
+
+def genai_attributes(path: str, s: RequestSummary) -> dict:
+    operation = _OPERATIONS.get(path)
+    if operation is None or s.method != "POST":
+        return {}
+    attrs: dict = {sc.GEN_AI_OPERATION_NAME: operation}
+    request = _json_object(s.request_body_head)
+    if request is not None:
+        _request_attributes(request, attrs)
+    first_chunk = s.marks[DOWNSTREAM_ORDER.index(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE)]
+    if first_chunk and attrs.get(sc.GEN_AI_REQUEST_STREAM):
+        attrs[sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (first_chunk - s.start_ns) / 1e9
+    _response_attributes(s.response_tail, attrs)
+    return attrs
+
+
+def _request_attributes(request: dict, attrs: dict) -> None:
+    model = request.get("model")
+    if isinstance(model, str):
+        attrs[sc.GEN_AI_REQUEST_MODEL] = model
+    stream = request.get("stream")
+    if isinstance(stream, bool):
+        attrs[sc.GEN_AI_REQUEST_STREAM] = stream
+    max_tokens = request.get("max_tokens", request.get("max_completion_tokens"))
+    if max_tokens is None and isinstance(request.get("sampling_params"), dict):
+        max_tokens = request["sampling_params"].get("max_new_tokens")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        attrs[sc.GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
+
+
+def _response_attributes(tail: bytes, attrs: dict) -> None:
+    events = [m.group(1).strip() for m in _DATA_LINE.finditer(tail)]
+    if attrs.get(sc.GEN_AI_REQUEST_STREAM):
+        attrs[sc.DONE_SEEN] = b"[DONE]" in events
+        objects = [o for o in (_json_object(e) for e in events if e != b"[DONE]") if o is not None]
+    else:
+        objects = [o for o in [_json_object(tail)] if o is not None]
+    finish_reasons, usage = [], None
+    for obj in objects:
+        usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else usage
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                finish_reasons.append(str(choice["finish_reason"]))
+        meta = obj.get("meta_info")  # SGLang /generate
+        if isinstance(meta, dict):
+            usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens")}
+            reason = meta.get("finish_reason")
+            if isinstance(reason, dict) and reason.get("type"):
+                finish_reasons.append(str(reason["type"]))
+        if isinstance(obj.get("model"), str):
+            attrs[sc.GEN_AI_RESPONSE_MODEL] = obj["model"]
+        if isinstance(obj.get("id"), str):
+            attrs[sc.GEN_AI_RESPONSE_ID] = obj["id"]
+    if finish_reasons:
+        attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(finish_reasons)
+    if usage:
+        for key, name in (("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS),
+                          ("completion_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS)):
+            if isinstance(usage.get(key), int):
+                attrs[name] = usage[key]
+
+
+def _json_object(data: bytes) -> dict | None:
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,63 @@
+"""The tracing observer: one decision and one summary per finished request.
+
+Tail-biased sampling, decided when the request ends: a request that did not end
+``OK`` (or got a 5xx) is always kept; a healthy one is kept when its trace id falls
+under ``healthy_sample_ratio`` (the same test as OpenTelemetry's TraceIdRatioBased
+sampler, so every service sampling by ratio agrees on a trace) and the client did
+not ask for it not to be sampled. The span work itself happens in the exporter
+process (see ``spans``); here we only copy the record into a tuple.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Protocol
+
+from ..lifecycle.flags import Flag
+from ..lifecycle.timeline import RequestRecord
+from .spans import RequestSummary, summarize
+
+_RATIO_BOUND = 1 << 64
+
+
+class SummarySink(Protocol):
+    def submit(self, items) -> None: ...
+
+
+class TracingObserver:
+    def __init__(self, sink: SummarySink, server: tuple[str, int], upstream: tuple[str, int],
+                 healthy_sample_ratio: float) -> None:
+        self.sink = sink
+        self.server = server
+        self.upstream = upstream
+        self.threshold = int(healthy_sample_ratio * _RATIO_BOUND)
+        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
+        self.sampled_out = 0
+
+    def keep(self, record: RequestRecord) -> bool:
+        if record.outcome is not Flag.OK or (record.status or 0) >= 500:
+            return True
+        return record.sampled and (record.trace_id & (_RATIO_BOUND - 1)) < self.threshold
+
+    def on_done(self, record: RequestRecord) -> None:
+        if not self.keep(record):
+            self.sampled_out += 1
+            return
+        summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream)
+        self.sink.submit((summary,))
+
+
+def healthy_ratio_from_environment(configured: float | None, environ=os.environ) -> float:
+    """The configured ratio, else the one OTEL_TRACES_SAMPLER implies, else 1."""
+    if configured is not None:
+        return configured
+    sampler = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if sampler in ("always_off", "parentbased_always_off"):
+        return 0.0
+    if sampler in ("traceidratio", "parentbased_traceidratio"):
+        try:
+            return min(max(float(environ.get("OTEL_TRACES_SAMPLER_ARG", "1")), 0.0), 1.0)
+        except ValueError:
+            return 1.0
+    return 1.0
