@@ -1,0 +1,127 @@
+"""Spans built from real requests through the proxy: structure, ids that match the
+wire, marks as events, the keep-alive ledger, GenAI attributes, tail sampling."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from traceproxy.observe import semconv as sc
+from traceproxy.observe.spandata import KIND_CLIENT, KIND_SERVER, STATUS_ERROR
+from traceproxy.observe.spans import spans_for
+from traceproxy.observe.tracing import TracingObserver, healthy_ratio_from_environment
+from traceproxy.proxy import tracecontext as tc
+
+from .support import RawClient, header_value, wait_until
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.items = []
+
+    def submit(self, items) -> None:
+        self.items.extend(items)
+
+
+def _traced_proxy(start_proxy, upstream_url, ratio=1.0, **overrides):
+    sink = ListSink()
+    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), ratio)
+    proxy = start_proxy(upstream_url, observers=[observer], **overrides)
+    return proxy, sink
+
+
+CHAT = json.dumps({"model": "m-7b", "stream": True, "max_tokens": 5,
+                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def test_streaming_chat_spans(fast_upstream, start_proxy):
+    proxy, sink = _traced_proxy(start_proxy, fast_upstream().url)
+    client = RawClient(proxy.port)
+    resp = client.roundtrip("POST", "/v1/chat/completions", headers=[("User-Agent", "harness/1")], body=CHAT)
+    client.roundtrip("POST", "/v1/chat/completions", body=CHAT)
+    assert wait_until(lambda: len(sink.items) == 2)
+    server, upstream_span = spans_for(sink.items[0])
+    assert server.kind == KIND_SERVER and upstream_span.kind == KIND_CLIENT
+    assert server.name == "POST /v1/chat/completions"
+    assert upstream_span.parent_span_id == server.span_id and upstream_span.trace_id == server.trace_id
+    returned = tc.parse_traceparent(resp.headers["traceresponse"].encode())
+    assert (returned.trace_id, returned.parent_span_id) == (server.trace_id, server.span_id)
+    # Ended at the last byte, not at the response headers.
+    event_times = {e.name: e.time_unix_ns for e in server.events}
+    assert server.end_unix_ns >= event_times["last_downstream_tx_byte"] > event_times["first_downstream_tx_byte"]
+    assert [e.time_unix_ns for e in server.events] == sorted(e.time_unix_ns for e in server.events)
+    attrs = server.attributes
+    assert attrs[sc.HTTP_RESPONSE_STATUS_CODE] == 200 and attrs[sc.HTTP_ROUTE] == "/v1/chat/completions"
+    assert attrs[sc.USER_AGENT_ORIGINAL] == "harness/1" and attrs[sc.OUTCOME] == "OK"
+    assert attrs[sc.GEN_AI_REQUEST_MODEL] == "m-7b" and attrs[sc.GEN_AI_REQUEST_STREAM] is True
+    assert attrs[sc.GEN_AI_REQUEST_MAX_TOKENS] == 5
+    assert attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 5 and attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "length"
+    assert attrs[sc.DONE_SEEN] is True and attrs[sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] > 0
+    assert attrs[sc.REQUEST_ID] == resp.headers["x-request-id"]
+    second_server, second_client = spans_for(sink.items[1])
+    assert second_server.attributes[sc.CLIENT_REQUEST_SEQUENCE] == 2
+    assert second_server.attributes[sc.CLIENT_IDLE_GAP] >= 0
+    assert second_client.attributes[sc.UPSTREAM_CONNECTION_REUSED] is True
+    assert second_client.attributes[sc.UPSTREAM_CONNECTION_REQUEST_NUMBER] == 2
+
+
+def test_failed_request_span_is_an_error_with_the_outcome(start_proxy):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    proxy, sink = _traced_proxy(start_proxy, f"http://127.0.0.1:{dead}")
+    RawClient(proxy.port).roundtrip("GET", "/v1/models")
+    assert wait_until(lambda: sink.items)
+    server, attempt = spans_for(sink.items[0])
+    assert server.status_code == STATUS_ERROR and "refused" in server.status_message
+    assert server.attributes[sc.OUTCOME] == "UF" and server.attributes[sc.BLAME] == "engine"
+    assert server.attributes[sc.ERROR_TYPE] == "upstream_connection_failure"
+    assert attempt.status_code == STATUS_ERROR
+
+
+def test_a_resend_is_a_second_client_span_with_resend_count(scripted_upstream, start_proxy):
+    async def drops_second(reader, writer, upstream):
+        if upstream.connections == 1:
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await reader.read_request()
+            writer.transport.abort()
+            return
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.read(1)
+
+    proxy, sink = _traced_proxy(start_proxy, scripted_upstream(drops_second).url)
+    client = RawClient(proxy.port)
+    client.roundtrip("GET", "/v1/models")
+    client.roundtrip("GET", "/v1/models")
+    assert wait_until(lambda: len(sink.items) == 2)
+    server, stale, fresh = spans_for(sink.items[1])
+    assert stale.attributes[sc.OUTCOME] == "SRC" and stale.attributes[sc.UPSTREAM_CONNECTION_REUSED] is True
+    assert fresh.attributes[sc.HTTP_REQUEST_RESEND_COUNT] == 1 and fresh.attributes[sc.OUTCOME] == "OK"
+    assert server.attributes[sc.ATTEMPTS] == 2 and server.attributes[sc.OUTCOME] == "OK"
+    assert stale.parent_span_id == fresh.parent_span_id == server.span_id
+
+
+def test_healthy_requests_sampled_by_ratio_errors_always_kept(fast_upstream, start_proxy):
+    proxy, sink = _traced_proxy(start_proxy, fast_upstream().url, ratio=0.0)
+    client = RawClient(proxy.port)
+    for _ in range(5):
+        client.roundtrip("GET", "/v1/models")
+    client.roundtrip("GET", "/missing")  # a 404 is not an error of the proxy's: sampled like the rest
+    raw = b"GET / HTTP/1.1\r\nHost: a\r\nBad\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(raw)
+        assert header_value(sock.recv(65536), b"x-traceproxy-outcome") == b"DPE"
+    assert wait_until(lambda: len(sink.items) == 1)
+    assert sink.items[0].outcome == "DPE"
+
+
+def test_sample_ratio_from_otel_environment():
+    assert healthy_ratio_from_environment(None, {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                                                 "OTEL_TRACES_SAMPLER_ARG": "0.25"}) == 0.25
+    assert healthy_ratio_from_environment(None, {"OTEL_TRACES_SAMPLER": "always_off"}) == 0.0
+    assert healthy_ratio_from_environment(0.5, {"OTEL_TRACES_SAMPLER": "always_off"}) == 0.5
+    assert healthy_ratio_from_environment(None, {}) == 1.0
