@@ -142,3 +142,39 @@ def test_a_resend_is_a_new_client_span_in_the_same_trace(scripted_upstream, star
     second = tc.parse_traceparent(header_value(resend, b"traceparent"))
     assert first.trace_id == second.trace_id == int(TRACE, 16)
     assert first.parent_span_id != second.parent_span_id
+
+
+GENERATE = b'{"text": "hello", "sampling_params": {"max_new_tokens": 4}}'
+
+
+def _captures_bodies(scripted_upstream):
+    async def handler(reader, writer, upstream):
+        while True:
+            _, body = await reader.read_request()
+            upstream.bodies = getattr(upstream, "bodies", []) + [body]
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    return scripted_upstream(handler)
+
+
+def test_inject_rid_sets_rid_on_generate_when_absent(scripted_upstream, start_proxy):
+    import json
+
+    up = _captures_bodies(scripted_upstream)
+    proxy = start_proxy(up.url, **{"request_id.inject_rid": True})
+    client = RawClient(proxy.port)
+    resp = client.roundtrip("POST", "/generate", headers=[("Content-Type", "application/json")], body=GENERATE)
+    assert json.loads(up.bodies[0]) == {**json.loads(GENERATE), "rid": resp.headers["x-request-id"]}
+    with_rid = b'{"text": "x", "rid": "mine"}'
+    client.roundtrip("POST", "/generate", body=with_rid)
+    assert up.bodies[1] == with_rid  # never overwritten
+    client.roundtrip("POST", "/v1/chat/completions", body=GENERATE)
+    assert up.bodies[2] == GENERATE  # only /generate
+
+
+def test_rid_left_alone_by_default(scripted_upstream, start_proxy):
+    up = _captures_bodies(scripted_upstream)
+    proxy = start_proxy(up.url)
+    RawClient(proxy.port).roundtrip("POST", "/generate", body=GENERATE)
+    assert up.bodies[0] == GENERATE

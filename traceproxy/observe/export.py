@@ -217,7 +217,8 @@ class SpanExportPipe:
             pass
 
     def _release(self) -> None:
-        self._writer.abort()  # drops whatever a dead or killed child never read
+        if not self._writer_lost and self._writer.get_write_buffer_size():
+            self._writer.abort()  # drops what a killed child never read; close() would wait for it
         self._stats_reader.close()
         if not self._exit_watch.done():
             self._exit_watch.cancel()

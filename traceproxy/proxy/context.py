@@ -47,6 +47,7 @@ class ServerContext:
         self._upstream_host = settings.upstream.authority.encode("ascii")
         self.request_id_names = tuple(n.encode("ascii") for n in settings.request_id.headers)
         self.request_id_header = self.request_id_names[0]
+        self.inject_rid = settings.request_id.inject_rid
         # Upstream copies of what we set ourselves on every response.
         self.response_id_names = frozenset({self.request_id_header, b"traceresponse"})
 

@@ -22,6 +22,7 @@ Hazards
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from ..lifecycle.marks import Mark
 from ..lifecycle.timeline import RequestRecord
 from . import headers as H
 from . import tracecontext as tc
+from .bodies import inject_rid, wants_rid
 from .local_reply import error_response
 
 if TYPE_CHECKING:
@@ -95,6 +97,11 @@ class Exchange:
         self._linger_timer: asyncio.TimerHandle | None = None
         self._started_ns = 0
         self._expects_body = bool(head.framing.chunked or head.framing.content_length)
+        # With rid injection the body is held until complete, then rewritten, and
+        # only then is an upstream connection taken (its length goes in the head).
+        self._rewrite: list[bytes] | None = (
+            [] if ctx.inject_rid and wants_rid(head.method, head.target, head.framing.content_length) else None
+        )
         self._upstream_out: list[bytes] = []
 
     # ---------------------------------------------------------------------------
@@ -103,7 +110,8 @@ class Exchange:
     def start(self) -> None:
         self._started_ns = now = time.monotonic_ns()
         self._aim_timer(now)
-        self._acquire(fresh=False)
+        if self._rewrite is None or self.request_complete:
+            self._acquire(fresh=False)
 
     def _acquire(self, fresh: bool) -> None:
         self.record.new_attempt()
@@ -164,6 +172,9 @@ class Exchange:
         record.last_downstream_rx_ns = time.monotonic_ns()
         if len(record.request_body_head) < BODY_HEAD_BYTES:
             record.request_body_head += data[: BODY_HEAD_BYTES - len(record.request_body_head)]
+        if self._rewrite is not None:
+            self._rewrite.append(data)
+            return
         framed = H.chunk(data) if self.head.framing.chunked else data
         if self.upstream is not None:
             self._send_upstream(framed)
@@ -179,6 +190,9 @@ class Exchange:
         now = time.monotonic_ns()
         self._stamp(Mark.LAST_DOWNSTREAM_RX_BYTE, now)
         self.request_complete = True
+        if self._rewrite is not None:
+            self._send_rewritten_body()
+            return
         tail = H.LAST_CHUNK if self.head.framing.chunked else b""
         if self.upstream is not None:
             if tail:
@@ -186,6 +200,16 @@ class Exchange:
             self._stamp(Mark.LAST_UPSTREAM_TX_BYTE, now)
         elif tail:
             self._queue_upstream(tail)
+
+    def _send_rewritten_body(self) -> None:
+        body = inject_rid(b"".join(self._rewrite), self.record.request_id)
+        self._rewrite = None
+        parts = self.head.parts
+        self.head.parts = dataclasses.replace(parts, framing=H.RequestFraming(False, len(body)))
+        self.head.framing = self.head.parts.framing
+        self._queue_upstream(body)
+        if self._started_ns:
+            self._acquire(fresh=False)
 
     def _queue_upstream(self, data: bytes) -> None:
         self.pending.append(data)
