@@ -105,6 +105,48 @@ class Flag:
         "The request failed on a stale reused connection and again on a fresh one.",
         502,
     )
+    # -- stalls: live verdicts while a request waits, and outcomes when it ends stuck
+    DHS = Outcome(
+        "DHS", "downstream_header_stall", Blame.CLIENT,
+        "The client started a request head and stopped sending it.",
+    )
+    DBS = Outcome(
+        "DBS", "downstream_body_stall", Blame.CLIENT,
+        "The client stopped sending its request body while the proxy was ready to take it.",
+    )
+    PWS = Outcome(
+        "PWS", "pool_wait_stall", Blame.PROXY,
+        "The request waits for a free upstream connection: the pool is at its connection cap.",
+    )
+    UCS = Outcome(
+        "UCS", "upstream_connect_stall", Blame.ENGINE,
+        "The proxy is still connecting to the upstream: it does not accept the connection.",
+    )
+    FBS = Outcome(
+        "FBS", "first_byte_stall", Blame.ENGINE,
+        "The request went upstream and no response header arrived (router queue or prefill).",
+    )
+    MSS = Outcome(
+        "MSS", "mid_stream_stall", Blame.ENGINE,
+        "The response started and the upstream went silent between chunks (decode).",
+    )
+    DNR = Outcome(
+        "DNR", "downstream_not_reading", Blame.CLIENT,
+        "Response bytes are waiting because the client is not reading (its transport is paused).",
+    )
+    PFS = Outcome(
+        "PFS", "proxy_forward_stall", Blame.PROXY,
+        "Upstream bytes arrived and were not written to the client, whose transport is not paused.",
+    )
+    # -- how a response ended, checked at the end
+    NDN = Outcome(
+        "NDN", "stream_without_done", Blame.ENGINE,
+        "An SSE response ended cleanly but without data: [DONE] (the stream may be incomplete).",
+    )
+    PFE = Outcome(
+        "PFE", "proxy_framing_error", Blame.PROXY,
+        "The proxy wrote a response whose framing does not match what it sent (a proxy bug).",
+    )
     LR = Outcome(
         "LR", "local_reset", Blame.PROXY,
         "The proxy ended the request itself: its shutdown grace period ran out, or the "

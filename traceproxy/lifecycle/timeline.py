@@ -127,7 +127,8 @@ class RequestRecord:
     last_downstream_rx_ns: int | None = None
     last_upstream_rx_ns: int | None = None
     last_downstream_tx_ns: int | None = None
-    downstream_paused_since_ns: int | None = None
+    downstream_paused_since_ns: int | None = None  # the client is not reading our response
+    upstream_paused_since_ns: int | None = None  # the upstream is not reading our request
 
     # -- marks -------------------------------------------------------------
     def mark(self, mark: Mark, now_ns: int) -> None:

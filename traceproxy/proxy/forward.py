@@ -239,9 +239,11 @@ class Exchange:
             self.upstream.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def upstream_write_paused(self) -> None:
+        self.record.upstream_paused_since_ns = time.monotonic_ns()
         self.client.pause_reading("upstream")
 
     def upstream_write_resumed(self) -> None:
+        self.record.upstream_paused_since_ns = None
         self.client.resume_reading("upstream")
 
     # ---------------------------------------------------------------------------
