@@ -12,8 +12,10 @@ from traceproxy.config import (
     Forwarding,
     HostPort,
     Limits,
+    AccessLog,
     Pool,
     RequestIds,
+    Stall,
     Settings,
     Timeouts,
     Tracing,
@@ -47,6 +49,9 @@ EXPECTED_DEFAULTS = Settings(
     request_id=RequestIds(headers=("x-request-id",), inject_rid=False),
     tracing=Tracing(exporter="auto", otlp_endpoint="", otlp_protocol="", file_path="traceproxy-data/spans.jsonl",
                     service_name="", healthy_sample_ratio=None, queue_spans=8192),
+    stall=Stall(client_headers=10.0, client_body=30.0, pool_wait=5.0, first_byte=120.0, stream_gap=30.0,
+                client_drain=30.0, action="observe", abort_on=()),
+    access_log=AccessLog(path="-"),
 )
 
 
@@ -387,7 +392,7 @@ def test_schema_matches_the_settings_dataclasses():
         return [f.name for f in dataclasses.fields(cls)]
 
     sections = {"timeouts": Timeouts, "pool": Pool, "limits": Limits, "forwarding": Forwarding,
-                "request_id": RequestIds, "tracing": Tracing}
+                "request_id": RequestIds, "tracing": Tracing, "stall": Stall, "access_log": AccessLog}
     assert [s.key for s in SCHEMA if not s.section] == [n for n in fields(Settings) if n not in sections]
     for name, cls in sections.items():
         assert [s.key for s in SCHEMA if s.section == name] == fields(cls)
@@ -424,7 +429,7 @@ def test_shipped_config_file_loads_to_the_defaults():
 def test_rendered_default_sets_nothing_but_names_every_key_with_its_meaning():
     text = render_default_toml()
     assert tomllib.loads(text) == {"timeouts": {}, "pool": {}, "limits": {}, "forwarding": {}, "request_id": {},
-                                   "tracing": {}}
+                                   "tracing": {}, "stall": {}, "access_log": {}}
     assert "flags" in text and "TRACEPROXY_" in text
     comments = re.sub(r"\n# ", " ", text)
     for setting in SCHEMA:
@@ -463,3 +468,11 @@ def test_tracing_and_request_id_errors_name_the_key(key, raw, expected_form):
 def test_empty_sample_ratio_means_from_the_environment():
     assert load_settings({"tracing.healthy_sample_ratio": ""}, {}).tracing.healthy_sample_ratio is None
     assert load_settings({"tracing.healthy_sample_ratio": "0.25"}, {}).tracing.healthy_sample_ratio == 0.25
+
+
+def test_stall_abort_on_lists_known_kinds_only():
+    settings = load_settings({}, {"TRACEPROXY_STALL_ABORT_ON": "first_byte,stream_gap"})
+    assert settings.stall.abort_on == ("first_byte", "stream_gap")
+    with pytest.raises(ConfigError) as err:
+        load_settings({"stall.abort_on": "prefill"}, {})
+    assert "stall.abort_on" in str(err.value) and "first_byte" in str(err.value)

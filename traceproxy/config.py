@@ -105,6 +105,23 @@ class Tracing:
 
 
 @dataclass(frozen=True)
+class Stall:
+    client_headers: float
+    client_body: float
+    pool_wait: float
+    first_byte: float
+    stream_gap: float
+    client_drain: float
+    action: str  # observe | abort
+    abort_on: tuple[str, ...]  # stall kinds that abort even when action = observe
+
+
+@dataclass(frozen=True)
+class AccessLog:
+    path: str  # "" off, "-" stdout, else a file
+
+
+@dataclass(frozen=True)
 class Settings:
     listen: HostPort
     upstream: UpstreamURL
@@ -117,6 +134,8 @@ class Settings:
     forwarding: Forwarding
     request_id: RequestIds
     tracing: Tracing
+    stall: Stall
+    access_log: AccessLog
 
     def replace(self, **dotted_overrides: Any) -> Settings:
         """A copy with some keys changed, e.g. replace(**{"timeouts.connect": 1.0}); validated like any source."""
@@ -283,6 +302,20 @@ def choice(*options: str) -> Kind:
     return Kind(parse, "one of " + ", ".join(repr(o) for o in options), "|".join(o or '""' for o in options))
 
 
+STALL_KINDS = ("client_headers", "client_body", "pool_wait", "first_byte", "stream_gap", "client_drain")
+
+
+def stall_kinds() -> Kind:
+    def parse(raw: Any) -> tuple[str, ...]:
+        items = list(raw) if isinstance(raw, (list, tuple)) else [i for i in _str(raw).split(",") if i.strip()]
+        kinds = tuple(_str(item).strip().lower() for item in items)
+        if not all(k in STALL_KINDS for k in kinds):
+            raise ValueError
+        return kinds
+
+    return Kind(parse, "a list of stall kinds from " + ", ".join(STALL_KINDS), "KINDS")
+
+
 def text() -> Kind:
     return Kind(lambda raw: _str(raw).strip(), "a string", "TEXT")
 
@@ -394,6 +427,26 @@ SCHEMA: tuple[Setting, ...] = (
             "always kept. Decided when the request ends."),
     Setting("tracing", "queue_spans", integer(64), 8192,
             "Spans waiting for the exporter process; beyond this new spans are dropped and counted."),
+    Setting("stall", "client_headers", seconds(zero="off"), 10.0,
+            "A request head started and not finished for this long is a stall (blame client)."),
+    Setting("stall", "client_body", seconds(zero="off"), 30.0,
+            "A request body the client stopped sending for this long is a stall (blame client)."),
+    Setting("stall", "pool_wait", seconds(zero="off"), 5.0,
+            "Waiting this long for an upstream connection (pool cap: proxy; connecting: engine) is a stall."),
+    Setting("stall", "first_byte", seconds(zero="off"), 120.0,
+            "The request sent and no response header for this long is a stall (blame engine: router "
+            "queue or prefill). Long because a long prefill under load is normal."),
+    Setting("stall", "stream_gap", seconds(zero="off"), 30.0,
+            "The upstream silent this long between response chunks is a stall (blame engine: decode)."),
+    Setting("stall", "client_drain", seconds(zero="off"), 30.0,
+            "Response bytes waiting this long because the client is not reading is a stall (blame client)."),
+    Setting("stall", "action", choice("observe", "abort"), "observe",
+            "observe: report stalls (log, metric, stall span) and let the request go on; abort: also end "
+            "the request (504 with the outcome if no response started, else a cut stream)."),
+    Setting("stall", "abort_on", stall_kinds(), [],
+            "Stall kinds that abort even when action is observe, e.g. [\"first_byte\", \"stream_gap\"]."),
+    Setting("access_log", "path", text(), "-",
+            "One JSON line per finished request: - for stdout, a file path, or empty to turn it off."),
 )
 
 _SECTIONS: dict[str, tuple[type, str]] = {
@@ -402,6 +455,9 @@ _SECTIONS: dict[str, tuple[type, str]] = {
     "limits": (Limits, "Limits on clients and requests."),
     "forwarding": (Forwarding, "Headers sent to the upstream."),
     "request_id": (RequestIds, "Request ids."),
+    "stall": (Stall, "Stall detection: how long a wait may last before the watchdog reports it, in seconds "
+              "(0 = off). Stalls are verdicts on live requests; the hard limits are under [timeouts]."),
+    "access_log": (AccessLog, "The access log."),
     "tracing": (Tracing, "OpenTelemetry tracing. The standard OTEL_* environment variables apply "
                 "where a key is left empty."),
 }
