@@ -24,7 +24,8 @@ def start_proxy(loop_thread):
 
     def factory(upstream_url: str, observers=(), **overrides) -> ProxyServer:
         settings = default_settings().replace(
-            **{"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream_url, **overrides}
+            **{"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream_url,
+               "tracing.exporter": "off", "access_log.path": "", **overrides}
         )
         server = ProxyServer(settings, Fanout(list(observers)))
         loop_thread.run(server.start())

@@ -14,6 +14,7 @@ ALLOWED = {
     "lifecycle": set(),
     "proxy": {"lifecycle", "config"},  # config: the typed, frozen settings only
     "sim": set(),
+    "observe": {"lifecycle"},
 }
 STDLIB_ONLY = {"lifecycle"}
 

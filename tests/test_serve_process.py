@@ -38,7 +38,8 @@ def _serve(upstream: str, *extra: str, env: dict | None = None):
     proc = subprocess.Popen(
         [sys.executable, "-m", "traceproxy", "serve", "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
          "--admin", f"127.0.0.1:{admin}", *extra],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": "",
+             **(env or {})},
     )
     ok = wait_until(lambda: _healthz(admin) is not None or proc.poll() is not None, timeout=15, interval=0.05)
     assert ok and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "no /healthz"

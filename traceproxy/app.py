@@ -22,10 +22,45 @@ from .admin import build_admin_app
 from .config import Settings
 from .lifecycle.flags import Flag
 from .lifecycle.hooks import Fanout
+from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
+from .observe.accesslog import AccessLog
+from .observe.watchdog import StallLog, Watchdog
 from .proxy.context import ServerContext
 from .proxy.downstream import ClientConnection
 
 log = logging.getLogger("traceproxy")
+
+
+def tracing_export_config(settings: Settings, environ=os.environ):
+    """The exporter process's configuration, or None when tracing is off.
+
+    Config keys win; where one is empty the standard OTEL_* variable applies.
+    """
+    from .observe.export import ExportConfig
+
+    tracing = settings.tracing
+    endpoint_env = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    exporter = tracing.exporter
+    if exporter == "auto":
+        exporter = "otlp" if (tracing.otlp_endpoint or endpoint_env) else "file"
+    if exporter == "off":
+        return None
+    protocol = (tracing.otlp_protocol or environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+    return ExportConfig(
+        exporter=exporter,
+        otlp_endpoint=tracing.otlp_endpoint,
+        otlp_protocol=protocol,
+        file_path=tracing.file_path,
+        service_name=tracing.service_name or environ.get("OTEL_SERVICE_NAME") or "traceproxy",
+        resource_attributes=_resource_attributes(environ.get("OTEL_RESOURCE_ATTRIBUTES", "")),
+        queue_spans=tracing.queue_spans,
+    )
+
+
+def _resource_attributes(raw: str) -> dict[str, str]:
+    pairs = (item.partition("=") for item in raw.split(",") if "=" in item)
+    return {key.strip(): value.strip() for key, _, value in pairs if key.strip()}
 
 
 class ProxyServer:
@@ -33,6 +68,10 @@ class ProxyServer:
         self.settings = settings
         self.fanout = fanout or Fanout()
         self.ctx: ServerContext | None = None
+        self.span_export = None  # SpanExportPipe when tracing is on
+        self.tracing = None  # TracingObserver when tracing is on
+        self.watchdog: Watchdog | None = None
+        self.access_log: AccessLog | None = None
         self._server: asyncio.base_events.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self.admin_port: int | None = None
@@ -40,7 +79,10 @@ class ProxyServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        await self._start_tracing()
         self.ctx = ServerContext(self.settings, self.fanout)
+        self._start_watchdog()
+        self._start_access_log()
         listen = self.settings.listen
         self._server = await loop.create_server(
             lambda: ClientConnection(self.ctx),
@@ -49,8 +91,47 @@ class ProxyServer:
             reuse_port=self.settings.workers > 1,
             backlog=4096,
         )
+        if self.tracing is not None:
+            self.tracing.server = (listen.host, self.port)
         if self.settings.admin is not None:
             await self._start_admin()
+
+    async def _start_tracing(self) -> None:
+        config = tracing_export_config(self.settings)
+        if config is None:
+            return
+        from .observe.export import SpanExportPipe
+        from .observe.tracing import TracingObserver, healthy_ratio_from_environment
+
+        self.span_export = SpanExportPipe(config)
+        await self.span_export.start()
+        settings = self.settings
+        self.tracing = TracingObserver(
+            self.span_export,
+            server=(settings.listen.host, settings.listen.port),
+            upstream=(settings.upstream.host, settings.upstream.port),
+            healthy_sample_ratio=healthy_ratio_from_environment(settings.tracing.healthy_sample_ratio),
+        )
+        self.fanout.add(self.tracing)
+
+    def _start_watchdog(self) -> None:
+        stall = self.settings.stall
+        thresholds = StallThresholds(**{key: getattr(stall, key) for key in THRESHOLD_KEYS})
+        abort_kinds = frozenset(THRESHOLD_KEYS) if stall.action == "abort" else frozenset(stall.abort_on)
+        ctx = self.ctx
+        self.watchdog = Watchdog(ctx.in_flight.values, thresholds, abort_kinds)
+        self.watchdog.listeners.append(StallLog())
+        if self.tracing is not None:
+            self.watchdog.listeners.append(self.tracing)
+        self.fanout.add(self.watchdog)
+        self.watchdog.start()
+
+    def _start_access_log(self) -> None:
+        path = self.settings.access_log.path
+        if path:
+            self.access_log = AccessLog(path)
+            self.access_log.open()
+            self.fanout.add(self.access_log)
 
     async def _start_admin(self) -> None:
         self._admin_runner = web.AppRunner(build_admin_app(self.ctx, self.started_ns), access_log=None)
@@ -77,6 +158,11 @@ class ProxyServer:
                 conn.active.abort(Flag.LR, f"shutdown grace of {grace:g} s ran out")
             conn.close()
         ctx.pool.close_all()
+        self.watchdog.stop()
+        if self.access_log is not None:
+            self.access_log.close()
+        if self.span_export is not None:
+            await self.span_export.stop(timeout=5.0)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         await asyncio.sleep(0)

@@ -105,38 +105,48 @@ class Flag:
         "The request failed on a stale reused connection and again on a fresh one.",
         502,
     )
-    # -- stalls: live verdicts while a request waits, and outcomes when it ends stuck
+    # -- stalls: live verdicts while a request waits; the local status is what the
+    #    watchdog's abort action answers with when no response has started yet
+
     DHS = Outcome(
         "DHS", "downstream_header_stall", Blame.CLIENT,
         "The client started a request head and stopped sending it.",
+        408,
     )
     DBS = Outcome(
         "DBS", "downstream_body_stall", Blame.CLIENT,
         "The client stopped sending its request body while the proxy was ready to take it.",
+        408,
     )
     PWS = Outcome(
         "PWS", "pool_wait_stall", Blame.PROXY,
         "The request waits for a free upstream connection: the pool is at its connection cap.",
+        504,
     )
     UCS = Outcome(
         "UCS", "upstream_connect_stall", Blame.ENGINE,
         "The proxy is still connecting to the upstream: it does not accept the connection.",
+        504,
     )
     FBS = Outcome(
         "FBS", "first_byte_stall", Blame.ENGINE,
         "The request went upstream and no response header arrived (router queue or prefill).",
+        504,
     )
     MSS = Outcome(
         "MSS", "mid_stream_stall", Blame.ENGINE,
         "The response started and the upstream went silent between chunks (decode).",
+        504,
     )
     DNR = Outcome(
         "DNR", "downstream_not_reading", Blame.CLIENT,
         "Response bytes are waiting because the client is not reading (its transport is paused).",
+        504,
     )
     PFS = Outcome(
         "PFS", "proxy_forward_stall", Blame.PROXY,
         "Upstream bytes arrived and were not written to the client, whose transport is not paused.",
+        504,
     )
     # -- how a response ended, checked at the end
     NDN = Outcome(

@@ -87,6 +87,17 @@ class Attempt:
 
 
 @dataclass(slots=True)
+class StallEntry:
+    """One stall of a request: what it was waiting for, and whether the wait ended."""
+
+    code: str
+    phase: str
+    since_ns: int  # when the silence began
+    detected_ns: int  # when the watchdog judged it a stall
+    resolved_ns: int | None = None  # when the awaited byte came after all
+
+
+@dataclass(slots=True)
 class RequestRecord:
     connection: ClientConnectionRecord
     sequence: int
@@ -122,6 +133,10 @@ class RequestRecord:
     request_body_head: bytes = b""
     response_tail: tuple[bytes, bytes] = (b"", b"")
     max_chunk_gap_ns: int = 0
+    stalls: list[StallEntry] = field(default_factory=list)
+    # The I/O object that can end this request early (``abort(outcome, message)``),
+    # for the watchdog's abort action. Opaque here.
+    owner: object = None
     # Progress stamps overwritten on every read/write; the watchdog compares them
     # with its deadlines instead of stamping a mark per chunk.
     last_downstream_rx_ns: int | None = None

@@ -20,7 +20,7 @@ from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import UPSTREAM_MARKS, Mark
 from ..lifecycle.timeline import RequestRecord
 from . import semconv as sc
-from .spandata import KIND_CLIENT, KIND_SERVER, STATUS_ERROR, STATUS_UNSET, SpanData, SpanEvent
+from .spandata import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, STATUS_UNSET, SpanData, SpanEvent
 
 DOWNSTREAM_ORDER = tuple(m for m in Mark if m not in UPSTREAM_MARKS)
 UPSTREAM_ORDER = tuple(m for m in Mark if m in UPSTREAM_MARKS)
@@ -80,6 +80,7 @@ class RequestSummary(NamedTuple):
     request_body_head: bytes
     response_tail: bytes
     attempts: tuple[AttemptSummary, ...]
+    stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
@@ -98,6 +99,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.downstream_rx_body_bytes, record.downstream_tx_body_bytes, record.upstream_rx_chunks,
         record.max_chunk_gap_ns, record.request_body_head, tail,
         tuple(_summarize_attempt(a) for a in record.attempts),
+        tuple((e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls),
     )
 
 
@@ -115,10 +117,11 @@ def _summarize_attempt(attempt) -> AttemptSummary:
 # ----------------------------------------------------------------------------------
 def spans_for(s: RequestSummary) -> list[SpanData]:
     route = _route(s.target)
+    events = _events(DOWNSTREAM_ORDER, s.marks, s.clock_offset_ns) + _stall_events(s)
     server_span = SpanData(
         s.trace_id, s.span_id, s.parent_span_id, f"{s.method} {route}" if route else s.method, KIND_SERVER,
         s.start_ns + s.clock_offset_ns, s.end_ns + s.clock_offset_ns, _server_attributes(s, route),
-        _events(DOWNSTREAM_ORDER, s.marks, s.clock_offset_ns), *_status(s.outcome, s.status, s.error),
+        tuple(sorted(events, key=lambda e: e.time_unix_ns)), *_status(s.outcome, s.status, s.error),
         s.tracestate, s.sampled,
     )
     spans = [server_span]
@@ -184,6 +187,7 @@ def _server_attributes(s: RequestSummary, route: str) -> dict:
         sc.ATTEMPTS: len(s.attempts),
         sc.CHUNKS: s.chunks,
         sc.CHUNK_MAX_GAP: s.max_chunk_gap_ns / 1e9,
+        sc.STALLS: len(s.stalls),
     }
     if port.isdigit():
         attrs[sc.CLIENT_PORT] = attrs[sc.NETWORK_PEER_PORT] = int(port)
@@ -205,6 +209,40 @@ def _server_attributes(s: RequestSummary, route: str) -> dict:
         attrs[sc.ERROR_TYPE] = BY_CODE[s.outcome].name if s.outcome != "OK" else str(s.status)
     attrs.update(genai_attributes(path, s))
     return attrs
+
+
+def _stall_events(s: RequestSummary) -> tuple[SpanEvent, ...]:
+    events = []
+    for code, phase, since, detected, resolved in s.stalls:
+        attrs = {sc.STALL_OUTCOME: code, sc.STALL_PHASE: phase, sc.BLAME: BY_CODE[code].blame.value,
+                 sc.STALL_WAITED: (detected - since) / 1e9}
+        events.append(SpanEvent("stall", detected + s.clock_offset_ns, attrs))
+        if resolved:
+            events.append(SpanEvent("stall_resolved", resolved + s.clock_offset_ns,
+                                    {sc.STALL_OUTCOME: code, sc.STALL_DURATION: (resolved - since) / 1e9}))
+    return tuple(events)
+
+
+def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, detected_ns: int,
+               clock_offset_ns: int, span_id: int) -> SpanData:
+    """The span sent the moment a stall is detected, in the request's trace, so a hung
+    request shows in the trace viewer while it is still hung."""
+    outcome = BY_CODE[code]
+    attrs = {
+        sc.STALL_OUTCOME: code, sc.OUTCOME_NAME: outcome.name, sc.BLAME: outcome.blame.value,
+        sc.STALL_PHASE: phase, sc.STALL_WAITED: (detected_ns - since_ns) / 1e9,
+        sc.REQUEST_ID: record.request_id, sc.HTTP_REQUEST_METHOD: record.method,
+        sc.URL_PATH: record.target.partition("?")[0], sc.CLIENT_CONNECTION_ID: record.connection.id,
+        sc.CLIENT_REQUEST_SEQUENCE: record.sequence,
+    }
+    attempt = record.attempt
+    if attempt is not None and attempt.connection is not None:
+        attrs[sc.UPSTREAM_CONNECTION_ID] = attempt.connection.id
+        attrs[sc.UPSTREAM_CONNECTION_REUSED] = attempt.reused
+    return SpanData(record.trace_id, span_id, record.span_id, f"stall {code} {phase}", KIND_INTERNAL,
+                    since_ns + clock_offset_ns, detected_ns + clock_offset_ns, attrs, (), STATUS_ERROR,
+                    f"{outcome.meaning} Waited {(detected_ns - since_ns) / 1e9:.1f} s.",
+                    record.tracestate.decode("latin-1"), record.sampled)
 
 
 def _route(target: str) -> str:

@@ -11,12 +11,13 @@ process (see ``spans``); here we only copy the record into a tuple.
 from __future__ import annotations
 
 import os
+import random
 import time
 from typing import Protocol
 
 from ..lifecycle.flags import Flag
 from ..lifecycle.timeline import RequestRecord
-from .spans import RequestSummary, summarize
+from .spans import RequestSummary, stall_span, summarize
 
 _RATIO_BOUND = 1 << 64
 
@@ -36,7 +37,7 @@ class TracingObserver:
         self.sampled_out = 0
 
     def keep(self, record: RequestRecord) -> bool:
-        if record.outcome is not Flag.OK or (record.status or 0) >= 500:
+        if record.outcome is not Flag.OK or (record.status or 0) >= 500 or record.stalls:
             return True
         return record.sampled and (record.trace_id & (_RATIO_BOUND - 1)) < self.threshold
 
@@ -61,3 +62,12 @@ def healthy_ratio_from_environment(configured: float | None, environ=os.environ)
         except ValueError:
             return 1.0
     return 1.0
+
+    # -- stall listener: the stall span goes out at once, not when the request ends
+    def on_stall(self, record: RequestRecord, judgement, entry) -> None:
+        span = stall_span(record, entry.code, entry.phase, entry.since_ns, entry.detected_ns,
+                          self.clock_offset_ns, random.getrandbits(64) or 1)
+        self.sink.submit_now((span,))
+
+    def on_stall_resolved(self, record: RequestRecord, entry) -> None:
+        pass  # recorded on the request (entry.resolved_ns) and exported with its span

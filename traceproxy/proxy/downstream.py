@@ -173,6 +173,7 @@ class ClientConnection(asyncio.Protocol):
         sequence, idle_gap = self.record.next_request(now)
         record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
         record.mark(Mark.FIRST_DOWNSTREAM_RX_BYTE, now)
+        record.owner = self  # until its exchange exists
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
         self.ctx.start_request(record)
@@ -284,6 +285,14 @@ class ClientConnection(asyncio.Protocol):
             self.parsing_exchange = None
         if self.active is None and not self.queue:
             self._send_rejection()
+
+    def abort(self, outcome: Outcome, message: str) -> None:
+        """The watchdog's abort of a request whose head is not complete."""
+        if self.parsing is not None and not self.parsing.finished and self.rejection is None:
+            self.rejection = (outcome.local_status or 408, outcome, message)
+            self.pause_reading("rejected")
+            if self.active is None:
+                self._send_rejection()
 
     def _send_rejection(self) -> None:
         status, outcome, reason = self.rejection

@@ -70,6 +70,7 @@ class Exchange:
         self.ctx = ctx
         self.client = client
         self.record = record
+        record.owner = self
         self.head = head
         self.upstream: UpstreamConnection | None = None
         self.connect_task: asyncio.Task | None = None

@@ -1,0 +1,159 @@
+"""The watchdog: finds stalled requests while they are stalled, on its own timer.
+
+Theory of operation
+-------------------
+One timer, aimed at the earliest stall deadline over all in-flight requests
+(``lifecycle.stall.judge_all``); it does not poll. A new request can bring a
+deadline earlier than the one aimed at, so ``on_request_start`` pulls the timer in
+to ``now + the smallest threshold`` when needed: the watchdog fires for a lone
+stuck request on an idle proxy, and for a request whose marks never moved.
+While stalls are open it also wakes every ``RECHECK_S`` to notice the ones that
+resolve by themselves.
+
+On a new stall: the record gets a ``StallEntry``, ``on_stall`` goes to every stall
+listener (log line, metric, stall span), and with the abort action the request is
+ended through its owner. A stall resolves when the verdict moves on (the awaited
+byte came, or the request finished): the entry gets ``resolved_ns`` and listeners
+get ``on_stall_resolved``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from ..lifecycle.flags import Flag
+from ..lifecycle.stall import Judgement, StallThresholds, judge, judge_all
+from ..lifecycle.timeline import RequestRecord, StallEntry
+
+log = logging.getLogger("traceproxy.watchdog")
+RECHECK_S = 0.25
+
+
+class StallListener(Protocol):
+    def on_stall(self, record: RequestRecord, judgement: Judgement, entry: StallEntry) -> None: ...
+
+    def on_stall_resolved(self, record: RequestRecord, entry: StallEntry) -> None: ...
+
+
+class Watchdog:
+    def __init__(self, in_flight: Callable[[], Iterable[RequestRecord]], thresholds: StallThresholds,
+                 abort_kinds: frozenset[str] = frozenset()) -> None:
+        self.in_flight = in_flight
+        self.thresholds = thresholds
+        self.abort_kinds = abort_kinds
+        self.listeners: list[StallListener] = []
+        self.open: dict[int, tuple[RequestRecord, StallEntry]] = {}
+        self.listener_errors = 0
+        self.wakeups = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._due_ns: int | None = None
+        active = [getattr(thresholds, key) for key in ("client_headers", "client_body", "pool_wait", "first_byte",
+                                                       "stream_gap", "client_drain")]
+        self._min_threshold_ns = int(min((t for t in active if t), default=0) * 1e9)
+
+    # -- lifecycle observer hooks ------------------------------------------------
+    def on_request_start(self, record: RequestRecord) -> None:
+        if self._min_threshold_ns:
+            self._aim(time.monotonic_ns() + self._min_threshold_ns)
+
+    def on_done(self, record: RequestRecord) -> None:
+        opened = self.open.pop(record.id, None)
+        if opened is not None:
+            self._resolve(record, opened[1], record.end_ns, finished=True)
+
+    # -- the timer -----------------------------------------------------------------
+    def start(self) -> None:
+        self._wake()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _aim(self, due_ns: int) -> None:
+        if self._due_ns is not None and self._due_ns <= due_ns:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._due_ns = due_ns
+        delay = max(due_ns - time.monotonic_ns(), 0) / 1e9
+        self._timer = asyncio.get_running_loop().call_later(delay, self._wake)
+
+    def _wake(self) -> None:
+        self._timer, self._due_ns = None, None
+        self.wakeups += 1
+        now = time.monotonic_ns()
+        self._check_open(now)
+        stalled, earliest = judge_all(self.in_flight(), now, self.thresholds)
+        for judgement in stalled:
+            if judgement.record.id not in self.open:
+                self._report(judgement, now)
+        if self.open:
+            earliest = min(earliest or now + int(RECHECK_S * 1e9), now + int(RECHECK_S * 1e9))
+        if earliest is not None:
+            self._aim(earliest)
+
+    # -- stalls --------------------------------------------------------------------
+    def _report(self, judgement: Judgement, now: int) -> None:
+        record, found = judgement.record, judgement.verdict
+        entry = StallEntry(found.outcome.code, found.phase.value, found.since_ns, now)
+        record.stalls.append(entry)
+        self.open[record.id] = (record, entry)
+        for listener in self.listeners:
+            try:
+                listener.on_stall(record, judgement, entry)
+            except Exception:
+                self.listener_errors += 1
+                log.exception("stall listener %s raised", type(listener).__name__)
+        if found.threshold in self.abort_kinds and record.owner is not None:
+            waited = judgement.waited_ns / 1e9
+            record.owner.abort(found.outcome, f"stalled {waited:.1f} s {found.phase.value.replace('_', ' ')} "
+                                              f"(blame {found.outcome.blame.value}); aborted by the watchdog")
+
+    def _check_open(self, now: int) -> None:
+        for record_id, (record, entry) in list(self.open.items()):
+            current = judge(record, now, self.thresholds)
+            same = (current is not None and current.verdict.outcome.code == entry.code
+                    and current.verdict.since_ns == entry.since_ns)
+            if not same:
+                del self.open[record_id]
+                resolved_at = current.verdict.since_ns if current is not None else now
+                self._resolve(record, entry, resolved_at, finished=False)
+
+    def _resolve(self, record: RequestRecord, entry: StallEntry, at_ns: int | None, finished: bool) -> None:
+        # A request that ended because of its stall (aborted, timed out) did not resolve it.
+        if finished and record.outcome is not Flag.OK:
+            return
+        entry.resolved_ns = at_ns or time.monotonic_ns()
+        for listener in self.listeners:
+            try:
+                listener.on_stall_resolved(record, entry)
+            except Exception:
+                self.listener_errors += 1
+                log.exception("stall listener %s raised", type(listener).__name__)
+
+
+class StallLog:
+    """One WARN line per stall and one INFO line when it resolves."""
+
+    def on_stall(self, record: RequestRecord, judgement: Judgement, entry: StallEntry) -> None:
+        found = judgement.verdict
+        attempt = record.attempt
+        upstream = "none"
+        if attempt is not None and attempt.connection is not None:
+            upstream = f"#{attempt.connection.id} ({'reused' if attempt.reused else 'new'})"
+        log.warning(
+            "stall %s: %s waited %.1f s %s, blame %s; trace_id=%032x request_id=%s %s %s "
+            "client_conn=#%d seq=%d upstream_conn=%s",
+            found.outcome.code, found.outcome.name, judgement.waited_ns / 1e9, found.phase.value,
+            found.outcome.blame.value, record.trace_id, record.request_id, record.method, record.target,
+            record.connection.id, record.sequence, upstream,
+        )
+
+    def on_stall_resolved(self, record: RequestRecord, entry: StallEntry) -> None:
+        log.info("stall %s resolved after %.1f s; trace_id=%032x request_id=%s", entry.code,
+                 (entry.resolved_ns - entry.since_ns) / 1e9, record.trace_id, record.request_id)
