@@ -1,17 +1,24 @@
-"""The read-only admin listener: ``GET /healthz`` (later: metrics, in-flight view)."""
+"""The read-only admin listener: ``GET /healthz``, ``GET /debug/inflight``."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 from aiohttp import web
 
 from . import __version__
+from .lifecycle.stall import StallThresholds
+from .observe.inflight import inflight_view
 from .proxy.context import ServerContext
 
 
-def build_admin_app(ctx: ServerContext, started_ns: int) -> web.Application:
+def _dumps(value) -> str:
+    return json.dumps(value, indent=1)
+
+
+def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -28,6 +35,14 @@ def build_admin_app(ctx: ServerContext, started_ns: int) -> web.Application:
             status=503 if ctx.shutting_down else 200,
         )
 
+    async def inflight(_request: web.Request) -> web.Response:
+        now = time.monotonic_ns()
+        thresholds = watchdog.thresholds if watchdog is not None else StallThresholds()
+        requests = inflight_view(list(ctx.in_flight.values()), now, thresholds)
+        return web.json_response({"pid": os.getpid(), "count": len(requests), "requests": requests},
+                                 dumps=_dumps)
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/debug/inflight", inflight)
     return app

@@ -134,7 +134,7 @@ class ProxyServer:
             self.fanout.add(self.access_log)
 
     async def _start_admin(self) -> None:
-        self._admin_runner = web.AppRunner(build_admin_app(self.ctx, self.started_ns), access_log=None)
+        self._admin_runner = web.AppRunner(build_admin_app(self.ctx, self.started_ns, self.watchdog), access_log=None)
         await self._admin_runner.setup()
         admin = self.settings.admin
         site = web.TCPSite(self._admin_runner, admin.host, admin.port, reuse_port=self.settings.workers > 1)

@@ -11,11 +11,11 @@ process (see ``spans``); here we only copy the record into a tuple.
 from __future__ import annotations
 
 import os
-import random
 import time
 from typing import Protocol
 
 from ..lifecycle.flags import Flag
+from ..lifecycle.ids import new_span_id
 from ..lifecycle.timeline import RequestRecord
 from .spans import RequestSummary, stall_span, summarize
 
@@ -49,6 +49,16 @@ class TracingObserver:
         self.sink.submit((summary,))
 
 
+    # -- stall listener: the stall span goes out at once, not when the request ends
+    def on_stall(self, record: RequestRecord, judgement, entry) -> None:
+        span = stall_span(record, entry.code, entry.phase, entry.since_ns, entry.detected_ns,
+                          self.clock_offset_ns, new_span_id())
+        self.sink.submit_now((span,))
+
+    def on_stall_resolved(self, record: RequestRecord, entry) -> None:
+        pass  # recorded on the request (entry.resolved_ns) and exported with its span
+
+
 def healthy_ratio_from_environment(configured: float | None, environ=os.environ) -> float:
     """The configured ratio, else the one OTEL_TRACES_SAMPLER implies, else 1."""
     if configured is not None:
@@ -62,12 +72,3 @@ def healthy_ratio_from_environment(configured: float | None, environ=os.environ)
         except ValueError:
             return 1.0
     return 1.0
-
-    # -- stall listener: the stall span goes out at once, not when the request ends
-    def on_stall(self, record: RequestRecord, judgement, entry) -> None:
-        span = stall_span(record, entry.code, entry.phase, entry.since_ns, entry.detected_ns,
-                          self.clock_offset_ns, random.getrandbits(64) or 1)
-        self.sink.submit_now((span,))
-
-    def on_stall_resolved(self, record: RequestRecord, entry) -> None:
-        pass  # recorded on the request (entry.resolved_ns) and exported with its span

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from ..lifecycle.flags import Flag
+from ..lifecycle.ids import new_request_id, new_span_id, new_trace_id
 from ..lifecycle.stall import Judgement, StallThresholds, judge, judge_all
 from ..lifecycle.timeline import RequestRecord, StallEntry
 
@@ -100,6 +101,11 @@ class Watchdog:
     # -- stalls --------------------------------------------------------------------
     def _report(self, judgement: Judgement, now: int) -> None:
         record, found = judgement.record, judgement.verdict
+        if not record.trace_id:
+            # Stalled before its head was complete: give it ids now, so the log
+            # line and the stall span can be found.
+            record.trace_id, record.span_id = new_trace_id(), new_span_id()
+            record.request_id = record.request_id or new_request_id()
         entry = StallEntry(found.outcome.code, found.phase.value, found.since_ns, now)
         record.stalls.append(entry)
         self.open[record.id] = (record, entry)

@@ -11,11 +11,14 @@ with commas.
 
 from __future__ import annotations
 
-import random
 from typing import NamedTuple
 
+from ..lifecycle.ids import new_request_id, new_span_id, new_trace_id
+
+__all__ = ["parse_traceparent", "format_traceparent", "continue_or_start", "new_trace_id", "new_span_id",
+           "new_request_id", "TraceParent", "TraceDecision"]
+
 _HEX = frozenset(b"0123456789abcdef")
-_rand = random.getrandbits
 
 
 class TraceParent(NamedTuple):
@@ -50,25 +53,6 @@ def _is_hex(part: bytes) -> bool:
 
 def format_traceparent(trace_id: int, span_id: int, sampled: bool) -> bytes:
     return b"00-%032x-%016x-%s" % (trace_id, span_id, b"01" if sampled else b"00")
-
-
-def new_trace_id() -> int:
-    while True:
-        value = _rand(128)
-        if value:
-            return value
-
-
-def new_span_id() -> int:
-    while True:
-        value = _rand(64)
-        if value:
-            return value
-
-
-def new_request_id() -> str:
-    """A fresh request id: 32 lowercase hex digits, like a uuid4 without dashes."""
-    return "%032x" % _rand(128)
 
 
 class TraceDecision(NamedTuple):

@@ -1,0 +1,199 @@
+"""The watchdog end to end: it fires for stuck requests while they are stuck, says
+whose turn it is, aborts when asked, records stalls that resolve, and stays quiet
+for healthy traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import socket
+import time
+import urllib.request
+
+from traceproxy.observe.spandata import KIND_INTERNAL
+from traceproxy.observe.tracing import TracingObserver
+
+from .support import RawClient, wait_until
+
+FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
+        "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.items, self.now_items = [], []
+
+    def submit(self, items) -> None:
+        self.items.extend(items)
+
+    def submit_now(self, items) -> None:
+        self.now_items.extend(items)
+
+
+def _proxy(start_proxy, upstream_url, **overrides):
+    sink = ListSink()
+    tracer = TracingObserver(sink, ("127.0.0.1", 0), ("127.0.0.1", 0), 1.0)
+    proxy = start_proxy(upstream_url, observers=[tracer], **{**FAST, **overrides})
+    proxy.watchdog.listeners.append(tracer)
+    return proxy, sink
+
+
+def _inflight(proxy) -> list[dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/debug/inflight", timeout=5) as resp:
+        return json.loads(resp.read())["requests"]
+
+
+def _silent_after_request(reader_done=None):
+    async def handler(reader, writer, upstream):
+        await reader.read_request()
+        await reader.read(1)  # until the proxy closes
+
+    return handler
+
+
+def test_lone_stuck_request_on_an_idle_proxy_is_reported_while_stuck(scripted_upstream, start_proxy, caplog):
+    caplog.set_level(logging.WARNING, logger="traceproxy.watchdog")
+    proxy, sink = _proxy(start_proxy, scripted_upstream(_silent_after_request()).url)
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "stuck-1")], body=b"{}")
+    assert wait_until(lambda: sink.now_items, timeout=3), "the watchdog never fired"
+    # Still stuck, and visible as such:
+    entry = _inflight(proxy)[0]
+    assert entry["request_id"] == "stuck-1" and entry["phase"] == "awaiting_upstream_headers"
+    assert entry["verdict"]["outcome"] == "FBS" and entry["verdict"]["blame"] == "engine"
+    assert entry["verdict"]["stalled"] is True and entry["stalls"][0]["outcome"] == "FBS"
+    span = sink.now_items[0]
+    record = next(iter(proxy.ctx.in_flight.values()))
+    assert span.kind == KIND_INTERNAL and span.trace_id == record.trace_id and span.parent_span_id == record.span_id
+    assert span.attributes["traceproxy.stall.outcome"] == "FBS" and span.attributes["traceproxy.blame"] == "engine"
+    line = next(r.getMessage() for r in caplog.records if "stall FBS" in r.getMessage())
+    assert "stuck-1" in line and "blame engine" in line and "%032x" % record.trace_id in line
+    client.close()
+
+
+def test_slow_reader_is_blamed_on_the_client_not_the_engine(scripted_upstream, start_proxy):
+    async def big_stream(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        block = b"x" * 65536
+        for _ in range(2000):  # far more than socket buffers hold
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(big_stream).url)
+    client = RawClient(proxy.port)
+    client.request("GET", "/big")  # and never read
+    assert wait_until(lambda: sink.now_items, timeout=5)
+    assert sink.now_items[0].attributes["traceproxy.stall.outcome"] == "DNR"
+    assert sink.now_items[0].attributes["traceproxy.blame"] == "client"
+    assert _inflight(proxy)[0]["client_paused_s"] is not None
+    client.close()
+
+
+def test_engine_silent_mid_stream_is_blamed_on_the_engine(scripted_upstream, start_proxy):
+    async def stalls_mid_stream(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
+        await writer.drain()
+        await reader.read(1)
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(stalls_mid_stream).url)
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", body=b"{}")
+    assert wait_until(lambda: sink.now_items, timeout=3)
+    assert sink.now_items[0].attributes["traceproxy.stall.outcome"] == "MSS"
+    assert _inflight(proxy)[0]["verdict"]["blame"] == "engine"
+    client.close()
+
+
+def test_a_stall_that_resolves_is_recorded_with_its_duration(scripted_upstream, start_proxy):
+    async def pauses_then_finishes(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.8)
+        writer.write(b"3\r\ntwo\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read(1)
+
+    done = []
+
+    class Done:
+        def on_done(self, record):
+            done.append(record)
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(pauses_then_finishes).url)
+    proxy.fanout.add(Done())
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert resp.complete and resp.body == b"onetwo"
+    assert wait_until(lambda: done)
+    stall = done[0].stalls[0]
+    assert stall.code == "MSS" and stall.resolved_ns is not None
+    assert 0.6 < (stall.resolved_ns - stall.since_ns) / 1e9 < 5
+    assert done[0].outcome.code == "OK"
+
+
+def test_abort_action_ends_a_stuck_request_with_504_and_the_outcome(scripted_upstream, start_proxy):
+    up = scripted_upstream(_silent_after_request())
+    proxy, _ = _proxy(start_proxy, up.url, **{"stall.action": "abort"})
+    resp = RawClient(proxy.port).roundtrip("POST", "/generate", body=b"{}")
+    assert resp.status == 504
+    error = json.loads(resp.body)["error"]
+    assert error["code"] == "FBS" and "aborted by the watchdog" in error["message"]
+    assert up.closed.wait(2), "the upstream request must be cancelled"
+
+
+def test_abort_on_lists_kinds_that_abort_while_others_only_observe(scripted_upstream, start_proxy):
+    proxy, sink = _proxy(start_proxy, scripted_upstream(_silent_after_request()).url,
+                         **{"stall.abort_on": ["stream_gap"]})
+    client = RawClient(proxy.port)
+    client.request("GET", "/")
+    assert wait_until(lambda: sink.now_items, timeout=3)
+    time.sleep(0.3)
+    assert proxy.ctx.in_flight, "first_byte is not in abort_on: observed, not aborted"
+    client.close()
+
+
+def test_header_stall_from_a_client_that_stops_mid_head(fast_upstream, start_proxy):
+    proxy, sink = _proxy(start_proxy, fast_upstream().url)
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\n")
+        assert wait_until(lambda: sink.now_items, timeout=3)
+    assert sink.now_items[0].attributes["traceproxy.stall.outcome"] == "DHS"
+    assert sink.now_items[0].attributes["traceproxy.blame"] == "client"
+
+
+def test_no_false_alarms_for_2000_healthy_streams_with_jitter(fast_upstream, start_proxy, loop_thread):
+    up = fast_upstream()
+    proxy, sink = _proxy(start_proxy, up.url)
+    rng = random.Random(7)
+
+    async def one_connection(rounds: int) -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        ok = 0
+        for _ in range(rounds):
+            tps = rng.choice([50, 80, 120])  # token gaps of 8..20 ms, well under the 300 ms threshold
+            body = b'{"stream": true, "max_tokens": 6}'
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nx-fake-tps: %d\r\n"
+                         b"x-fake-ttft-ms: %d\r\nContent-Length: %d\r\n\r\n%s"
+                         % (tps, rng.randint(1, 40), len(body), body))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200")
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                data += await asyncio.wait_for(reader.read(65536), 10)
+            ok += b"[DONE]" in data
+            await asyncio.sleep(rng.uniform(0, 0.02))
+        writer.close()
+        return ok
+
+    async def run() -> int:
+        results = await asyncio.gather(*(one_connection(20) for _ in range(100)))
+        return sum(results)
+
+    assert loop_thread.run(run(), timeout=120) == 2000
+    assert sink.now_items == []
+    assert all(not r.stalls for r in sink.items) if sink.items else True
+    assert proxy.watchdog.open == {}

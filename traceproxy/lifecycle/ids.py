@@ -1,0 +1,20 @@
+"""Fresh identifiers: W3C trace and span ids (never zero) and request ids."""
+
+from __future__ import annotations
+
+import random
+
+_rand = random.getrandbits
+
+
+def new_trace_id() -> int:
+    return _rand(128) or 1
+
+
+def new_span_id() -> int:
+    return _rand(64) or 1
+
+
+def new_request_id() -> str:
+    """32 lowercase hex digits, like a uuid4 without dashes."""
+    return "%032x" % _rand(128)
