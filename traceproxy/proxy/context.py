@@ -43,6 +43,8 @@ class ServerContext:
         # Idle keep-alive connections, oldest first (dicts keep insertion order).
         self.idle_connections: dict[ClientConnection, None] = {}
         self.in_flight: dict[int, RequestRecord] = {}
+        # Called with the ClientConnectionRecord of every closed client connection.
+        self.connection_closed_listeners: list = []
         self.shutting_down = False
         self._upstream_host = settings.upstream.authority.encode("ascii")
         self.request_id_names = tuple(n.encode("ascii") for n in settings.request_id.headers)
@@ -120,6 +122,8 @@ class ServerContext:
     def forget(self, conn: "ClientConnection") -> None:
         self.connections.discard(conn)
         self.idle_connections.pop(conn, None)
+        for listener in self.connection_closed_listeners:
+            listener(conn.record)
 
     def begin_shutdown(self) -> None:
         self.shutting_down = True
