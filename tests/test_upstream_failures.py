@@ -194,3 +194,40 @@ def test_error_before_the_body_arrived_drains_it_and_keeps_the_connection(start_
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: a\r\n\r\n")
         second = sock.recv(65536)
         assert second.startswith(b"HTTP/1.1 502 ") and b'"UF"' in second
+
+
+def _sse_upstream(events: bytes):
+    async def handler(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events))
+        await writer.drain()
+        await reader.read(1)
+
+    return handler
+
+
+class _Done:
+    def __init__(self):
+        self.records = []
+
+    def on_done(self, record):
+        self.records.append(record)
+
+
+def test_sse_stream_without_done_or_finish_reason_is_ndn(scripted_upstream, start_proxy):
+    done = _Done()
+    events = b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+    proxy = start_proxy(scripted_upstream(_sse_upstream(events)).url, observers=[done])
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}")
+    assert resp.complete and resp.body == events  # bytes untouched: the verdict is ours, not the client's
+    assert wait_until(lambda: done.records)
+    assert done.records[0].outcome.code == "NDN" and done.records[0].outcome.blame.value == "engine"
+
+
+def test_sse_stream_with_a_finish_reason_or_done_is_ok(scripted_upstream, start_proxy):
+    done = _Done()
+    events = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\n'
+    proxy = start_proxy(scripted_upstream(_sse_upstream(events)).url, observers=[done])
+    assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}").complete
+    assert wait_until(lambda: done.records) and done.records[0].outcome.code == "OK"

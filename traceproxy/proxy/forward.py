@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,7 @@ PENDING_HIGH_WATER = 256 * 1024
 LINGER_MAX_BYTES = 8 * 1024 * 1024
 # The start of the request body kept for span attributes (model, stream, max_tokens).
 BODY_HEAD_BYTES = 8192
+_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
 LINGER_MAX_SECONDS = 2.0
 
 
@@ -104,6 +106,8 @@ class Exchange:
             [] if ctx.inject_rid and wants_rid(head.method, head.target, head.framing.content_length) else None
         )
         self._upstream_out: list[bytes] = []
+        self._declared_length: int | None = None  # Content-Length we promised the client
+        self._sse = False
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
@@ -265,6 +269,10 @@ class Exchange:
         self.sent_log = None
         framing, length = H.response_framing(status, self.head.method, parts, self.head.http11)
         self.response_framing = framing
+        if framing == H.ResponseFraming.LENGTH and length.isdigit():
+            self._declared_length = int(length)
+        self._sse = any(n.lower() == b"content-type" and b"text/event-stream" in v.lower()
+                        for n, v in parts.end_to_end)
         # Keep the client connection only if its request was read to the end and
         # the response has a length the client can see.
         self.keep_client_alive = (
@@ -347,7 +355,21 @@ class Exchange:
     def _finish_ok(self) -> None:
         self.awaiting_drain = False
         self._stamp(Mark.LAST_DOWNSTREAM_TX_BYTE, time.monotonic_ns())
-        self._finish(Flag.OK, None)
+        outcome, error = self._judge_clean_ending()
+        self._finish(outcome, error)
+
+    def _judge_clean_ending(self) -> tuple[Outcome, str | None]:
+        """Checks on a response that ended cleanly: our own framing, and SSE completeness."""
+        record = self.record
+        if self._declared_length is not None and record.downstream_tx_body_bytes != self._declared_length:
+            return Flag.PFE, (f"wrote {record.downstream_tx_body_bytes} body bytes under "
+                              f"Content-Length {self._declared_length}")
+        if self._sse and record.status == 200:
+            tail = record.response_tail[0][-512:] + record.response_tail[1][-2048:]
+            if b"[DONE]" not in tail and not _FINISH_REASON.search(tail):
+                return Flag.NDN, (f"SSE stream of {record.upstream_rx_chunks} chunks ended without "
+                                  f"data: [DONE] or a finish reason")
+        return Flag.OK, None
 
     def _release_upstream(self, reusable: bool) -> None:
         conn, self.upstream = self.upstream, None
