@@ -24,24 +24,23 @@ from .lifecycle.timeline import RequestRecord
 from .sim.fast import FastUpstream
 
 TURNS = 6
+SLOW_TURN = 5  # prefill takes 1.2 s while the first_byte stall threshold is 0.5 s
+SPANS = "traceproxy-data/spans.jsonl"
+ACCESS_LOG = "traceproxy-data/access.log"
 
 
 class _Collect:
     def __init__(self) -> None:
         self.done: list[RequestRecord] = []
 
-    def on_request_start(self, record): pass
-
-    def on_mark(self, record, mark): pass
-
     def on_done(self, record):
         self.done.append(record)
 
 
-async def _turn(reader, writer, body: dict) -> tuple[int, int, bool]:
+async def _turn(reader, writer, body: dict, ttft_ms: int = 0) -> tuple[int, int, bool]:
     payload = json.dumps(body).encode()
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: demo\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+                 b"x-fake-ttft-ms: %d\r\nContent-Length: %d\r\n\r\n%s" % (ttft_ms, len(payload), payload))
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     status = int(head.split(b" ")[1])
     events, done = 0, False
@@ -57,7 +56,11 @@ async def _turn(reader, writer, body: dict) -> tuple[int, int, bool]:
 async def _demo() -> int:
     collect = _Collect()
     up = await FastUpstream(idle_close_after=0.3).start()
-    settings = default_settings().replace(listen="127.0.0.1:0", admin="off", upstream=up.url)
+    settings = default_settings().replace(**{
+        "listen": "127.0.0.1:0", "admin": "off", "upstream": up.url,
+        "tracing.exporter": "file", "tracing.file_path": SPANS, "access_log.path": ACCESS_LOG,
+        "stall.first_byte": 0.5,
+    })
     proxy = ProxyServer(settings, Fanout([collect]))
     await proxy.start()
     print(f"built-in upstream: {up.url}   (closes idle connections after 0.3 s)")
@@ -68,10 +71,12 @@ async def _demo() -> int:
     failures = 0
     for turn in range(1, TURNS + 1):
         body = {"model": "demo", "stream": True, "max_tokens": 8, "messages": messages}
-        status, events, done = await _turn(reader, writer, body)
+        slow = turn == SLOW_TURN
+        status, events, done = await _turn(reader, writer, body, ttft_ms=1200 if slow else 0)
         record = collect.done[-1]
         failures += status != 200 or not done
-        print(f"{turn:>4}  {status:>6}  {events:>6}  {str(done):>6}  {record.outcome.code:>7}  {_ledger(record)}")
+        note = f"  <- slow prefill: {_stalls(record)}" if slow else ""
+        print(f"{turn:>4}  {status:>6}  {events:>6}  {str(done):>6}  {record.outcome.code:>7}  {_ledger(record)}{note}")
         messages.append({"role": "assistant", "content": "tok " * 8})
         messages.append({"role": "user", "content": f"turn {turn + 1}"})
         await asyncio.sleep(0.4 if turn % 2 else 0.05)
@@ -81,6 +86,7 @@ async def _demo() -> int:
     await up.stop()
     print(f"\n{TURNS - failures}/{TURNS} turns complete on one client connection; "
           f"stale pooled connections resent: {proxy.ctx.pool.stats['stale_retried']}")
+    print(f"spans (OTLP/JSON lines): {SPANS}\naccess log (JSON lines): {ACCESS_LOG}")
     return 1 if failures else 0
 
 
@@ -88,7 +94,10 @@ async def _down_upstream_turn(collect: _Collect) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
-    settings = default_settings().replace(listen="127.0.0.1:0", admin="off", upstream=f"http://127.0.0.1:{dead_port}")
+    settings = default_settings().replace(**{
+        "listen": "127.0.0.1:0", "admin": "off", "upstream": f"http://127.0.0.1:{dead_port}",
+        "tracing.exporter": "off", "access_log.path": ACCESS_LOG,
+    })
     proxy = ProxyServer(settings, Fanout([collect]))
     await proxy.start()
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
@@ -102,6 +111,17 @@ async def _down_upstream_turn(collect: _Collect) -> None:
           f"(blame {record.outcome.blame.value}): {record.error}")
     print(f"  body: {body}")
     await proxy.shutdown(grace=0)
+
+
+def _stalls(record: RequestRecord) -> str:
+    if not record.stalls:
+        return "no stall"
+    parts = []
+    for entry in record.stalls:
+        state = (f"resolved after {(entry.resolved_ns - entry.since_ns) / 1e9:.1f} s" if entry.resolved_ns
+                 else "unresolved")
+        parts.append(f"stall {entry.code} ({entry.phase.replace('_', ' ')}), {state}")
+    return "; ".join(parts)
 
 
 def _ledger(record: RequestRecord) -> str:

@@ -17,13 +17,15 @@ THRESHOLDS = StallThresholds(client_headers=1, client_body=2, pool_wait=3, first
 
 
 def request(*marks: Mark, **stamps) -> RequestRecord:
-    """Marks stamped at 1 s, 2 s, 3 s, ... in the order given; stamps in seconds."""
+    """Marks stamped at 1 s, 2 s, 3 s, ... in the order given; stamps in seconds.
+    A record whose marks include the first body byte has received one chunk."""
     record = RequestRecord(connection=ClientConnectionRecord(peer="p", opened_ns=0), sequence=1, idle_gap_ns=None)
     record.new_attempt()
     for second, mark in enumerate(marks, start=1):
         record.mark(mark, second * S)
     for name, seconds in stamps.items():
         setattr(record, name, round(seconds * S))
+    record.upstream_rx_chunks = int(Mark.FIRST_UPSTREAM_RX_BODY_BYTE in marks)
     return record
 
 
@@ -50,6 +52,7 @@ CASES = [
      Phase.STREAMING_RESPONSE, Flag.DNR, Blame.CLIENT, 10.5, 16.5),
     ("proxy-holds-bytes", request(*STREAMING, last_upstream_rx_ns=12, last_downstream_tx_ns=11),
      Phase.STREAMING_RESPONSE, Flag.PFS, Blame.PROXY, 12, 17),
+    ("headers-then-prefill", request(*STREAMING[:-1]), Phase.STREAMING_RESPONSE, Flag.FBS, Blame.ENGINE, 8, 12),
     ("tail-not-drained", request(*STREAMING, Mark.LAST_UPSTREAM_RX_BYTE, downstream_paused_since_ns=10.5),
      Phase.DRAINING_TO_CLIENT, Flag.DNR, Blame.CLIENT, 10.5, 16.5),
 ]

@@ -8,7 +8,7 @@ whose turn that is, since when, and which stall it would be if it went on:
 * request head or body incomplete, nothing of ours in the way: the client;
 * waiting for a free pooled connection: the proxy (its cap);
 * connecting, or the request sent (or the upstream not taking it) and no response
-  header: the engine side (router queue, prefill);
+  header, or a header and no body byte yet: the engine side (router queue, prefill);
 * response started, upstream silent and the client reading: the engine (decode);
 * upstream bytes waiting because the client's transport is paused: the client;
 * upstream bytes received later than the last write to the client while the client
@@ -77,6 +77,10 @@ def _awaiting_upstream(r: RequestRecord, phase: Phase) -> Verdict:
 def _streaming(r: RequestRecord, phase: Phase) -> Verdict:
     if r.downstream_paused_since_ns is not None:
         return Verdict(phase, Flag.DNR, r.downstream_paused_since_ns, "client_drain")
+    if r.upstream_rx_chunks == 0:
+        # Headers came, no token yet: engines that answer headers at once (SGLang
+        # without the PD router) are still in prefill. Same stall as no headers.
+        return Verdict(phase, Flag.FBS, r.when(Mark.LAST_UPSTREAM_RX_HEADER_BYTE), "first_byte")
     last_rx = _first(r.last_upstream_rx_ns, r.when(Mark.LAST_UPSTREAM_RX_HEADER_BYTE))
     last_tx = r.last_downstream_tx_ns
     if last_tx is not None and last_rx > last_tx:
