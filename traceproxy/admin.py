@@ -1,4 +1,4 @@
-"""The read-only admin listener: ``GET /healthz``, ``GET /debug/inflight``."""
+"""The read-only admin listener: ``GET /healthz``, ``GET /debug/inflight``, ``GET /metrics``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from aiohttp import web
 from . import __version__
 from .lifecycle.stall import StallThresholds
 from .observe.inflight import inflight_view
+from .observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .proxy.context import ServerContext
 
 
@@ -18,7 +19,9 @@ def _dumps(value) -> str:
     return json.dumps(value, indent=1)
 
 
-def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None) -> web.Application:
+def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=None) -> web.Application:
+    """``metrics`` is a ``ProxyMetrics``; without one there is no ``/metrics`` route."""
+
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -42,7 +45,12 @@ def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None) -> web.A
         return web.json_response({"pid": os.getpid(), "count": len(requests), "requests": requests},
                                  dumps=_dumps)
 
+    async def prometheus(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render().encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/debug/inflight", inflight)
+    if metrics is not None:
+        app.router.add_get("/metrics", prometheus)
     return app

@@ -24,6 +24,7 @@ from .lifecycle.flags import Flag
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
 from .observe.accesslog import AccessLog
+from .observe.metrics import ProxyMetrics
 from .observe.watchdog import StallLog, Watchdog
 from .proxy.context import ServerContext
 from .proxy.downstream import ClientConnection
@@ -71,6 +72,7 @@ class ProxyServer:
         self.span_export = None  # SpanExportPipe when tracing is on
         self.tracing = None  # TracingObserver when tracing is on
         self.watchdog: Watchdog | None = None
+        self.metrics: ProxyMetrics | None = None
         self.access_log: AccessLog | None = None
         self._server: asyncio.base_events.Server | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -82,6 +84,7 @@ class ProxyServer:
         await self._start_tracing()
         self.ctx = ServerContext(self.settings, self.fanout)
         self._start_watchdog()
+        self._start_metrics()
         self._start_access_log()
         listen = self.settings.listen
         self._server = await loop.create_server(
@@ -126,6 +129,12 @@ class ProxyServer:
         self.fanout.add(self.watchdog)
         self.watchdog.start()
 
+    def _start_metrics(self) -> None:
+        self.metrics = ProxyMetrics(self.ctx, self.watchdog, self.span_export)
+        self.fanout.add(self.metrics)
+        self.watchdog.listeners.append(self.metrics)
+        self.ctx.connection_closed_listeners.append(self.metrics.on_client_connection_closed)
+
     def _start_access_log(self) -> None:
         path = self.settings.access_log.path
         if path:
@@ -134,7 +143,8 @@ class ProxyServer:
             self.fanout.add(self.access_log)
 
     async def _start_admin(self) -> None:
-        self._admin_runner = web.AppRunner(build_admin_app(self.ctx, self.started_ns, self.watchdog), access_log=None)
+        admin_app = build_admin_app(self.ctx, self.started_ns, self.watchdog, self.metrics)
+        self._admin_runner = web.AppRunner(admin_app, access_log=None)
         await self._admin_runner.setup()
         admin = self.settings.admin
         site = web.TCPSite(self._admin_runner, admin.host, admin.port, reuse_port=self.settings.workers > 1)
