@@ -214,8 +214,8 @@ def test_upstream_connect_failure_counts_as_uf_502_blamed_on_the_engine(start_pr
     assert result.series("traceproxy_requests_total") == [({"status": "502", "outcome": "UF", "blame": "engine"}, 2)]
     assert result.value("traceproxy_upstream_connect_failures_total") == 2
     assert result.value("traceproxy_upstream_connections_opened_total") == 0
-    # No upstream response head was sent, so there is no time to first byte.
-    assert result.value("traceproxy_time_to_first_byte_seconds_count") == 0
+    # The proxy's own 502s are the first bytes those clients got.
+    assert result.value("traceproxy_time_to_first_byte_seconds_count") == 2
     client.close()
 
 

@@ -165,8 +165,8 @@ class ProxyMetrics:
         out.histogram("request_duration_seconds",
                       "Seconds from the request's first byte to the end of the request.", self.request_duration)
         out.histogram("time_to_first_byte_seconds",
-                      "Seconds from the request's first byte to the first byte of the upstream response head "
-                      "sent to the client (proxy-generated error replies are not counted).", self.time_to_first_byte)
+                      "Seconds from the request's first byte to the first response byte sent to the client "
+                      "(the upstream's response head, or the proxy's own error reply).", self.time_to_first_byte)
         out.histogram("time_to_first_chunk_seconds",
                       "Seconds from the request's first byte to the first response body byte sent to the client.",
                       self.time_to_first_chunk)
@@ -193,8 +193,8 @@ class ProxyMetrics:
         out.counter("upstream_connections_reused_total", "Requests sent on a pooled (reused) upstream connection.",
                     [((), stats["reused"])])
         out.counter("upstream_stale_connections_total",
-                    "Pooled upstream connections found closed: closed while idle, or closed under a request "
-                    "that was then resent.", [((), stats["closed_while_idle"] + stats["stale_retried"])])
+                    "Pooled upstream connections the upstream closed (or broke) while idle, plus reused ones "
+                    "that failed under a request which was then resent.", [((), stats["closed_by_upstream_while_idle"] + stats["stale_retried"])])
         out.counter("upstream_retries_total", "Requests resent on a fresh connection after a stale reused one.",
                     [((), stats["stale_retried"])])
         out.counter("upstream_connect_failures_total", "Upstream connection attempts that failed or timed out.",

@@ -455,6 +455,9 @@ class Exchange:
             self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
                                              extra=self.ctx.response_ids(self.record)))
             self.record.status = status
+            now = time.monotonic_ns()
+            self._stamp(Mark.FIRST_DOWNSTREAM_TX_BYTE, now)
+            self._stamp(Mark.LAST_DOWNSTREAM_TX_BYTE, now)
         else:
             # The response already started: end it short so the client can tell.
             self._client_out.clear()

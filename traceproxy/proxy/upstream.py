@@ -64,6 +64,7 @@ class UpstreamConnection(asyncio.Protocol):
         if user is None:
             # Bytes while idle: the upstream broke the protocol or is closing;
             # either way this connection must not carry another request.
+            self.pool.stats["closed_by_upstream_while_idle"] += 1
             self.pool.discard(self, "unexpected bytes on an idle connection")
             return
         self.bytes_received += len(data)
@@ -90,6 +91,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.record.closed_ns = time.monotonic_ns()
         user = self.user
         if user is None:
+            if not self.pool.discarding:
+                self.pool.stats["closed_by_upstream_while_idle"] += 1
             self.pool.forget(self)
             return
         self.user = None
@@ -193,6 +196,7 @@ class UpstreamPool:
         self.connecting: set[asyncio.Task] = set()
         self._sweeper: asyncio.TimerHandle | None = None
         self.stats = collections.Counter()
+        self.discarding = False
 
     # -- acquiring ---------------------------------------------------------------
     def acquire(self, user: "Exchange", fresh: bool = False) -> asyncio.Task | None:
@@ -276,7 +280,13 @@ class UpstreamPool:
         conn.user = None
         if conn.transport is not None and not conn.transport.is_closing():
             log.debug("closing upstream connection #%d: %s", conn.record.id, why)
-            conn.transport.abort()
+            # abort() may call connection_lost synchronously: it must not count as
+            # the upstream closing an idle connection.
+            self.discarding = True
+            try:
+                conn.transport.abort()
+            finally:
+                self.discarding = False
         self.forget(conn)
 
     def forget(self, conn: UpstreamConnection) -> None:
