@@ -1,4 +1,4 @@
-"""Command line: ``traceproxy serve | upstream | demo | bench``."""
+"""Command line: ``traceproxy serve | upstream | demo | top | bench``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,19 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     sub.add_parser("bench", help="measure the proxy against a direct connection (see traceproxy bench --help)")
+
+    top = sub.add_parser("top", help="watch the requests in flight, stalls and whose turn it is",
+                         description="A live view of GET /debug/inflight and /healthz from a running proxy's "
+                         "admin listener. Stalled requests are marked STALL (red), those past half their "
+                         "stall threshold slow (yellow). Ctrl-C quits.")
+    top.add_argument("--admin", metavar="HOST:PORT", default=None,
+                     help="the proxy's admin listener (default: the serve default, 127.0.0.1:9464)")
+    top.add_argument("--interval", metavar="SECONDS", default=1.0,
+                     help="seconds between refreshes (default: 1)")
+    top.add_argument("--once", action="store_true",
+                     help="print one frame without cursor control and exit (2 if the admin is unreachable)")
+    top.add_argument("--no-color", action="store_true", help="no ANSI colours (also when NO_COLOR is set)")
+    top.set_defaults(run=_top)
     return parser
 
 
@@ -85,3 +98,9 @@ def _demo(_args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo()
+
+
+def _top(args: argparse.Namespace) -> int:
+    from .top import run
+
+    return run(args)

@@ -1,0 +1,229 @@
+"""``traceproxy top``: frames rendered from /debug/inflight entries as plain strings, and the
+command end to end against a real proxy with a request stuck waiting for the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from traceproxy import top
+
+from .support import RawClient, wait_until
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+RED = "\x1b[1;31m"
+
+
+def _entry(**overrides) -> dict:
+    entry = {
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736", "request_id": "req-healthy", "method": "POST",
+        "path": "/v1/chat/completions", "phase": "streaming_response", "age_s": 4.2,
+        "since_last_byte_s": {"from_client": 4.1, "from_upstream": 0.02, "to_client": 0.02},
+        "client_paused_s": None, "bytes": {"request_in": 312, "response_in": 20480, "response_out": 20480},
+        "chunks": 97, "client_connection": 3, "client_request_sequence": 2, "upstream_connection": 7,
+        "upstream_reused": True, "attempts": 1,
+        "verdict": {"outcome": "MSS", "name": "mid_stream_stall", "blame": "engine", "waiting_for_s": 0.02,
+                    "stall_after_s": 30.0, "stalled": False},
+        "stalls": [],
+    }
+    entry.update(overrides)
+    return entry
+
+
+STALLED_FBS = _entry(
+    request_id="req-stuck-fbs", phase="awaiting_upstream_headers", age_s=131.5, chunks=0, upstream_reused=False,
+    bytes={"request_in": 2, "response_in": 0, "response_out": 0},
+    path="/v1/chat/completions?" + "x" * 150,  # long enough to need cutting
+    verdict={"outcome": "FBS", "name": "first_byte_stall", "blame": "engine", "waiting_for_s": 131.4,
+             "stall_after_s": 120.0, "stalled": True},
+    stalls=[{"outcome": "FBS", "phase": "awaiting_upstream_headers", "resolved": False}],
+)
+SLOW_CLIENT = _entry(
+    request_id="req-slow-reader", phase="draining_to_client", age_s=40.0,
+    verdict={"outcome": "DNR", "name": "downstream_not_reading", "blame": "client", "waiting_for_s": 20.0,
+             "stall_after_s": 30.0, "stalled": False},
+)
+HEALTHY = _entry()
+NO_VERDICT = _entry(request_id=None, method=None, path=None, phase="done", age_s=0.1, verdict=None,
+                    upstream_connection=None, upstream_reused=None, chunks=0)
+ENTRIES = [STALLED_FBS, SLOW_CLIENT, HEALTHY, NO_VERDICT]
+
+
+def _line_with(lines: list[str], needle: str) -> str:
+    return next(line for line in lines if needle in line)
+
+
+# --- pure formatting ---
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_rows_name_the_outcome_and_whose_turn_it_is(width):
+    lines = top.render_table(ENTRIES, width, use_color=False)
+    assert len(lines) == 1 + len(ENTRIES)
+    assert "FBS" in lines[1] and "engine" in lines[1] and "req-stuck-.." in lines[1]
+    assert "DNR" in lines[2] and "client" in lines[2]
+    assert "MSS" in lines[3] and "engine" in lines[3]
+    assert "done" in lines[4]
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_every_line_fits_the_width_with_or_without_color(width):
+    snapshot = top.Snapshot({"pid": 1, "count": 4, "requests": ENTRIES}, None, "connection refused")
+    for use_color in (True, False):
+        frame = top.render_frame(snapshot, "http://127.0.0.1:9464", width, "12:00:00", use_color)
+        assert all(len(ANSI.sub("", line)) <= width for line in frame)
+
+
+def test_no_color_marks_the_stall_in_text_and_writes_no_escape_codes():
+    lines = top.render_table(ENTRIES, 120, use_color=False)
+    assert not any("\x1b" in line for line in lines)
+    assert _line_with(lines, "FBS").startswith("STALL")
+    assert _line_with(lines, "DNR").startswith("slow")
+    assert "STALL" not in _line_with(lines, "MSS") and "slow" not in _line_with(lines, "MSS")
+
+
+def test_color_paints_the_stalled_row_red_and_the_half_way_row_yellow():
+    lines = top.render_table(ENTRIES, 120, use_color=True)
+    assert _line_with(lines, "FBS").startswith(RED) and "STALL" in _line_with(lines, "FBS")
+    assert _line_with(lines, "DNR").startswith(top.YELLOW)
+    assert "\x1b" not in _line_with(lines, "MSS")
+
+
+def test_the_path_is_cut_before_any_column_is_dropped():
+    wide = top.render_table(ENTRIES, 200, use_color=False)
+    assert "CHUNKS" in wide[0] and "UPSTREAM" in wide[0] and "#7 reused" in wide[3] and "20K" in wide[3]
+    assert ".." in _line_with(wide, "FBS")  # the 170-char path did not fit even at 200
+    middle = top.render_table(ENTRIES, 130, use_color=False)
+    assert "CHUNKS" in middle[0] and "POST /v1/chat" in middle[1]
+    narrow = top.render_table(ENTRIES, 80, use_color=False)
+    assert "CHUNKS" not in narrow[0] and "REQUEST ID" in narrow[0] and "BLAME" in narrow[0]
+
+
+def test_wait_column_shows_waited_over_threshold_and_off():
+    assert top._wait_cell(STALLED_FBS) == "2m11s/2m00s"
+    assert top._wait_cell(_entry(verdict={**HEALTHY["verdict"], "stall_after_s": None})) == "0.0s/off"
+    assert top._wait_cell(NO_VERDICT) == "-"
+
+
+def test_row_state_thresholds():
+    assert top.row_state(STALLED_FBS) == top.STALLED
+    assert top.row_state(SLOW_CLIENT) == top.SLOW  # 20 of 30 s
+    assert top.row_state(HEALTHY) == top.WAITING and top.row_state(NO_VERDICT) == top.WAITING
+    off = _entry(verdict={**SLOW_CLIENT["verdict"], "stall_after_s": None})
+    assert top.row_state(off) == top.WAITING  # no threshold, never slow
+
+
+def test_header_has_health_and_a_stall_summary_by_blame():
+    health = {"status": "ok", "version": "0.1.0", "pid": 4242, "uptime_s": 75.0, "upstream": "127.0.0.1:30000",
+              "client_connections": 5, "requests_in_flight": 4, "upstream_connections_open": 2,
+              "upstream_connections_idle": 1}
+    snapshot = top.Snapshot({"pid": 4242, "count": 4, "requests": ENTRIES}, health)
+    frame = top.render_frame(snapshot, "http://127.0.0.1:9464", 200, "12:00:00", use_color=False)
+    assert "pid 4242" in frame[0] and "upstream 127.0.0.1:30000" in frame[0] and "clients 5" in frame[0]
+    assert "in flight 4" in frame[0]
+    assert "4 in flight, 1 stalled, 1 slow (stalled: engine 1)" in frame[1]
+    assert "http://127.0.0.1:9464" in frame[1]
+
+
+def test_a_short_terminal_says_how_many_rows_are_hidden():
+    snapshot = top.Snapshot({"pid": 1, "count": 4, "requests": ENTRIES}, None)
+    frame = top.render_frame(snapshot, "http://a:1", 100, "12:00:00", use_color=False, height=7)
+    assert len(frame) == 7 and frame[-1].startswith("... 2 more")
+
+
+def test_empty_and_units():
+    assert top.render_table([], 80) == ["(no requests in flight)"]
+    assert [top.byte_count(n) for n in (0, 1023, 1536, 20480, 5 * 2**20)] == ["0", "1023", "1.5K", "20K", "5.0M"]
+    assert [top.duration(s) for s in (None, 0.25, 42, 131.5, 7322)] == ["-", "0.2s", "42s", "2m11s", "2h02m"]
+
+
+def test_admin_address_accepts_host_port_and_urls_only():
+    assert top.admin_address("127.0.0.1:9464") == "http://127.0.0.1:9464"
+    assert top.admin_address("http://localhost:1/") == "http://localhost:1"
+    assert top.admin_address("::1:9464") == "http://[::1]:9464"
+    assert top.default_admin() == "127.0.0.1:9464"
+    for bad in ("localhost", "127.0.0.1:", "http://h:1/debug"):
+        with pytest.raises(Exception):
+            top.admin_address(bad)
+
+
+# --- the command, end to end ---
+
+
+async def _never_answers(reader, writer, upstream):
+    await reader.read_request()
+    await reader.read(1)  # until the proxy closes
+
+
+def _inflight(proxy) -> list[dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/debug/inflight", timeout=5) as resp:
+        return json.loads(resp.read())["requests"]
+
+
+def _top(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "traceproxy", "top", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "160", "LINES": "40"})
+
+
+def _refused_port():
+    """A bound socket that never listens: connecting to its port is refused while it is held."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def test_once_shows_the_stuck_request_as_an_engine_first_byte_stall(scripted_upstream, start_proxy):
+    proxy = start_proxy(scripted_upstream(_never_answers).url, **{"stall.first_byte": 0.3})
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "top-stuck-1")], body=b"{}")
+    assert wait_until(lambda: any((e["verdict"] or {}).get("stalled") for e in _inflight(proxy)), timeout=5)
+    result = _top("--admin", f"127.0.0.1:{proxy.admin_port}", "--once", "--no-color")
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout
+    row = _line_with(result.stdout.splitlines(), "top-stuck-1")
+    assert row.startswith("STALL") and "FBS" in row and "engine" in row and "first-byte" in row
+    assert "1 in flight, 1 stalled" in result.stdout and "in flight 1" in result.stdout
+    client.close()
+
+
+def test_once_with_the_admin_unreachable_exits_2_naming_the_url():
+    with _refused_port() as sock:
+        port = sock.getsockname()[1]
+        result = _top("--admin", f"127.0.0.1:{port}", "--once", timeout=15)
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"http://127.0.0.1:{port}/debug/inflight" in result.stderr
+
+
+def _read_until(proc: subprocess.Popen, needle: bytes, timeout: float) -> bytes:
+    seen, deadline = b"", time.monotonic() + timeout
+    while needle not in seen and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.1)[0]:
+            seen += os.read(proc.stdout.fileno(), 65536)
+    return seen
+
+
+def test_live_view_keeps_retrying_an_unreachable_admin_and_ctrl_c_exits_0():
+    with _refused_port() as sock:
+        port = sock.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "traceproxy", "top", "--admin", f"127.0.0.1:{port}",
+                                 "--interval", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            first = _read_until(proc, b"retrying", timeout=15)
+            again = _read_until(proc, b"retrying", timeout=5)  # a second frame: it kept trying
+            proc.send_signal(signal.SIGINT)
+            rest, err = proc.communicate(timeout=10)
+        finally:
+            proc.kill()
+    assert f"http://127.0.0.1:{port}/debug/inflight".encode() in first and b"retrying" in again
+    assert first.startswith(top.ENTER_ALT_SCREEN.encode()) and rest.endswith(top.LEAVE_ALT_SCREEN.encode())
+    assert proc.returncode == 0 and b"Traceback" not in err

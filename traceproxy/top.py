@@ -1,0 +1,448 @@
+"""``traceproxy top``: a live terminal view of the requests in flight and whose turn it is.
+
+Polls the admin listener (``GET /debug/inflight`` for the table, ``GET /healthz``
+for the header line) and redraws one frame per interval. Stalled requests are
+red and marked ``STALL``; requests past half their stall threshold are yellow and
+marked ``slow``. The marker column is there with or without colour, so
+``--no-color`` output (and anything piped through grep) says the same thing.
+
+Rendering is a set of pure functions (JSON in, lines of text out) and the screen
+is a plain ANSI redraw: home the cursor, write the frame, clear what is left.
+That keeps every frame testable as strings without a terminal, and ``--once``
+is the same frame printed once with no cursor control. curses would add a
+terminal dependency to the tests and buy nothing here, since the view takes no
+keyboard input except Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FETCH_TIMEOUT_S = 3.0
+UNREACHABLE_EXIT = 2
+
+# --- ANSI ---
+
+RED_BOLD = "\x1b[1;31m"
+YELLOW = "\x1b[33m"
+BOLD = "\x1b[1m"
+RESET = "\x1b[0m"
+HOME = "\x1b[H"
+CLEAR_LINE = "\x1b[K"
+CLEAR_BELOW = "\x1b[J"
+ENTER_ALT_SCREEN = "\x1b[?1049h\x1b[?25l"  # alternate screen, cursor hidden
+LEAVE_ALT_SCREEN = "\x1b[?25h\x1b[?1049l"
+
+STALLED, SLOW, WAITING = "stalled", "slow", "waiting"
+MARKERS = {STALLED: "STALL", SLOW: "slow", WAITING: ""}
+ROW_COLORS = {STALLED: RED_BOLD, SLOW: YELLOW}
+
+# Short names for the lifecycle phases, so the column stays narrow.
+PHASE_LABELS = {
+    "awaiting_request_headers": "req-headers",
+    "awaiting_upstream_connection": "pool-wait",
+    "awaiting_request_body": "req-body",
+    "sending_request_upstream": "sending",
+    "awaiting_upstream_headers": "first-byte",
+    "streaming_response": "streaming",
+    "draining_to_client": "draining",
+    "done": "done",
+}
+
+
+# --- the admin address ---
+
+
+def default_admin() -> str:
+    """The admin address ``traceproxy serve`` listens on by default."""
+    from .config import default_settings
+
+    return str(default_settings().admin)
+
+
+def admin_address(text: str) -> str:
+    """HOST:PORT (or http://HOST:PORT) -> the admin listener's base URL; raises ArgumentTypeError."""
+    raw = text.strip().removesuffix("/")
+    if raw.lower().startswith("http://"):
+        raw = raw[7:]
+    host, _, port = raw.rpartition(":")
+    if not host or not port.isdigit() or "/" in raw:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:9464, got {text!r}")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def positive_seconds(text: str) -> float:
+    """A refresh interval: seconds above 0; raises ArgumentTypeError."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
+# --- fetching ---
+
+
+class AdminUnreachable(Exception):
+    """The admin listener did not answer with the JSON expected; ``str()`` names the URL."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"cannot reach the traceproxy admin listener at {url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    inflight: dict
+    health: dict | None  # None when /healthz did not answer
+    health_error: str = ""
+
+
+# The admin listener is local: never send its requests through an http_proxy from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _json_object(body: bytes) -> dict | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def fetch_json(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict:
+    """GET url -> its JSON object. A JSON error body (such as /healthz's 503 while draining) counts."""
+    try:
+        with _OPENER.open(url, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        if _json_object(body) is None:
+            raise AdminUnreachable(url, f"HTTP {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        raise AdminUnreachable(url, str(exc.reason)) from None
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # timeouts, resets, not HTTP
+        raise AdminUnreachable(url, str(exc) or type(exc).__name__) from None
+    found = _json_object(body)
+    if found is None:
+        raise AdminUnreachable(url, "the answer is not a JSON object (is this the admin port?)")
+    return found
+
+
+def fetch_snapshot(base_url: str, timeout: float = FETCH_TIMEOUT_S) -> Snapshot:
+    inflight = fetch_json(f"{base_url}/debug/inflight", timeout)
+    if not isinstance(inflight.get("requests"), list):
+        raise AdminUnreachable(f"{base_url}/debug/inflight", "the answer has no list of requests")
+    try:
+        return Snapshot(inflight, fetch_json(f"{base_url}/healthz", timeout))
+    except AdminUnreachable as exc:
+        return Snapshot(inflight, None, exc.reason)
+
+
+# --- cells: one entry -> short strings ---
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 100:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def byte_count(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return str(n)
+    value = float(n)
+    for unit in "KMG":
+        value /= 1024
+        if value < 1024 or unit == "G":
+            break
+    return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+
+
+def row_state(entry: dict) -> str:
+    """STALLED past the threshold, SLOW past half of it, else WAITING."""
+    found = entry.get("verdict")
+    if not found:
+        return WAITING
+    if found.get("stalled"):
+        return STALLED
+    after, waited = found.get("stall_after_s"), found.get("waiting_for_s")
+    if after and waited is not None and waited >= after / 2:
+        return SLOW
+    return WAITING
+
+
+def _wait_cell(entry: dict) -> str:
+    found = entry.get("verdict")
+    if not found:
+        return "-"
+    after = found.get("stall_after_s")
+    return f"{duration(found.get('waiting_for_s'))}/{duration(after) if after else 'off'}"
+
+
+def _verdict_field(key: str) -> Callable[[dict], str]:
+    return lambda entry: str((entry.get("verdict") or {}).get(key) or "-")
+
+
+def _request_cell(entry: dict) -> str:
+    return f"{entry.get('method') or '-'} {entry.get('path') or '-'}"
+
+
+def _connection_cell(entry: dict) -> str:
+    return f"{entry.get('client_connection', '-')}/{entry.get('client_request_sequence', '-')}"
+
+
+def _upstream_cell(entry: dict) -> str:
+    conn = entry.get("upstream_connection")
+    if conn is None:
+        return "-"
+    return f"#{conn} {'reused' if entry.get('upstream_reused') else 'new'}"
+
+
+def _out_cell(entry: dict) -> str:
+    return byte_count((entry.get("bytes") or {}).get("response_out"))
+
+
+# --- the table ---
+
+
+FLEX_MIN_WIDTH, FLEX_MAX_WIDTH = 12, 60  # the METHOD PATH column
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    cell: Callable[[dict], str]
+    max_width: int = 16
+    right: bool = False
+    drop_rank: int = 0  # 0: always shown; when narrow, the highest rank goes first
+    flexible: bool = False  # takes the width left over, and is cut first
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("STATE", lambda e: MARKERS[row_state(e)], 5),
+    Column("AGE", lambda e: duration(e.get("age_s")), 7, right=True),
+    Column("PHASE", lambda e: PHASE_LABELS.get(e.get("phase"), str(e.get("phase"))), 28),
+    Column("WAIT/AFTER", _wait_cell, 15, right=True),
+    Column("VERDICT", _verdict_field("outcome"), 7),
+    Column("BLAME", _verdict_field("blame"), 7),
+    Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True),
+    Column("REQUEST ID", lambda e: e.get("request_id") or "-", 12),
+    Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=2),
+    Column("UPSTREAM", _upstream_cell, 12, drop_rank=3),
+    Column("OUT", _out_cell, 6, right=True, drop_rank=4),
+    Column("CHUNKS", lambda e: str(e.get("chunks", "-")), 7, right=True, drop_rank=5),
+)
+GAP = " "
+
+
+def clip(text: str, width: int) -> str:
+    """text cut to width, marking the cut with '..'."""
+    if len(text) <= width:
+        return text
+    return text[:width] if width <= 2 else text[: width - 2] + ".."
+
+
+def _natural_width(column: Column, cells: list[str]) -> int:
+    return min(column.max_width, max([len(column.title), *map(len, cells)]))
+
+
+def fit_columns(columns: tuple[Column, ...], rows: list[list[str]], width: int) -> list[tuple[int, int]]:
+    """[(column index, width)] that fit in width: the flexible column shrinks first, then columns drop."""
+    natural = [_natural_width(c, [r[i] for r in rows]) for i, c in enumerate(columns)]
+    shown = list(range(len(columns)))
+
+    def needed(flex_width: int) -> int:
+        widths = [flex_width if columns[i].flexible else natural[i] for i in shown]
+        return sum(widths) + len(GAP) * (len(widths) - 1)
+
+    droppable = sorted((i for i, c in enumerate(columns) if c.drop_rank), key=lambda i: -columns[i].drop_rank)
+    while droppable and needed(FLEX_MIN_WIDTH) > width:
+        shown.remove(droppable.pop(0))
+    flex_width = max(min(width - needed(0), FLEX_MAX_WIDTH), FLEX_MIN_WIDTH)  # the leftover, within bounds
+    return [(i, min(natural[i], flex_width) if columns[i].flexible else natural[i]) for i in shown]
+
+
+def _join(cells: list[str], layout: list[tuple[int, int]], columns: tuple[Column, ...]) -> str:
+    parts = []
+    for (index, width), text in zip(layout, cells):
+        text = clip(text, width)
+        parts.append(text.rjust(width) if columns[index].right else text.ljust(width))
+    return GAP.join(parts).rstrip()
+
+
+def _paint(line: str, color: str | None, use_color: bool) -> str:
+    return f"{color}{line}{RESET}" if use_color and color else line
+
+
+def render_table(entries: list[dict], width: int, use_color: bool = True,
+                 max_rows: int | None = None) -> list[str]:
+    """The in-flight entries as a header line and one line per request, each at most width visible chars."""
+    if not entries:
+        return ["(no requests in flight)"]
+    rows = [[c.cell(e) for c in COLUMNS] for e in entries]
+    layout = fit_columns(COLUMNS, rows, width)
+    title = _join([COLUMNS[i].title for i, _ in layout], layout, COLUMNS)
+    lines = [_paint(clip(title, width), BOLD, use_color)]
+    fits = max_rows is None or len(entries) <= max_rows
+    shown = len(entries) if fits else max(max_rows - 1, 0)  # keep a line to say how many are hidden
+    for entry, row in zip(entries[:shown], rows):
+        line = clip(_join([row[i] for i, _ in layout], layout, COLUMNS), width)
+        lines.append(_paint(line, ROW_COLORS.get(row_state(entry)), use_color))
+    if not fits:
+        lines.append(clip(f"... {len(entries) - shown} more not shown (a taller terminal shows them)", width))
+    return lines
+
+
+# --- the header ---
+
+
+def summary_line(entries: list[dict]) -> str:
+    states = Counter(row_state(e) for e in entries)
+    blames = Counter((e.get("verdict") or {}).get("blame", "?") for e in entries if row_state(e) == STALLED)
+    text = f"{len(entries)} in flight, {states[STALLED]} stalled, {states[SLOW]} slow"
+    if blames:
+        text += " (stalled: " + ", ".join(f"{who} {n}" for who, n in blames.most_common()) + ")"
+    return text
+
+
+def health_fields(snapshot: Snapshot) -> list[str]:
+    health = snapshot.health
+    if health is None:
+        return [f"pid {snapshot.inflight.get('pid', '?')}", f"(healthz: {snapshot.health_error or 'no answer'})"]
+    return [
+        f"traceproxy {health.get('version', '?')}",
+        f"pid {health.get('pid', '?')}",
+        str(health.get("status", "?")),
+        f"up {duration(health.get('uptime_s'))}",
+        f"upstream {health.get('upstream', '?')}",
+        f"clients {health.get('client_connections', '?')}",
+        f"in flight {health.get('requests_in_flight', '?')}",
+        f"upstream conns {health.get('upstream_connections_open', '?')} open"
+        f"/{health.get('upstream_connections_idle', '?')} idle",
+    ]
+
+
+def pack(fields: list[str], width: int, sep: str = "  ") -> list[str]:
+    """fields joined by sep into as few lines of at most width as they fit in; a field is never split."""
+    lines: list[str] = []
+    for field in fields:
+        if lines and len(lines[-1]) + len(sep) + len(field) <= width:
+            lines[-1] += sep + field
+        else:
+            lines.append(clip(field, width))
+    return lines
+
+
+def render_frame(snapshot: Snapshot, base_url: str, width: int, clock: str, use_color: bool = True,
+                 height: int | None = None) -> list[str]:
+    """A whole screen: health, summary, the table. height (None: unbounded) bounds the table rows."""
+    entries = snapshot.inflight.get("requests") or []
+    stalled = any(row_state(e) == STALLED for e in entries)
+    summary = [_paint(line, RED_BOLD if stalled else None, use_color)
+               for line in pack([summary_line(entries), f"admin {base_url}", clock], width, "   ")]
+    header = pack(health_fields(snapshot), width) + summary + [""]
+    max_rows = None if height is None else height - len(header) - 1
+    return header + render_table(entries, width, use_color, max_rows)
+
+
+def render_unreachable(error: AdminUnreachable, width: int, clock: str, interval: float) -> list[str]:
+    """The retry screen, wrapped rather than cut so the URL is always there in full."""
+    text = [f"cannot reach the traceproxy admin listener at {error.url}", f"({error.reason})",
+            f"retrying every {interval:g}s ({clock}); Ctrl-C to quit"]
+    return [piece for line in text for piece in textwrap.wrap(line, max(width, 20))]
+
+
+# --- running ---
+
+
+def _clock() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+def _wants_color(args: argparse.Namespace) -> bool:
+    return not args.no_color and "NO_COLOR" not in os.environ
+
+
+def run_once(base_url: str, use_color: bool) -> int:
+    try:
+        snapshot = fetch_snapshot(base_url)
+    except AdminUnreachable as exc:
+        print(f"traceproxy top: {exc}", file=sys.stderr)
+        return UNREACHABLE_EXIT
+    width = shutil.get_terminal_size().columns
+    print("\n".join(render_frame(snapshot, base_url, width, _clock(), use_color)))
+    return 0
+
+
+def _draw(lines: list[str]) -> None:
+    sys.stdout.write(HOME + "".join(line + CLEAR_LINE + "\n" for line in lines[:-1]) + lines[-1] + CLEAR_LINE
+                     + CLEAR_BELOW)
+    sys.stdout.flush()
+
+
+def _next_frame(base_url: str, interval: float, use_color: bool) -> list[str]:
+    size = shutil.get_terminal_size()
+    try:
+        snapshot = fetch_snapshot(base_url, min(FETCH_TIMEOUT_S, max(interval, 1.0)))
+    except AdminUnreachable as exc:
+        return render_unreachable(exc, size.columns, _clock(), interval)
+    return render_frame(snapshot, base_url, size.columns, _clock(), use_color, size.lines)
+
+
+def run_live(base_url: str, interval: float, use_color: bool) -> int:
+    sys.stdout.write(ENTER_ALT_SCREEN)
+    try:
+        while True:
+            _draw(_next_frame(base_url, interval, use_color))
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        sys.stdout.write(LEAVE_ALT_SCREEN)
+        sys.stdout.flush()
+
+
+def _options(args: argparse.Namespace) -> tuple[str, float]:
+    """(admin base URL, interval) from the command line; raises ArgumentTypeError."""
+    return admin_address(args.admin or default_admin()), positive_seconds(str(args.interval))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point for ``traceproxy top``; args: admin (HOST:PORT or None), interval, once, no_color."""
+    try:
+        base_url, interval = _options(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"traceproxy top: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.once:
+            return run_once(base_url, _wants_color(args))
+        return run_live(base_url, interval, _wants_color(args))
+    except KeyboardInterrupt:
+        return 0
