@@ -59,6 +59,8 @@ TRANSCRIPTS = [
     ("first-byte-no-headers", HEALTHY[:7], Phase.AWAITING_UPSTREAM_HEADERS),
     ("streaming", HEALTHY[:10], Phase.STREAMING_RESPONSE),
     ("upstream-done-client-not-drained", HEALTHY[:11], Phase.DRAINING_TO_CLIENT),
+    ("body-complete-before-connection", HEALTHY[:2] + [Mark.LAST_DOWNSTREAM_RX_BYTE],
+     Phase.AWAITING_UPSTREAM_CONNECTION),
     ("early-response-before-body-complete",
      HEALTHY[:4] + [Mark.FIRST_UPSTREAM_RX_BYTE, Mark.LAST_UPSTREAM_RX_HEADER_BYTE], Phase.STREAMING_RESPONSE),
 ]

@@ -4,10 +4,11 @@ Theory of operation
 -------------------
 A request's phase is not stored: it is derived from which marks are set. Each row
 of ``PHASES`` names a phase for the mark that ends it, in the order a healthy
-request crosses them. The current phase is the row after the furthest row whose
-mark is set, so the answer survives out-of-order edges (an upstream that answers
-413 before the request body is complete is streaming its response, whatever the
-request body is doing).
+request crosses them. Edges can come out of that order, so ``phase_of`` reads the
+response side first (an upstream that answers 413 before the request body is
+complete is streaming its response, whatever the request body is doing), then the
+first request-side edge not crossed yet (a body that arrived before the upstream
+connection leaves the request waiting for the connection).
 
 This module knows nothing about time limits or blame; ``stall`` and
 ``attribution`` build on the phase it reports.
@@ -47,11 +48,26 @@ PHASES: tuple[tuple[Phase, Mark | None], ...] = (
 AWAITED_MARK: dict[Phase, Mark | None] = dict(PHASES)
 
 
+# Rows from the response side: once the upstream answered, what the request side is
+# still doing no longer decides the phase.
+_RESPONSE_SIDE = (
+    (Mark.LAST_UPSTREAM_RX_BYTE, Phase.DRAINING_TO_CLIENT),
+    (Mark.LAST_UPSTREAM_RX_HEADER_BYTE, Phase.STREAMING_RESPONSE),
+)
+
+
 def phase_of(record: RequestRecord) -> Phase:
     if record.finished:
         return Phase.DONE
-    current = PHASES[0][0]
-    for index, (_phase, ends_with) in enumerate(PHASES[:-1]):
-        if ends_with is not None and record.has(ends_with):
-            current = PHASES[index + 1][0]
-    return current
+    if not record.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE):
+        return Phase.AWAITING_REQUEST_HEADERS
+    for mark, phase in _RESPONSE_SIDE:
+        if record.has(mark):
+            return phase
+    # Request side: the first edge not crossed yet. The body may finish before a
+    # connection is ready (the phase is then still the connection), and a connection
+    # may be ready before the body (the phase is the body).
+    for phase, ends_with in PHASES[1:5]:
+        if not record.has(ends_with):
+            return phase
+    return Phase.AWAITING_UPSTREAM_HEADERS
