@@ -6,6 +6,8 @@ over a pipe to ``python -m traceproxy.observe.exporter_main``, which encodes and
 exports them.
 
 Theory of operation:
+- Items are ``SpanData`` or request summaries (``spans.RequestSummary``, which the
+  child turns into spans); the parent counts and bounds items, calling them spans.
 - ``submit`` appends to the current batch (O(1)). A full batch (``batch_spans``), a
   timer (``flush_interval`` after the batch's first span) or ``submit_now`` sends
   it: pickle, length prefix, one ``transport.write`` on a non-blocking pipe.
@@ -21,7 +23,9 @@ Theory of operation:
 - If the child dies, spans are dropped and counted from then on; it is not
   restarted (a crash would most likely repeat, e.g. a bad endpoint or an OOM kill).
   One warning is logged, and ``stats["exporter_alive"]`` turns False for health
-  checks. Spans already in the queue when it dies are lost with it, uncounted.
+  checks. Spans still in the queue when it dies count as dropped; those already in
+  the kernel's pipe buffer are lost uncounted (submitted - dropped - exported -
+  failed shows them).
 - ``stop`` flushes, closes the pipe (EOF: the child exports what is left and exits)
   and waits; past its deadline it sends SIGTERM, then SIGKILL. It never hangs.
 - The child gets no inherited descriptors but its stdin and the stats pipe
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import site
 import sys
 from collections import deque
 from collections.abc import Iterable
@@ -58,6 +63,8 @@ class SpanExportPipe:
 
     def __init__(self, config: ExportConfig) -> None:
         self.config = config
+        # A batch bigger than the queue could never be sent.
+        self._batch_spans = min(config.batch_spans, config.queue_spans)
         self._batch: list[SpanData] = []
         self._flush_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,6 +90,10 @@ class SpanExportPipe:
         stats_read, stats_write = os.pipe()
         try:
             self._process = await self._spawn(data_read, stats_write)
+        except BaseException:
+            os.close(data_write)
+            os.close(stats_read)
+            raise
         finally:
             os.close(data_read)
             os.close(stats_write)
@@ -125,7 +136,7 @@ class SpanExportPipe:
         before = len(self._batch)
         self._batch.extend(spans)
         self._submitted += len(self._batch) - before
-        if len(self._batch) >= self.config.batch_spans:
+        if len(self._batch) >= self._batch_spans:
             self._flush()
         elif self._flush_timer is None:
             self._flush_timer = self._loop.call_later(self.config.flush_interval, self._flush)
@@ -152,13 +163,25 @@ class SpanExportPipe:
         if not self._accepting or self._writer_lost or not self._has_room_for(len(batch)):
             self._dropped += len(batch)
             return
-        frame = encode_frame(batch)
+        try:
+            frame = encode_frame(batch)
+        except Exception:  # an unpicklable attribute value must not reach the proxy's caller
+            log.exception("dropping %d spans that cannot be pickled", len(batch))
+            self._dropped += len(batch)
+            return
         self._writer.write(frame)
         self._waiting.add(len(frame), len(batch))
+        self._settle_waiting()  # most writes reach the kernel at once
 
     def _has_room_for(self, count: int) -> bool:
-        self._waiting.settle(self._writer.get_write_buffer_size())
+        self._settle_waiting()
         return self._waiting.spans + count <= self.config.queue_spans
+
+    def _settle_waiting(self) -> None:
+        # A closing transport may already have thrown its buffer away (the child
+        # died): an empty buffer then means lost, not delivered; _writer_gone counts it.
+        if self._writer is not None and not self._writer.is_closing():
+            self._waiting.settle(self._writer.get_write_buffer_size())
 
     # ------------------------------------------------------------------ stats
     @property
@@ -167,9 +190,12 @@ class SpanExportPipe:
 
     @property
     def stats(self) -> dict:
+        """Counts since start. ``spans_submitted`` includes the dropped ones and, like
+        ``spans_dropped`` and ``spans_queued`` (what waits in this process now), counts
+        items. ``spans_exported``/``spans_failed`` are the child's counts of real spans
+        (a summary is usually 2), at most a second old, exact after ``stop()``."""
         child = self._stats_reader.latest if self._stats_reader else {"exported": 0, "failed": 0}
-        if self._writer is not None and not self._writer_lost:
-            self._waiting.settle(self._writer.get_write_buffer_size())
+        self._settle_waiting()
         return {
             "spans_submitted": self._submitted,
             "spans_dropped": self._dropped,
@@ -178,6 +204,14 @@ class SpanExportPipe:
             "spans_failed": child["failed"],
             "exporter_alive": self._child_alive(),
         }
+
+    def _writer_gone(self, exc: Exception | None) -> None:
+        # With an error (the child died) the transport threw its buffer away; without
+        # one it was empty: closed by stop() after draining, or by a clean child exit.
+        self._writer_lost = True
+        lost = self._waiting.forget()
+        if exc is not None:
+            self._dropped += lost
 
     def _child_alive(self) -> bool:
         return self._process is not None and self._process.returncode is None and not self._writer_lost
@@ -218,6 +252,8 @@ class SpanExportPipe:
 
     def _release(self) -> None:
         if not self._writer_lost and self._writer.get_write_buffer_size():
+            self._waiting.settle(self._writer.get_write_buffer_size())
+            self._dropped += self._waiting.forget()
             self._writer.abort()  # drops what a killed child never read; close() would wait for it
         self._stats_reader.close()
         if not self._exit_watch.done():
@@ -242,14 +278,19 @@ class _WaitingFrames:
         while self._frames and self._frames[0][0] <= delivered:
             self.spans -= self._frames.popleft()[1]
 
+    def forget(self) -> int:
+        """The transport discarded its buffer: how many spans went with it."""
+        lost, self.spans = self.spans, 0
+        self._frames.clear()
+        return lost
+
 
 class _WriterProtocol(asyncio.BaseProtocol):
     def __init__(self, pipe: SpanExportPipe) -> None:
         self._pipe = pipe
 
     def connection_lost(self, exc: Exception | None) -> None:
-        # The child closed its end (died) or we closed ours; either way no more writes.
-        self._pipe._writer_lost = True
+        self._pipe._writer_gone(exc)
 
 
 class _StatsProtocol(asyncio.Protocol):
@@ -289,9 +330,17 @@ class _StatsProtocol(asyncio.Protocol):
 
 
 def _child_environment() -> dict[str, str]:
-    """The proxy's environment, plus the directory this traceproxy was imported from
-    first on PYTHONPATH, so the child runs the same code whatever the working directory."""
+    """The proxy's environment; for a traceproxy imported from outside site-packages
+    (a checkout, a sys.path tweak), its directory first on PYTHONPATH, so the child
+    runs the same code whatever the working directory."""
     env = dict(os.environ)
     package_root = str(Path(traceproxy.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    # Never put site-packages itself on PYTHONPATH: it would outrank the stdlib.
+    if package_root not in _site_directories():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     return env
+
+
+def _site_directories() -> set[str]:
+    directories = [*site.getsitepackages(), site.getusersitepackages()]
+    return {str(Path(directory).resolve()) for directory in directories}

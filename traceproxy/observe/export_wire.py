@@ -37,7 +37,7 @@ class ExportConfig:
     service_name: str  # resource service.name
     resource_attributes: dict[str, str] = field(default_factory=dict)
     queue_spans: int = 8192  # spans waiting in the parent before new ones are dropped
-    batch_spans: int = 512  # spans per pipe message
+    batch_spans: int = 512  # spans per pipe message (at most queue_spans)
     flush_interval: float = 0.2  # seconds before a partial batch is sent
     export_timeout: float = 5.0  # per export call in the child
 
@@ -48,8 +48,8 @@ class ExportConfig:
             raise ValueError(f"otlp_protocol must be one of {PROTOCOLS}, not {self.otlp_protocol!r}")
         if self.exporter == "file" and not self.file_path:
             raise ValueError("the file exporter needs file_path")
-        if not 0 < self.batch_spans <= self.queue_spans:
-            raise ValueError("need 0 < batch_spans <= queue_spans")
+        if self.batch_spans < 1 or self.queue_spans < 1:
+            raise ValueError("batch_spans and queue_spans must be at least 1")
         if self.flush_interval <= 0 or self.export_timeout <= 0:
             raise ValueError("flush_interval and export_timeout must be positive")
 
@@ -66,8 +66,8 @@ def encode_frame(spans: list) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
-def read_frame(stream: BinaryIO) -> list | None:
-    """The next batch from a blocking stream, or None at EOF (a cut-off frame is EOF too)."""
+def read_frame(stream: BinaryIO) -> bytes | None:
+    """The next frame's payload from a blocking stream, or None at EOF (a cut-off frame is EOF too)."""
     header = stream.read(FRAME_HEADER.size)
     if len(header) < FRAME_HEADER.size:
         return None
@@ -77,6 +77,10 @@ def read_frame(stream: BinaryIO) -> list | None:
     payload = stream.read(length)
     if len(payload) < length:
         return None
+    return payload
+
+
+def decode_frame(payload: bytes) -> list:
     return pickle.loads(payload)
 
 

@@ -5,15 +5,19 @@ Run as ``python -m traceproxy.observe.exporter_main CONFIG_JSON STATS_FD`` by
 are in ``export_wire.py``.
 
 Theory of operation:
-- One loop on the main thread: read a frame, export it, repeat. The child buffers
+- One loop on the main thread: read a frame, export it, repeat. A frame holds
+  ``SpanData`` and request summaries; a summary becomes its spans here
+  (``spans.spans_for``), so that work stays off the proxy's loop too. Stats count
+  spans; a summary that fails to become spans counts as one failure. The child buffers
   nothing beyond the batch in hand, so a slow or black-holing collector shows up as
   a full pipe, and the parent (the one bounded queue in the system) drops and
   counts. Memory here is bounded by one batch. Each export is bounded by the OTel
   SDK exporter's own timeout, retries included (``export_timeout`` unless an
   ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` variable is set).
 - EOF on stdin (the parent's ``stop()``, or the parent died) means: export what is
-  left, shut the exporter down, send the final stats line, exit 0. The child never
-  outlives its parent by more than the export in progress.
+  left, shut the exporter down, send the final stats line, exit 0. So the child
+  never outlives its parent by more than the exports of what is already in the
+  pipe, each bounded by the export timeout.
 - A thread sends cumulative ``{"exported", "failed"}`` counts once a second when
   they changed; SIGTERM sends them once more and exits at once (the parent uses it
   when draining overran its deadline).
@@ -29,7 +33,8 @@ import signal
 import sys
 import threading
 
-from .export_wire import ExportConfig, read_frame, stats_line
+from .export_wire import ExportConfig, decode_frame, read_frame, stats_line
+from .spandata import SpanData
 
 log = logging.getLogger("traceproxy.exporter")
 STATS_INTERVAL = 1.0
@@ -73,11 +78,41 @@ class StatsReporter:
 
 
 def pump(stream, sink, counters: Counters) -> None:
-    while (batch := read_frame(stream)) is not None:
+    while (payload := read_frame(stream)) is not None:
+        try:
+            items = decode_frame(payload)
+        except Exception:  # the frame boundary is known, so the next frame is still good
+            log.exception("skipping a span frame that does not unpickle")
+            continue
+        batch = spans_of(items, counters)
+        if not batch:
+            continue
         if export_batch(sink, batch):
             counters.exported += len(batch)
         else:
             counters.failed += len(batch)
+
+
+def spans_of(items: list, counters: Counters) -> list[SpanData]:
+    """Items are ``SpanData``, or request summaries whose spans are built here, off the
+    proxy's event loop (``traceproxy.observe.spans``)."""
+    spans = []
+    for item in items:
+        if isinstance(item, SpanData):
+            spans.append(item)
+            continue
+        try:
+            spans.extend(spans_for_summary(item))
+        except Exception:  # one odd request must not cost the rest of the batch
+            log.exception("building spans from a %s failed", type(item).__name__)
+            counters.failed += 1
+    return spans
+
+
+def spans_for_summary(summary) -> list[SpanData]:
+    from .spans import spans_for  # already imported: unpickling the summary loaded it
+
+    return spans_for(summary)
 
 
 def export_batch(sink, batch: list) -> bool:

@@ -1,0 +1,451 @@
+"""Span export through the exporter process: delivery over real OTLP receivers, the
+OTLP/JSON file, and isolation (a down, black-holing, slow or failing collector, or
+a dead exporter process, costs the proxy's event loop nothing but dropped spans)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+import traceproxy
+from traceproxy.observe.export import ExportConfig, SpanExportPipe
+from traceproxy.observe.export_sinks import http_traces_url
+from traceproxy.observe.export_wire import encode_frame, parse_stats_line
+from traceproxy.observe.spandata import (
+    KIND_CLIENT,
+    KIND_SERVER,
+    STATUS_ERROR,
+    STATUS_OK,
+    SpanData,
+    SpanEvent,
+)
+from traceproxy.observe.tracing import TracingObserver
+
+from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan, flatten
+from .support import RawClient, wait_until
+
+BASE_NS = 1_700_000_000_123_456_789
+TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+REMOTE_PARENT_ID = 0xB7AD6B7169203331
+SERVER_ID, CLIENT_ID = 0x00F067AA0BA902B7, 0x53995C3F42CD8AD8
+HEX_ID = re.compile(r"^[0-9a-f]+$")
+
+
+@pytest.fixture(autouse=True)
+def no_otel_environment(monkeypatch):
+    """The child inherits the environment; only what a test sets may reach it."""
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+
+
+def make_config(exporter: str = "otlp", **overrides) -> ExportConfig:
+    defaults = dict(
+        exporter=exporter, otlp_endpoint="", otlp_protocol="http/protobuf", file_path="",
+        service_name="proxy-under-test", resource_attributes={"deployment.environment": "test"},
+    )
+    return ExportConfig(**{**defaults, **overrides})
+
+
+def sample_trace(trace_id: int = TRACE_ID) -> list[SpanData]:
+    server = SpanData(
+        trace_id=trace_id, span_id=SERVER_ID, parent_span_id=REMOTE_PARENT_ID,
+        name="POST /v1/chat/completions", kind=KIND_SERVER,
+        start_unix_ns=BASE_NS, end_unix_ns=BASE_NS + 2_500_000,
+        attributes={"http.request.method": "POST", "http.response.status_code": 502,
+                    "traceproxy.ttfb_s": 0.125, "traceproxy.reused": True},
+        events=(SpanEvent("first_downstream_rx", BASE_NS + 1_000),
+                SpanEvent("stall", BASE_NS + 2_000_000, {"phase": "upstream_ttfb", "waited_ms": 1500})),
+        status_code=STATUS_ERROR, status_message="upstream reset", trace_state="vendor=abc",
+    )
+    client = SpanData(
+        trace_id=trace_id, span_id=CLIENT_ID, parent_span_id=SERVER_ID, name="upstream", kind=KIND_CLIENT,
+        start_unix_ns=BASE_NS + 10_000, end_unix_ns=BASE_NS + 2_400_000,
+        attributes={"server.port": 8000}, status_code=STATUS_OK,
+    )
+    return [server, client]
+
+
+def assert_sample_trace(received: list[ReceivedSpan], trace_id: int = TRACE_ID) -> None:
+    by_name = {span.name: span for span in received if span.trace_id == f"{trace_id:032x}"}
+    server, client = by_name["POST /v1/chat/completions"], by_name["upstream"]
+
+    assert (server.span_id, server.parent_span_id) == (f"{SERVER_ID:016x}", f"{REMOTE_PARENT_ID:016x}")
+    assert (client.span_id, client.parent_span_id) == (f"{CLIENT_ID:016x}", f"{SERVER_ID:016x}")
+    assert (server.span.kind, client.span.kind) == (2, 3)  # OTLP SERVER, CLIENT
+    assert (server.span.start_time_unix_nano, server.span.end_time_unix_nano) == (BASE_NS, BASE_NS + 2_500_000)
+    assert server.attributes == {"http.request.method": "POST", "http.response.status_code": 502,
+                                 "traceproxy.ttfb_s": 0.125, "traceproxy.reused": True}
+    assert client.attributes == {"server.port": 8000}
+    events = [(e.name, e.time_unix_nano, {kv.key: kv.value for kv in e.attributes}) for e in server.span.events]
+    assert [(name, at) for name, at, _ in events] == [("first_downstream_rx", BASE_NS + 1_000),
+                                                      ("stall", BASE_NS + 2_000_000)]
+    assert events[1][2]["phase"].string_value == "upstream_ttfb" and events[1][2]["waited_ms"].int_value == 1500
+    assert (server.span.status.code, server.span.status.message) == (2, "upstream reset")
+    assert client.span.status.code == 1
+    assert server.span.trace_state == "vendor=abc"
+    for span in (server, client):
+        assert span.resource["service.name"] == "proxy-under-test"
+        assert span.resource["deployment.environment"] == "test"
+        assert (span.scope_name, span.scope_version) == ("traceproxy", traceproxy.__version__)
+
+
+@pytest.fixture
+def start_pipe(loop_thread):
+    started: list[SpanExportPipe] = []
+
+    def factory(config: ExportConfig) -> SpanExportPipe:
+        pipe = SpanExportPipe(config)
+        loop_thread.run(pipe.start())
+        started.append(pipe)
+        return pipe
+
+    yield factory
+    for pipe in started:
+        loop_thread.run(pipe.stop(timeout=2.0))
+
+
+def stats_of(loop_thread, pipe: SpanExportPipe) -> dict:
+    return loop_thread.call(lambda: pipe.stats)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------------- delivery
+RECEIVERS = {"http/protobuf": OtlpHttpReceiver, "grpc": OtlpGrpcReceiver}
+
+
+@pytest.mark.parametrize("protocol", sorted(RECEIVERS))
+@pytest.mark.parametrize("endpoint_from", ["config", "OTEL_EXPORTER_OTLP_ENDPOINT"])
+def test_otlp_delivers_every_field(protocol, endpoint_from, start_pipe, loop_thread, monkeypatch):
+    with RECEIVERS[protocol]() as receiver:
+        endpoint = receiver.endpoint
+        if endpoint_from != "config":
+            monkeypatch.setenv(endpoint_from, receiver.endpoint)
+            endpoint = ""
+        pipe = start_pipe(make_config(otlp_protocol=protocol, otlp_endpoint=endpoint))
+        loop_thread.call(pipe.submit, sample_trace())  # a partial batch: goes out on the flush timer
+
+        assert_sample_trace(receiver.wait_for_spans(2))
+        assert wait_until(lambda: stats_of(loop_thread, pipe)["spans_exported"] == 2)
+        assert stats_of(loop_thread, pipe) == {
+            "spans_submitted": 2, "spans_dropped": 0, "spans_queued": 0,
+            "spans_exported": 2, "spans_failed": 0, "exporter_alive": True,
+        }
+
+
+def test_http_traces_endpoint_variable_and_sdk_resource_variables(start_pipe, loop_thread, monkeypatch):
+    with OtlpHttpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.traces_url)
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "host.name=box-1,deployment.environment=from-env")
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+        pipe = start_pipe(make_config())
+        loop_thread.call(pipe.submit_now, sample_trace())
+
+        received = receiver.wait_for_spans(2)
+        assert_sample_trace(received)  # the caller's service.name and attributes win over the SDK's
+        assert received[0].resource["host.name"] == "box-1"
+        assert receiver.headers_seen[0]["content-encoding"] == "gzip"
+
+
+def test_batches_become_export_requests(start_pipe, loop_thread):
+    with OtlpHttpReceiver() as receiver:
+        pipe = start_pipe(make_config(otlp_endpoint=receiver.endpoint, batch_spans=4, flush_interval=5.0))
+        for trace in range(5):
+            loop_thread.call(pipe.submit, sample_trace(TRACE_ID + trace))  # 10 spans: 4 + 4 + 2
+        loop_thread.run(pipe.stop(timeout=5.0))  # flushes the partial batch, waits for the child
+
+        assert len(receiver.spans()) == 10 and receiver.requests == 3
+        assert stats_of(loop_thread, pipe)["spans_exported"] == 10
+
+
+def test_http_traces_url_appends_the_signal_path_to_a_base_endpoint():
+    assert http_traces_url("http://c:4318") == "http://c:4318/v1/traces"
+    assert http_traces_url("http://c:4318/") == "http://c:4318/v1/traces"
+    assert http_traces_url("https://c/otlp/") == "https://c/otlp/v1/traces"
+    assert http_traces_url("http://c:4318/v1/traces") == "http://c:4318/v1/traces"
+
+
+def test_request_summaries_become_spans_in_the_exporter(start_pipe, loop_thread, start_proxy, fast_upstream):
+    """The proxy's real path: TracingObserver submits a summary per request; the child builds the spans."""
+    with OtlpHttpReceiver() as receiver:
+        pipe = start_pipe(make_config(otlp_endpoint=receiver.endpoint))
+        observer = TracingObserver(pipe, ("127.0.0.1", 8000), ("127.0.0.1", 1), healthy_sample_ratio=1.0)
+        proxy = start_proxy(fast_upstream().url, observers=[observer])
+        client = RawClient(proxy.port)
+        response = client.roundtrip("POST", "/v1/chat/completions", body=b'{"model": "m", "max_tokens": 3}')
+        client.close()
+
+        received = receiver.wait_for_spans(2)
+    server, upstream = sorted(received, key=lambda span: span.span.kind)  # SERVER=2, CLIENT=3
+    assert response.status == 200
+    assert server.name == "POST /v1/chat/completions" and upstream.parent_span_id == server.span_id
+    assert server.trace_id == upstream.trace_id == response.headers["traceresponse"].split("-")[1]
+    assert wait_until(lambda: stats_of(loop_thread, pipe)["spans_exported"] == 2)
+    assert stats_of(loop_thread, pipe)["spans_submitted"] == 1  # one summary
+
+
+# ----------------------------------------------------------------------------- file
+def otlp_json_to_request(line: str) -> ExportTraceServiceRequest:
+    """The otlpjson reading rule: hex ids back to bytes, then protobuf's JSON mapping."""
+    document = json.loads(line)
+    for resource_spans in document["resourceSpans"]:
+        for scope_spans in resource_spans["scopeSpans"]:
+            for span in scope_spans["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+    return json_format.ParseDict(document, ExportTraceServiceRequest())
+
+
+def test_file_lines_are_otlp_json(start_pipe, loop_thread, tmp_path):
+    path = tmp_path / "not" / "yet" / "spans.jsonl"
+    pipe = start_pipe(make_config("file", file_path=str(path)))
+    loop_thread.call(pipe.submit_now, sample_trace())
+    assert wait_until(lambda: path.exists() and path.read_text().endswith("\n"))
+    loop_thread.call(pipe.submit, sample_trace(TRACE_ID + 1))
+    loop_thread.run(pipe.stop(timeout=5.0))
+
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    document = json.loads(lines[0])
+    span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert document["resourceSpans"][0]["scopeSpans"][0]["scope"] == {
+        "name": "traceproxy", "version": traceproxy.__version__}
+    assert (span["traceId"], span["spanId"], span["parentSpanId"]) == (
+        f"{TRACE_ID:032x}", f"{SERVER_ID:016x}", f"{REMOTE_PARENT_ID:016x}")
+    assert span["startTimeUnixNano"] == str(BASE_NS) and span["endTimeUnixNano"] == str(BASE_NS + 2_500_000)
+    assert span["kind"] == 2 and span["status"] == {"code": 2, "message": "upstream reset"}
+    attributes = {kv["key"]: kv["value"] for kv in span["attributes"]}
+    assert attributes["http.response.status_code"] == {"intValue": "502"}
+    assert attributes["traceproxy.ttfb_s"] == {"doubleValue": 0.125}
+    assert attributes["traceproxy.reused"] == {"boolValue": True}
+    assert attributes["http.request.method"] == {"stringValue": "POST"}
+    assert span["events"][1]["timeUnixNano"] == str(BASE_NS + 2_000_000)
+
+    for line in lines:
+        for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+            assert (len(span["traceId"]), len(span["spanId"]), len(span["parentSpanId"])) == (32, 16, 16)
+            assert all(HEX_ID.match(span[key]) for key in ("traceId", "spanId", "parentSpanId"))
+
+    assert_sample_trace(flatten(otlp_json_to_request(lines[0])))
+    assert_sample_trace(flatten(otlp_json_to_request(lines[1])), TRACE_ID + 1)
+
+
+def test_file_is_appended_to(start_pipe, loop_thread, tmp_path):
+    path = tmp_path / "spans.jsonl"
+    path.write_text('{"resourceSpans":[]}\n')
+    pipe = start_pipe(make_config("file", file_path=str(path)))
+    loop_thread.call(pipe.submit, sample_trace())
+    loop_thread.run(pipe.stop())
+    assert path.read_text().splitlines()[0] == '{"resourceSpans":[]}'
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_console_prints_one_line_per_span(start_pipe, loop_thread, capfd):
+    pipe = start_pipe(make_config("console"))
+    loop_thread.call(pipe.submit, sample_trace())
+    loop_thread.run(pipe.stop())
+
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("span trace=")]
+    assert len(lines) == 2
+    assert f"trace={TRACE_ID:032x} id={SERVER_ID:016x} parent={REMOTE_PARENT_ID:016x} kind=SERVER" in lines[0]
+    assert "duration_ms=2.500" in lines[0] and "status=ERROR(upstream reset)" in lines[0]
+    assert "http.response.status_code=502" in lines[0]
+
+
+def test_off_starts_nothing(start_pipe, loop_thread):
+    pipe = start_pipe(make_config("off"))
+    loop_thread.call(pipe.submit, sample_trace())
+    assert pipe.pid is None
+    assert stats_of(loop_thread, pipe)["spans_dropped"] == 0
+
+
+# ------------------------------------------------------------------------ isolation
+EXPORT_TIMEOUT = 5.0
+LAG_BOUND = 0.5  # a correctness bound far below EXPORT_TIMEOUT, not a performance number
+FLOOD_CONFIG = dict(queue_spans=512, batch_spans=64, export_timeout=EXPORT_TIMEOUT)
+MAX_PICKLED_SPAN = 4096  # generous: the sample spans pickle to a few hundred bytes
+
+
+async def flood(pipe: SpanExportPipe, seconds: float) -> dict:
+    """Submit as fast as a busy proxy would while a ticker measures the loop's lag."""
+    loop = asyncio.get_running_loop()
+    worst = {"lag": 0.0, "submit": 0.0, "queued": 0, "buffered_bytes": 0}
+
+    async def tick() -> None:
+        while True:
+            before = loop.time()
+            await asyncio.sleep(0.01)
+            worst["lag"] = max(worst["lag"], loop.time() - before - 0.01)
+
+    ticker = loop.create_task(tick())
+    until = loop.time() + seconds
+    while loop.time() < until:
+        for _ in range(20):
+            started = time.perf_counter()
+            pipe.submit(sample_trace())
+            worst["submit"] = max(worst["submit"], time.perf_counter() - started)
+        worst["queued"] = max(worst["queued"], pipe.stats["spans_queued"])
+        worst["buffered_bytes"] = max(worst["buffered_bytes"], pipe._writer.get_write_buffer_size())
+        await asyncio.sleep(0.002)
+    ticker.cancel()
+    return worst
+
+
+COLLECTOR_TROUBLE = [
+    ("http/protobuf", "down"), ("grpc", "down"),
+    ("http/protobuf", "black_hole"), ("grpc", "black_hole"),
+    ("http/protobuf", "slow"), ("grpc", "slow"), ("http/protobuf", "error"),
+]
+
+
+@pytest.mark.parametrize("protocol,trouble", COLLECTOR_TROUBLE)
+def test_collector_trouble_costs_only_dropped_spans(protocol, trouble, loop_thread):
+    receiver = RECEIVERS[protocol](mode="ok" if trouble == "down" else trouble, delay=1.0).start()
+    endpoint = f"http://127.0.0.1:{closed_port()}" if trouble == "down" else receiver.endpoint
+    pipe = SpanExportPipe(make_config(otlp_protocol=protocol, otlp_endpoint=endpoint, **FLOOD_CONFIG))
+    try:
+        loop_thread.run(pipe.start())
+        worst = loop_thread.run(flood(pipe, seconds=1.5))
+        stats = stats_of(loop_thread, pipe)
+
+        started = time.monotonic()
+        loop_thread.run(pipe.stop(timeout=2.0))
+        stop_took = time.monotonic() - started
+    finally:
+        receiver.stop()
+
+    assert worst["lag"] < LAG_BOUND and worst["submit"] < LAG_BOUND, worst
+    assert stats["spans_dropped"] > 0 and stats["exporter_alive"], stats
+    assert worst["queued"] <= FLOOD_CONFIG["queue_spans"] + FLOOD_CONFIG["batch_spans"] + 2, worst
+    assert worst["buffered_bytes"] <= FLOOD_CONFIG["queue_spans"] * MAX_PICKLED_SPAN, worst
+    assert stop_took < 2.0 + 0.5, stop_took
+    assert not stats_of(loop_thread, pipe)["exporter_alive"]
+
+
+def test_export_failures_are_counted_by_the_child(start_pipe, loop_thread):
+    with OtlpHttpReceiver(mode="error") as receiver:
+        pipe = start_pipe(make_config(otlp_endpoint=receiver.endpoint, export_timeout=0.5))
+        loop_thread.call(pipe.submit_now, sample_trace())
+        assert wait_until(lambda: stats_of(loop_thread, pipe)["spans_failed"] == 2)
+        receiver.mode = "ok"
+        loop_thread.call(pipe.submit_now, sample_trace(TRACE_ID + 1))
+        assert_sample_trace(receiver.wait_for_spans(2), TRACE_ID + 1)
+
+
+def test_a_dead_exporter_only_costs_dropped_spans():
+    """On the stock asyncio loop (the other tests use uvloop)."""
+
+    async def scenario(receiver: OtlpHttpReceiver) -> dict:
+        pipe = SpanExportPipe(make_config(otlp_endpoint=receiver.endpoint))
+        await pipe.start()
+        pipe.submit_now(sample_trace())
+        await asyncio.to_thread(receiver.wait_for_spans, 2)
+        os.kill(pipe.pid, signal.SIGKILL)
+        for _ in range(100):
+            if not pipe.stats["exporter_alive"]:
+                break
+            await asyncio.sleep(0.05)
+        assert not pipe.stats["exporter_alive"]
+        for _ in range(100):
+            pipe.submit(sample_trace())
+            pipe.submit_now(sample_trace())
+        stats = pipe.stats
+        started = time.monotonic()
+        await pipe.stop(timeout=2.0)
+        return stats | {"stop_took": time.monotonic() - started}
+
+    with OtlpHttpReceiver() as receiver:
+        stats = asyncio.run(scenario(receiver))
+    assert stats["spans_dropped"] == 400 and stats["spans_submitted"] == 402
+    assert stats["stop_took"] < 0.5
+
+
+def test_killing_a_backed_up_exporter_loses_nothing_but_spans(loop_thread):
+    with OtlpHttpReceiver(mode="black_hole") as receiver:
+        pipe = SpanExportPipe(make_config(otlp_endpoint=receiver.endpoint, **FLOOD_CONFIG))
+        loop_thread.run(pipe.start())
+        loop_thread.run(flood(pipe, seconds=0.5))
+        os.kill(pipe.pid, signal.SIGKILL)
+        assert wait_until(lambda: not stats_of(loop_thread, pipe)["exporter_alive"])
+        before = stats_of(loop_thread, pipe)
+        worst = loop_thread.run(flood(pipe, seconds=0.5))
+        after = stats_of(loop_thread, pipe)
+        loop_thread.run(pipe.stop(timeout=2.0))
+
+    assert worst["lag"] < LAG_BOUND, worst
+    # Whatever was queued when it died, and everything submitted since, is dropped.
+    dropped, submitted = (after[key] - before[key] for key in ("spans_dropped", "spans_submitted"))
+    assert dropped == submitted + before["spans_queued"] - after["spans_queued"]
+    assert after["spans_queued"] <= before["spans_queued"]
+
+
+def test_an_unpicklable_span_is_dropped_not_raised(start_pipe, loop_thread, tmp_path):
+    pipe = start_pipe(make_config("file", file_path=str(tmp_path / "spans.jsonl")))
+    poisoned = sample_trace()[0]._replace(attributes={"callback": lambda: None})
+    loop_thread.call(pipe.submit_now, [poisoned])
+    loop_thread.call(pipe.submit_now, sample_trace())
+    loop_thread.run(pipe.stop())
+    stats = stats_of(loop_thread, pipe)
+    assert (stats["spans_dropped"], stats["spans_exported"]) == (1, 2)
+
+
+# ---------------------------------------------------------------- the child alone
+def test_child_drains_on_eof_and_ignores_sigint(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    stats_read, stats_write = os.pipe()
+    config = make_config("file", file_path=str(path)).to_json()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy.observe.exporter_main", config, str(stats_write)],
+        stdin=subprocess.PIPE, pass_fds=(stats_write,),
+    )
+    os.close(stats_write)
+    try:
+        child.stdin.write(encode_frame(sample_trace()))
+        child.stdin.flush()
+        assert wait_until(lambda: path.exists() and path.read_text().endswith("\n"))
+        child.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole process group
+        child.stdin.write(encode_frame(sample_trace(TRACE_ID + 1)))
+        child.stdin.close()
+        assert child.wait(timeout=10) == 0
+    finally:
+        child.kill()
+    with os.fdopen(stats_read, "rb") as stats:
+        last = stats.read().splitlines()[-1]
+    assert parse_stats_line(last) == {"exported": 4, "failed": 0}
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_config_rejects_what_the_child_could_not_run():
+    with pytest.raises(ValueError):
+        make_config(otlp_protocol="http/json")
+    with pytest.raises(ValueError):
+        make_config("file")
+    with pytest.raises(ValueError):
+        replace(make_config(), queue_spans=0)
+
+
+def test_a_queue_smaller_than_a_batch_still_sends(start_pipe, loop_thread, tmp_path):
+    path = tmp_path / "spans.jsonl"
+    pipe = start_pipe(make_config("file", file_path=str(path), queue_spans=2, batch_spans=512, flush_interval=5.0))
+    loop_thread.call(pipe.submit, sample_trace())  # a full batch of 2: sent without waiting for the timer
+    assert wait_until(lambda: path.exists() and path.read_text().endswith("\n"))
