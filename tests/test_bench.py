@@ -1,35 +1,43 @@
-"""``traceproxy bench``: a tiny end-to-end run in a subprocess, plus its measuring parts.
+"""``traceproxy bench``: tiny end-to-end runs in a subprocess, plus its measuring parts.
 
 No timing or throughput thresholds: the bench reports figures, these tests check it
-ran, that both sides did work, and that keep-alive rounds through the proxy are clean.
+ran, that every target did work, that the traced proxy really exported spans to the
+sink, and that keep-alive rounds through both proxies are clean.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
+from traceproxy.bench import report
 from traceproxy.bench.client import Conn, Recorder
-from traceproxy.bench.procs import Children
+from traceproxy.bench.procs import Children, python_module, wait_port_file
+from traceproxy.bench.proxy_proc import build_settings, minimal_overrides, traced_overrides
+from traceproxy.bench.runner import parse_targets, run_order
 from traceproxy.bench.scenarios import BY_NAME, RequestSpec, scaled, select
-from traceproxy.bench.session import split
+from traceproxy.bench.session import prometheus_totals, split
 from traceproxy.bench.stats import Samples, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN_TIMEOUT = 55
+RUN_TIMEOUT = 90
 
 
-def _run_bench(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+def _run_bench(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, env=env)
     try:
         out, err = proc.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -39,28 +47,177 @@ def _run_bench(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
 
 
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
 def test_bench_smoke_run_end_to_end(tmp_path):
     report_path = tmp_path / "bench.json"
-    result = _run_bench(["--quick", "--scale", "0.05", "--scenarios", "S1,S5", "--json", str(report_path)])
+    result = _run_bench(["--quick", "--scale", "0.05", "--scenarios", "S1,S5", "--targets", "direct,proxy",
+                         "--json", str(report_path)])
     assert result.returncode == 0, result.stderr[-2000:]
 
     rows = [line for line in result.stdout.splitlines() if line.startswith("| S")]
     assert {row.split("|")[1].strip() for row in rows} == {"S1", "S5"}
     assert any("req/s" in row for row in rows if row.startswith("| S1"))
     assert any("ok / errors / hangs" in row for row in rows if row.startswith("| S5"))
+    assert "proxy-traced" not in result.stdout and "Tracing cost" not in result.stdout
 
     summary = json.loads(report_path.read_text())["summary"]
     for name in ("S1", "S5"):
+        assert set(summary[name]) == {"direct", "proxy", "error_kinds"}
         for target in ("direct", "proxy"):
             assert summary[name][target]["ok"] > 0, (name, target)
     assert summary["S5"]["proxy"]["errors"] == 0
     assert summary["S5"]["proxy"]["hangs"] == 0
 
 
-def test_bench_rejects_unknown_scenario():
+def test_bench_all_three_targets_with_tracing_to_the_sink(tmp_path):
+    """direct, proxy and proxy-traced side by side; spans reach the OTLP sink; stdout is only the report
+    (no access-log line from a child), and nothing is written to the bench's working directory."""
+    report_path = tmp_path / "bench.json"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = _run_bench(["--quick", "--scale", "0.05", "--scenarios", "S1,S5", "--json", str(report_path)], cwd=cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| scenario"))
+    assert _cells(header)[2:] == ["direct", "proxy", "proxy-traced", "proxy vs direct", "traced vs direct"]
+    for name, label in (("S1", "req/s"), ("S5", "ok / errors / hangs")):
+        row = next(_cells(line) for line in lines if line.startswith(f"| {name}") and f"| {label} " in line)
+        assert all(cell not in ("", "–") for cell in row[2:5]), row
+    assert any(line.startswith("- S1 throughput:") for line in lines)
+    assert not [line for line in lines if line.lstrip().startswith("{")], "a child wrote to the bench's stdout"
+    assert list(cwd.iterdir()) == []
+
+    doc = json.loads(report_path.read_text())
+    summary = doc["summary"]
+    for name in ("S1", "S5"):
+        for target in report.TARGETS:
+            assert summary[name][target]["ok"] > 0, (name, target)
+    for target in ("proxy", "proxy-traced"):
+        assert summary["S5"][target]["errors"] == 0, target
+        assert summary["S5"][target]["hangs"] == 0, target
+    tracing = doc["tracing"]
+    assert tracing["sink"]["spans"] > 0 and tracing["sink"]["undecodable"] == 0
+    assert tracing["proxy_metrics_before_stop"]["requests_total"] > 0
+    assert tracing["access_log"]["lines"] > 0
+    traced_processes = doc["memory"]["proxy-traced"]["processes"]  # the proxy and its exporter process
+    assert traced_processes and all(p["vm_hwm_bytes"] > 0 for p in traced_processes)
+    assert doc["memory"]["proxy"]["peak_bytes"] > 0
+
+
+def test_bench_rejects_unknown_scenario_and_target():
     result = _run_bench(["--scenarios", "S9"])
     assert result.returncode == 2
     assert "unknown scenario S9" in result.stderr
+    result = _run_bench(["--targets", "direct,nginx"])
+    assert result.returncode == 2
+    assert "unknown target nginx" in result.stderr
+
+
+# --- targets, the report, the proxy settings -------------------------------------------------
+
+
+def test_targets_are_parsed_in_table_order_and_rotated_per_rep():
+    assert parse_targets("proxy-traced, DIRECT") == ("direct", "proxy-traced")
+    with pytest.raises(ValueError):
+        parse_targets("proxy,traced")
+    targets = report.TARGETS
+    assert [run_order(targets, rep) for rep in range(4)] == [
+        ("direct", "proxy", "proxy-traced"), ("proxy", "proxy-traced", "direct"),
+        ("proxy-traced", "direct", "proxy"), ("direct", "proxy", "proxy-traced")]
+
+
+def test_proxy_targets_differ_only_in_observability():
+    upstream = "http://127.0.0.1:1"
+    plain = build_settings(upstream, minimal_overrides())
+    traced = build_settings(upstream, traced_overrides("http://127.0.0.1:2", "/tmp/access.jsonl"))
+    assert (plain.tracing.exporter, plain.access_log.path, plain.admin) == ("off", "", None)
+    assert (traced.tracing.exporter, traced.tracing.otlp_endpoint, traced.tracing.otlp_protocol) == (
+        "otlp", "http://127.0.0.1:2", "http/protobuf")
+    assert traced.access_log.path == "/tmp/access.jsonl" and traced.admin.port == 0
+    for section in ("timeouts", "pool", "limits", "stall", "forwarding", "request_id"):
+        assert getattr(plain, section) == getattr(traced, section), section
+    # --proxy-set comes after the target's keys, so it wins
+    assert build_settings(upstream, [*minimal_overrides(), "access_log.path=-"]).access_log.path == "-"
+
+
+def _figures(req_s, latency, ttft=None, errors=0, hangs=0):
+    return {"req_s": req_s, "latency_p50": latency, "ttft_p50": ttft, "ok": 10, "errors": errors, "hangs": hangs,
+            "reconnects": 0, "ttfb_p50": latency}
+
+
+def test_report_compares_every_proxy_target_with_direct_and_prices_tracing():
+    summary = {
+        "S1": {"direct": _figures(1000, 0.1), "proxy": _figures(500, 0.4), "proxy-traced": _figures(400, 0.5)},
+        "S2": {"direct": _figures(None, 1.0, 20.0), "proxy": _figures(None, 1.0, 21.0),
+               "proxy-traced": _figures(None, 1.0, 21.5, errors=2)},
+    }
+    rows = report.scenario_rows("S1", ("req_s", "latency_p50"), summary["S1"])
+    assert rows[0] == ["S1", "req/s", "1,000", "500.0", "400.0", "0.50×", "0.40×"]
+    assert rows[1][-2:] == ["+0.30 ms", "+0.40 ms"]
+    assert report.header(("proxy", "proxy-traced")) == ["scenario", "metric", "proxy", "proxy-traced"]
+    memory = {"proxy": {"peak_bytes": 50 << 20, "processes": [{"vm_hwm_bytes": 50 << 20}]},
+              "proxy-traced": {"peak_bytes": 90 << 20,
+                               "processes": [{"vm_hwm_bytes": 60 << 20}, {"vm_hwm_bytes": 30 << 20}]}}
+    assert report.memory_row(memory, report.TARGETS)[2:5] == ["–", "50.0", "90.0 (60.0 + 30.0)"]
+    cost = report.tracing_cost(summary, memory)
+    assert cost[0].endswith("a 20.0 % drop")
+    assert "+0.10 ms added" in cost[1] and cost[1].startswith("S1 request latency p50")
+    assert "+0.50 ms added" in cost[2] and cost[2].startswith("S2 TTFT p50")
+    assert "+40.0 MiB" in cost[3]
+    assert report.regressed(summary["S2"]["direct"], summary["S2"]["proxy-traced"])
+    assert not report.regressed(summary["S2"]["direct"], summary["S2"]["proxy"])
+    assert report.tracing_cost({"S1": {"direct": _figures(1, 1)}}, {}) == []
+
+
+def test_prometheus_totals_sum_over_labels():
+    text = ("# HELP traceproxy_requests_total x\n# TYPE traceproxy_requests_total counter\n"
+            'traceproxy_requests_total{status="200",outcome="OK"} 7\n'
+            'traceproxy_requests_total{status="502",outcome="UF"} 2\n'
+            "traceproxy_spans_dropped_total 0\n")
+    totals = prometheus_totals(text)
+    assert totals["traceproxy_requests_total"] == 9 and totals["traceproxy_spans_dropped_total"] == 0
+
+
+# --- the OTLP sink ---------------------------------------------------------------------------
+
+
+def _export_request(spans: int) -> bytes:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    for i in range(spans):
+        span = scope.spans.add()
+        span.name, span.trace_id, span.span_id = f"s{i}", bytes(16), i.to_bytes(8, "big")
+    return request.SerializeToString()
+
+
+def _post(port: int, body: bytes, **headers) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/traces", data=body, method="POST",
+                                     headers={"Content-Type": "application/x-protobuf", **headers})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=5) as response:
+        return response.status, response.headers["Content-Type"], response.read()
+
+
+def test_sink_counts_requests_bytes_and_spans_and_reports_them_on_stop(tmp_path):
+    port_file, stats_file = tmp_path / "sink.port", tmp_path / "sink.stats.json"
+    with Children(tmp_path) as children:
+        sink = children.start("sink", python_module("traceproxy.bench.sink_proc", "--port-file", str(port_file),
+                                                    "--stats-file", str(stats_file)))
+        port = wait_port_file(sink, port_file)
+        plain, packed = _export_request(3), gzip.compress(_export_request(2))
+        assert _post(port, plain) == (200, "application/x-protobuf", b"")
+        assert _post(port, packed, **{"Content-Encoding": "gzip"})[0] == 200
+        assert _post(port, b"\xff\xff not protobuf")[0] == 200  # answered, counted as undecodable
+        children.stop(sink)
+    stats = json.loads(stats_file.read_text())
+    assert stats == {"requests": 3, "bytes": len(plain) + len(packed) + 15, "spans": 5, "undecodable": 1,
+                     "other": 0}
 
 
 # --- the measuring parts -------------------------------------------------------------------
@@ -155,6 +312,19 @@ def test_split_and_percentiles():
     for i in range(1000):
         samples.add(i)
     assert len(samples.values) == 10 and samples.seen == 1000
+
+
+def test_children_never_share_the_bench_stdout_and_run_in_the_workdir(tmp_path):
+    """A child that writes a lot to stdout (an access log to "-") must never block on a pipe."""
+    script = "import sys; sys.stdout.write('x' * (4 << 20)); sys.stdout.flush(); open('here', 'w').close()"
+    with Children(tmp_path) as children:
+        child = children.start("chatty", [sys.executable, "-c", script])
+        deadline = time.monotonic() + 30
+        while child.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.proc.returncode == 0
+        assert child.proc.stdout is None
+    assert (tmp_path / "here").exists()
 
 
 def test_children_are_stopped_by_process_group_even_on_error(tmp_path):

@@ -141,3 +141,28 @@ def test_workers_share_the_listen_port(upstream_process):
     finally:
         _stop(proc)
     assert proc.returncode == 0
+
+
+def test_default_tracing_writes_otlp_json_lines_to_the_local_file(upstream_process, tmp_path):
+    spans_file = tmp_path / "spans.jsonl"
+    proc, port, _ = _serve(upstream_process, env={"TRACEPROXY_TRACING_EXPORTER": "auto",
+                                                  "TRACEPROXY_TRACING_FILE_PATH": str(spans_file)})
+    try:
+        resp = RawClient(port).roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true}')
+        trace_id = resp.headers["traceresponse"].split("-")[1]
+    finally:
+        _stop(proc)  # stopping flushes the exporter
+    spans = [span for line in spans_file.read_text().splitlines()
+             for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for span in ss["spans"]]
+    mine = [s for s in spans if s["traceId"] == trace_id]
+    assert {s["kind"] for s in mine} == {2, 3}  # SERVER and CLIENT
+    assert all(int(s["endTimeUnixNano"]) >= int(s["startTimeUnixNano"]) for s in mine)
+
+
+def test_unsupported_otlp_protocol_is_a_startup_error(upstream_process):
+    result = subprocess.run(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", "127.0.0.1:0", "--admin", "off",
+         "--upstream", upstream_process],
+        capture_output=True, text=True, timeout=30,
+        env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    assert result.returncode == 2 and "http/json" in result.stderr and "OTEL_EXPORTER_OTLP" in result.stderr

@@ -19,7 +19,7 @@ import time
 from aiohttp import web
 
 from .admin import build_admin_app
-from .config import Settings
+from .config import ConfigError, Settings
 from .lifecycle.flags import Flag
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
@@ -48,6 +48,9 @@ def tracing_export_config(settings: Settings, environ=os.environ):
         return None
     protocol = (tracing.otlp_protocol or environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+    if exporter == "otlp" and protocol not in ("grpc", "http/protobuf"):
+        raise ConfigError(f"OTLP protocol {protocol!r} (from tracing.otlp_protocol or OTEL_EXPORTER_OTLP_"
+                          f"[TRACES_]PROTOCOL): expected grpc or http/protobuf")
     return ExportConfig(
         exporter=exporter,
         otlp_endpoint=tracing.otlp_endpoint,

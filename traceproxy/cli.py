@@ -72,7 +72,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"traceproxy: configuration error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(settings)
+    try:
+        return run(settings)
+    except ConfigError as exc:
+        print(f"traceproxy: configuration error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _upstream(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ class Recorder:
         self.ttft = Samples(seed=2)
         self.gaps = Samples(seed=3)
         self.delivery = Samples(seed=4)
+        self.latency = Samples(seed=5)  # request sent to response complete
         # perf_counter() + wall_offset ~= time.time(), without a second clock read per event
         self.wall_offset = time.time() - time.perf_counter()
 
@@ -120,6 +121,7 @@ class Conn(asyncio.Protocol):
         rec.bytes_up += self.size
         rec.bytes_down += self.down
         rec.ttfb.add(self.first_byte - self.sent_at)
+        rec.latency.add(time.perf_counter() - self.sent_at)
         if self.sse:
             rec.streams += 1
             rec.events += self.events

@@ -133,7 +133,7 @@ class Job:
             "skipped": self.skipped, "reconnects": rec.reconnects, "server_closes": rec.server_closes,
             "bytes_up": rec.bytes_up, "bytes_down": rec.bytes_down, "events": rec.events, "streams": rec.streams,
             "ttfb": rec.ttfb.export(), "ttft": rec.ttft.export(), "gaps": rec.gaps.export(),
-            "delivery": rec.delivery.export(),
+            "delivery": rec.delivery.export(), "latency": rec.latency.export(),
         }
 
 

@@ -1,8 +1,9 @@
 """CPU and memory of the benchmark's server processes, read with psutil.
 
 A process is measured with its descendants (a proxy given by ``--proxy-cmd`` may
-fork workers). CPU is read as a before/after snapshot around each measured run;
-RSS is sampled by a background thread for the peak, and VmHWM is read at the end.
+fork workers; a traced traceproxy has its span exporter process). CPU is read as a
+before/after snapshot around each measured run; RSS of the whole tree is sampled by a
+background thread for the peak, and each process's VmHWM is read at the end.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds of a process and its live descendants."""
+def cpu_seconds(pid: int, tree: bool = True) -> float:
+    """User plus system CPU seconds of a process and (``tree``) its live descendants."""
     total = 0.0
-    for proc in _tree(pid):
+    procs = _tree(pid) if tree else _tree(pid)[:1]
+    for proc in procs:
         try:
             times = proc.cpu_times()
             total += times.user + times.system
@@ -55,21 +57,48 @@ def vm_hwm_bytes(pid: int) -> int | None:
     return None
 
 
-class CpuWindow:
-    """CPU % of some processes between ``start()`` and ``stop()`` (100 = one core)."""
+def tree_hwm(pid: int) -> list[dict]:
+    """Each process of a tree with its kernel peak RSS (VmHWM), the root first."""
+    out = []
+    for proc in _tree(pid):
+        try:
+            name = (" ".join(proc.cmdline()[:4]) or proc.name())[:120]
+        except psutil.Error:
+            name = "?"
+        out.append({"pid": proc.pid, "name": name, "vm_hwm_bytes": vm_hwm_bytes(proc.pid)})
+    return out
 
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
+
+class CpuWindow:
+    """CPU % of some processes between ``start()`` and ``stop()`` (100 = one core).
+
+    ``trees`` are measured with their descendants, ``singles`` alone (so that
+    a tree minus its root tells what the root's children used)."""
+
+    def __init__(self, trees: dict[str, int], singles: dict[str, int] | None = None) -> None:
+        self.pids = {name: (pid, True) for name, pid in trees.items()}
+        self.pids.update({name: (pid, False) for name, pid in (singles or {}).items()})
         self._t0 = 0.0
         self._cpu0: dict[str, float] = {}
 
+    def _read(self) -> dict[str, float]:
+        return {name: cpu_seconds(pid, tree) for name, (pid, tree) in self.pids.items()}
+
     def start(self) -> None:
         self._t0 = time.monotonic()
-        self._cpu0 = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self._cpu0 = self._read()
 
     def stop(self) -> dict[str, float]:
         wall = max(time.monotonic() - self._t0, 1e-9)
-        return {name: round(100 * (cpu_seconds(pid) - self._cpu0[name]) / wall, 1) for name, pid in self.pids.items()}
+        now = self._read()
+        return {name: round(100 * (now[name] - self._cpu0[name]) / wall, 1) for name in self.pids}
+
+
+def busy_percent(pids: list[int], window: float) -> float:
+    """CPU % (100 = one core) of these process trees over the next ``window`` seconds."""
+    before = sum(cpu_seconds(pid) for pid in pids)
+    time.sleep(window)
+    return 100 * (sum(cpu_seconds(pid) for pid in pids) - before) / window
 
 
 class RssSampler:

@@ -4,6 +4,12 @@ Each child is a new session (``start_new_session``), so a Ctrl-C at the terminal
 does not reach it and ``os.killpg`` stops it together with anything it forked.
 ``Children`` stops every child it started, in reverse order, on any exit path.
 Servers report their ephemeral port through a small file written atomically.
+
+A child never shares the bench's own stdout or stdin: unless the caller asks for a
+pipe, both are ``/dev/null`` (a server writing to a pipe nobody drains would block),
+stderr goes to ``<workdir>/<name>.log``, and the working directory is the run's temp
+directory, so nothing a child writes relative to its CWD lands where the bench was
+started.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ class Child:
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        popen.setdefault("stdin", subprocess.DEVNULL)
+        popen.setdefault("stdout", subprocess.DEVNULL)
+        popen.setdefault("cwd", log_path.parent)
+        popen.setdefault("env", child_environment())
         self.proc = subprocess.Popen(argv, start_new_session=True, stderr=self._log, **popen)
         self.pid = self.proc.pid
 
@@ -42,8 +52,18 @@ class Child:
         except OSError:
             return ""
 
-    def stop(self, grace: float = STOP_GRACE) -> int | None:
-        """SIGTERM the process group, then SIGKILL it if the leader has not exited within ``grace``."""
+    def stop(self, grace: float = STOP_GRACE, leader_grace: float = 0.0) -> int | None:
+        """SIGTERM the process group, then SIGKILL it if the leader has not exited within ``grace``.
+
+        With ``leader_grace``, first SIGTERM the leader alone and give it that long to
+        stop its own children in order (a proxy flushing its span exporter), since a
+        group signal would reach those children at the same moment."""
+        if leader_grace > 0 and self.alive():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+                self.proc.wait(leader_grace)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         if self.alive():
             _signal_group(self.pid, signal.SIGTERM)
             try:
@@ -82,10 +102,10 @@ class Children:
         self.started.append(child)
         return child
 
-    def stop(self, child: Child) -> int | None:
+    def stop(self, child: Child, leader_grace: float = 0.0) -> int | None:
         if child in self.started:
             self.started.remove(child)
-        return child.stop()
+        return child.stop(leader_grace=leader_grace)
 
     def __enter__(self) -> "Children":
         return self
@@ -110,6 +130,22 @@ def _ignore_sigint():
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def child_environment() -> dict[str, str]:
+    """This environment, with the directory holding this ``traceproxy`` first on
+    PYTHONPATH: children run in the temp directory, and a checkout that is not
+    installed must still be importable there (harmless when it is installed)."""
+    import site
+
+    import traceproxy
+
+    env = dict(os.environ)
+    root = Path(traceproxy.__file__).resolve().parent.parent
+    installed = {Path(d).resolve() for d in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in installed:  # a site directory ahead of the stdlib could shadow it
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return env
 
 
 def wait_port_file(child: Child, path: Path, timeout: float = 15.0) -> int:

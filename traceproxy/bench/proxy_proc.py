@@ -1,7 +1,17 @@
 """The proxy under test, as its own process: one ``ProxyServer`` on an ephemeral port.
 
-``python -m traceproxy.bench.proxy_proc --upstream URL --port-file F [--set KEY=VALUE ...]``
-writes the port to F and serves until SIGTERM, then shuts down with a 1 s grace.
+``python -m traceproxy.bench.proxy_proc --upstream URL --port-file F [--admin-port-file F]
+[--set KEY=VALUE ...]`` writes the port to F and serves until SIGTERM, then shuts down
+with a 1 s grace (and then stops its span exporter, which exports what it still holds).
+
+The bench's two in-tree targets differ only in their observability keys, laid over
+``default_settings()`` (``--set`` items come after, so they win):
+
+* ``proxy``: tracing off, access log off (``minimal_overrides``). The watchdog and the
+  metrics are always on.
+* ``proxy-traced``: tracing to an OTLP http/protobuf endpoint (the bench's sink), the
+  access log to a file, and the admin listener on an ephemeral port so the bench can
+  read the span counters from ``/metrics`` (``traced_overrides``).
 """
 
 from __future__ import annotations
@@ -16,15 +26,27 @@ from ..config import default_settings
 from .procs import raise_fd_limit, wait_for_stop_signal, write_port_file
 
 
+def minimal_overrides() -> list[str]:
+    return ["tracing.exporter=off", "access_log.path="]
+
+
+def traced_overrides(otlp_endpoint: str, access_log_path: str) -> list[str]:
+    return ["tracing.exporter=otlp", f"tracing.otlp_endpoint={otlp_endpoint}",
+            "tracing.otlp_protocol=http/protobuf", f"access_log.path={access_log_path}",
+            "admin=127.0.0.1:0"]
+
+
 def build_settings(upstream: str, overrides: list[str]):
     extra = dict(item.split("=", 1) for item in overrides)
     return default_settings().replace(**{"listen": "127.0.0.1:0", "upstream": upstream, "admin": "off", **extra})
 
 
-async def serve(settings, port_file: str) -> None:
+async def serve(settings, port_file: str, admin_port_file: str | None = None) -> None:
     server = ProxyServer(settings)
     await server.start()
-    write_port_file(port_file, server.port)
+    if admin_port_file and server.admin_port is not None:
+        write_port_file(admin_port_file, server.admin_port)
+    write_port_file(port_file, server.port)  # last: the bench waits for this one
     await wait_for_stop_signal()
     await server.shutdown(grace=1)
 
@@ -33,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="traceproxy.bench.proxy_proc")
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--port-file", required=True)
+    parser.add_argument("--admin-port-file", help="where to write the admin port, when the admin listener is on")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a settings override, e.g. pool.max_connections=2048")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     raise_fd_limit()
-    uvloop.run(serve(build_settings(args.upstream, args.set), args.port_file))
+    uvloop.run(serve(build_settings(args.upstream, args.set), args.port_file, args.admin_port_file))
     return 0
 
 

@@ -3,6 +3,10 @@
 Rates and latencies are medians over repetitions; counts (ok, errors, hangs) are
 totals over repetitions, so a failure in any repetition shows. Hangs include
 requests never started because the scenario ran out of its time budget.
+
+The table has one value column per target and, when ``direct`` ran, one comparison
+column per proxy target against it. ``tracing_cost`` compares ``proxy-traced`` with
+``proxy``: what turning tracing and the access log on costs.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from typing import Callable
 
 from .stats import median, merge_lists, percentile
 
-TARGETS = ("direct", "proxy")
+TARGETS = ("direct", "proxy", "proxy-traced")
+BASELINE = "direct"
+SHORT = {"direct": "direct", "proxy": "proxy", "proxy-traced": "traced"}
 _SUMMED = ("ok", "hangs", "skipped", "reconnects", "server_closes", "bytes_up", "bytes_down", "events", "streams")
-_SAMPLES = ("ttfb", "ttft", "gaps", "delivery")
+_SAMPLES = ("ttfb", "ttft", "gaps", "delivery", "latency")
 SATURATED = 90  # CPU % of one core at which a helper process, not the proxy, sets the pace
 
 
@@ -30,7 +36,7 @@ def merge(parts: list[dict]) -> dict:
             errors[kind] = errors.get(kind, 0) + n
     merged["errors"] = errors
     for key in _SAMPLES:
-        merged[key] = merge_lists([p[key] for p in parts])
+        merged[key] = merge_lists([p.get(key, []) for p in parts])
     return merged
 
 
@@ -47,13 +53,15 @@ def figures(run: dict) -> dict:
         "events_s": run["events"] / secs,
         "streams_s": run["streams"] / secs,
         "upload_mb_s": run["bytes_up"] / secs / 1e6,
+        "latency_p50": _ms(run["latency"], 50),
         "ttfb_p50": _ms(run["ttfb"], 50), "ttfb_p99": _ms(run["ttfb"], 99),
         "ttft_p50": _ms(run["ttft"], 50), "ttft_p99": _ms(run["ttft"], 99),
         "gap_p99": _ms(run["gaps"], 99), "delivery_p99": _ms(run["delivery"], 99),
         "ok": run["ok"], "errors": sum(run["errors"].values()), "hangs": run["hangs"] + run["skipped"],
         "reconnects": run["reconnects"],
         "cpu_load": run["load_cpu_max"], "cpu_upstream": run["cpu"].get("upstream"),
-        "cpu_proxy": run["cpu"].get("proxy"),
+        "cpu_proxy": run["cpu"].get("proxy"), "cpu_exporter": run["cpu"].get("exporter"),
+        "cpu_sink": run["cpu"].get("sink"),
     }
 
 
@@ -94,7 +102,10 @@ def _added(direct: float | None, proxy: float | None) -> str:
 def _cpu(f: dict) -> str:
     if not f:
         return "–"
-    return " / ".join(_num(f.get(k), 0) for k in ("cpu_load", "cpu_upstream", "cpu_proxy"))
+    text = " / ".join(_num(f.get(k), 0) for k in ("cpu_load", "cpu_upstream", "cpu_proxy"))
+    extra = [f"{label} {_num(f[k], 0)}" for k, label in (("cpu_exporter", "exporter"), ("cpu_sink", "sink"))
+             if f.get(k) is not None and (k == "cpu_sink" or f[k] >= 0.5)]
+    return f"{text} ({', '.join(extra)})" if extra else text
 
 
 def _failures_vs(d: dict, p: dict) -> str:
@@ -130,6 +141,7 @@ METRICS: dict[str, Metric] = {
     "events_s": _rate("chunks/s (SSE events)", "events_s"),
     "streams_s": _rate("streams/s", "streams_s"),
     "upload_mb_s": _rate("upload MB/s", "upload_mb_s"),
+    "latency_p50": _latency("request latency p50 ms", "latency_p50"),
     "ttfb_p50": _latency("TTFB p50 ms", "ttfb_p50"),
     "ttfb_p99": _latency("TTFB p99 ms", "ttfb_p99"),
     "ttft_p50": _latency("TTFT p50 ms", "ttft_p50"),
@@ -145,20 +157,50 @@ METRICS: dict[str, Metric] = {
 }
 
 
-def scenario_rows(name: str, metric_keys: tuple[str, ...], direct: dict, proxy: dict) -> list[list[str]]:
+def compared(targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets that get a comparison column: every proxy target, when the baseline ran."""
+    return tuple(t for t in targets if t != BASELINE) if BASELINE in targets else ()
+
+
+def header(targets: tuple[str, ...]) -> list[str]:
+    return ["scenario", "metric", *targets, *(f"{SHORT[t]} vs {BASELINE}" for t in compared(targets))]
+
+
+def scenario_rows(name: str, metric_keys: tuple[str, ...], by_target: dict[str, dict],
+                  targets: tuple[str, ...] = TARGETS) -> list[list[str]]:
+    """One row per metric: each target's value, then each proxy target against direct."""
     rows = []
+    base = by_target.get(BASELINE) or {}
     for key in metric_keys:
         metric = METRICS[key]
-        rows.append([name, metric.label, metric.show(direct), metric.show(proxy), metric.compare(direct, proxy)])
+        rows.append([name, metric.label, *(metric.show(by_target.get(t) or {}) for t in targets),
+                     *(metric.compare(base, by_target.get(t) or {}) for t in compared(targets))])
     return rows
 
 
-def markdown(rows: list[list[str]]) -> str:
-    header = ["scenario", "metric", "direct", "proxy", "proxy vs direct"]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+def memory_row(memory: dict[str, dict], targets: tuple[str, ...]) -> list[str]:
+    """Peak RSS of each proxy's process tree (each process's peak, summed), with the parts."""
+    cells = []
+    for target in targets:
+        m = memory.get(target) or {}
+        peak = m.get("peak_bytes")
+        if not peak:
+            cells.append("–")
+            continue
+        parts = [p["vm_hwm_bytes"] for p in m.get("processes", []) if p.get("vm_hwm_bytes")]
+        text = f"{peak / 2**20:.1f}"
+        if len(parts) > 1:
+            text += " (" + " + ".join(f"{b / 2**20:.1f}" for b in parts) + ")"
+        cells.append(text)
+    return ["all", "peak RSS MiB (process tree)", *cells, *("" for _ in compared(targets))]
+
+
+def markdown(rows: list[list[str]], targets: tuple[str, ...] = TARGETS) -> str:
+    header_cells = header(targets)
+    widths = [max(len(r[i]) for r in [header_cells, *rows]) for i in range(len(header_cells))]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+    return "\n".join([line(header_cells), sep, *(line(r) for r in rows)])
 
 
 def regressed(direct: dict, proxy: dict) -> bool:
@@ -166,6 +208,53 @@ def regressed(direct: dict, proxy: dict) -> bool:
     if not proxy:
         return False
     return bool(proxy["errors"] + proxy["hangs"]) and not (direct and direct["errors"] + direct["hangs"])
+
+
+def tracing_cost(summary: dict[str, dict], memory: dict[str, dict]) -> list[str]:
+    """What tracing (and the access log) cost: proxy-traced against proxy. Empty unless both ran."""
+    out = []
+    s1, s2 = summary.get("S1") or {}, summary.get("S2") or {}
+    plain, traced = s1.get("proxy") or {}, s1.get("proxy-traced") or {}
+    if plain.get("req_s") and traced.get("req_s") is not None:
+        drop = 100 * (plain["req_s"] - traced["req_s"]) / plain["req_s"]
+        verdict = f"a {drop:.1f} % drop" if drop >= 0 else f"{-drop:.1f} % higher (no cost measurable)"
+        out.append(f"S1 throughput: {_num(plain['req_s'])} -> {_num(traced['req_s'])} req/s, {verdict}")
+    for label, entry, key in (("S1 request latency p50", s1, "latency_p50"), ("S2 TTFT p50", s2, "ttft_p50")):
+        a, b = (entry.get("proxy") or {}).get(key), (entry.get("proxy-traced") or {}).get(key)
+        if a is not None and b is not None:
+            verdict = f"{b - a:+.2f} ms added" if b >= a else f"{b - a:+.2f} ms (lower: no cost measurable)"
+            out.append(f"{label}: {_num(a, 2)} -> {_num(b, 2)} ms, {verdict}")
+    peaks = {t: (memory.get(t) or {}).get("peak_bytes") for t in ("proxy", "proxy-traced")}
+    if all(peaks.values()):
+        out.append(f"peak RSS: {peaks['proxy'] / 2**20:.1f} -> {peaks['proxy-traced'] / 2**20:.1f} MiB "
+                   f"({(peaks['proxy-traced'] - peaks['proxy']) / 2**20:+.1f} MiB, exporter process included)")
+    return out
+
+
+def tracing_evidence(tracing: dict) -> list[str]:
+    """That tracing really ran: what the sink received, what the proxy counted."""
+    if not tracing:
+        return []
+    out = []
+    sink = tracing.get("sink") or {}
+    metrics = tracing.get("proxy_metrics_before_stop") or {}
+    line = (f"OTLP sink received {sink.get('spans', 0):,} spans in {sink.get('requests', 0):,} export requests "
+            f"({sink.get('bytes', 0) / 2**20:.1f} MiB) during the proxy-traced runs")
+    if sink.get("undecodable"):
+        line += f"; {sink['undecodable']} requests did not decode"
+    requests = metrics.get("requests_total")
+    if requests:
+        line += (f"; proxy-traced served {requests:,.0f} requests (warm-up included), "
+                 f"{sink.get('spans', 0) / requests:.2f} spans each")
+    if metrics.get("spans_dropped_total") is not None:
+        line += (f"; its spans_dropped_total: {metrics['spans_dropped_total']:,.0f} "
+                 "(span items, one per request or stall, dropped with the export queue full)")
+    out.append(line)
+    log = tracing.get("access_log")
+    if log:
+        out.append(f"proxy-traced access log: {log['lines']:,} lines ({log['bytes'] / 2**20:.1f} MiB) "
+                   "written to the run's temp directory")
+    return out
 
 
 def notes(summary: dict[str, dict]) -> list[str]:

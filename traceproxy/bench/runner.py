@@ -1,9 +1,13 @@
-"""``traceproxy bench``: run each scenario direct to the upstream and through the proxy, alternately.
+"""``traceproxy bench``: run each scenario direct to the upstream and through each proxy, interleaved.
 
-Order per scenario: direct, proxy, direct, proxy, ... (``--reps`` pairs), so the two
-are measured side by side in time. Prints a markdown table on stdout; ``--json``
+Targets (``--targets``, default all): ``direct``, ``proxy`` (traceproxy with tracing
+and the access log off; or ``--proxy-cmd``) and ``proxy-traced`` (traceproxy with
+tracing over OTLP to a local sink process and the access log to a file). Order per
+scenario and rep: the targets in turn, rotated by one each rep (direct, proxy,
+proxy-traced; then proxy, proxy-traced, direct; ...), so they are measured side by
+side in time. Prints a markdown table and the tracing cost on stdout; ``--json``
 writes the raw results. Exit status: 0 when it ran, 1 when a scenario had errors or
-hangs through the proxy but not direct (or the proxy died), 2 when it could not run.
+hangs through a proxy target but not direct (or a proxy died), 2 when it could not run.
 """
 
 from __future__ import annotations
@@ -31,23 +35,28 @@ def build_parser() -> argparse.ArgumentParser:
     names = ", ".join(f"{s.name} ({s.title})" for s in SCENARIOS)
     parser = argparse.ArgumentParser(
         prog="traceproxy bench",
-        description="Measure direct-to-upstream against through-the-proxy on this machine, in one run.",
+        description="Measure direct-to-upstream against through-the-proxy, plain and traced, on this machine, "
+                    "in one run.",
         epilog=f"Scenarios: {names}.")
     parser.add_argument("--scenarios", metavar="S1,S2", help="comma-separated scenario names (default: all)")
     parser.add_argument("--scale", type=float, metavar="F",
                         help="multiply connection counts, rounds and durations (default 1, or %g with --quick)"
                         % QUICK_SCALE)
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about 15 s)")
-    parser.add_argument("--reps", type=int, default=1, metavar="N", help="direct/proxy pairs per scenario (default 1)")
+    parser.add_argument("--reps", type=int, default=1, metavar="N",
+                        help="runs of each target per scenario, in rotated order (default 1)")
+    parser.add_argument("--targets", metavar="T1,T2", default=",".join(report.TARGETS),
+                        help=f"comma-separated, from {', '.join(report.TARGETS)} (default: all)")
     parser.add_argument("--load-procs", type=int, default=1, metavar="N", help="load generator processes (default 1)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the one unrecorded request per connection that warms the proxy's upstream pool")
     parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON")
     parser.add_argument("--proxy-cmd", metavar="TEMPLATE",
-                        help="benchmark this command instead of traceproxy; {port} and {upstream_port} are "
-                             "filled in, e.g. a config-templated nginx")
+                        help="benchmark this command as the 'proxy' target instead of traceproxy; {port} and "
+                             "{upstream_port} are filled in, e.g. a config-templated nginx")
     parser.add_argument("--proxy-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a traceproxy settings override for the proxy under test (repeatable)")
+                        help="a traceproxy settings override for the in-tree proxies, applied after the "
+                             "target's own keys (repeatable)")
     return parser
 
 
@@ -59,9 +68,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
         parser.error("--scale must be > 0, --reps and --load-procs >= 1")
     args.factor = factor
     try:
+        args.targets = parse_targets(args.targets)
         return args, select(args.scenarios, factor)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """Comma-separated target names, in the table's canonical order."""
+    wanted = {t.strip().lower() for t in text.split(",") if t.strip()}
+    unknown = sorted(wanted - set(report.TARGETS))
+    if unknown or not wanted:
+        raise ValueError(f"unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(report.TARGETS)}")
+    return tuple(t for t in report.TARGETS if t in wanted)
+
+
+def run_order(targets: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The targets of one rep: rotated by one per rep, so none is always first or last."""
+    k = rep % len(targets)
+    return targets[k:] + targets[:k]
 
 
 @contextmanager
@@ -83,16 +108,17 @@ def _log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def run_scenarios(session: Session, scenarios: list[Scenario], reps: int) -> tuple[dict, list[str]]:
-    """Every scenario, direct and proxy alternately; raw runs per scenario and target."""
+def run_scenarios(session: Session, scenarios: list[Scenario], reps: int,
+                  targets: tuple[str, ...] = report.TARGETS) -> tuple[dict, list[str]]:
+    """Every scenario, the targets interleaved; raw runs per scenario and target."""
     runs: dict[str, dict[str, list[dict]]] = {}
     problems: list[str] = []
     for scenario in scenarios:
-        runs[scenario.name] = {"direct": [], "proxy": []}
+        runs[scenario.name] = {t: [] for t in targets}
         for rep in range(reps):
-            for target in report.TARGETS:
-                if target == "proxy" and not session.proxy_alive():
-                    problems.append(f"{scenario.name}: the proxy process had exited; proxy run skipped")
+            for target in run_order(targets, rep):
+                if target != "direct" and not session.proxy_alive(target):
+                    problems.append(f"{scenario.name}: the {target} process had exited; {target} run skipped")
                     continue
                 started = time.monotonic()
                 result = session.measure(scenario, target)
@@ -107,8 +133,8 @@ def summarize(scenarios: list[Scenario], runs: dict) -> dict[str, dict]:
     summary = {}
     for scenario in scenarios:
         by_target = runs[scenario.name]
-        entry = {t: report.combine([report.figures(r) for r in by_target[t]]) for t in report.TARGETS}
-        entry["error_kinds"] = {t: _error_kinds(by_target[t]) for t in report.TARGETS}
+        entry = {t: report.combine([report.figures(r) for r in results]) for t, results in by_target.items()}
+        entry["error_kinds"] = {t: _error_kinds(results) for t, results in by_target.items()}
         summary[scenario.name] = entry
     return summary
 
@@ -123,20 +149,29 @@ def _error_kinds(results: list[dict]) -> dict[str, int]:
     return kinds
 
 
-def table_rows(scenarios: list[Scenario], summary: dict, memory: dict) -> list[list[str]]:
+def table_rows(scenarios: list[Scenario], summary: dict, memory: dict,
+               targets: tuple[str, ...] = report.TARGETS) -> list[list[str]]:
     rows = []
     for scenario in scenarios:
-        entry = summary[scenario.name]
-        rows += report.scenario_rows(scenario.name, scenario.metrics, entry["direct"], entry["proxy"])
-    peak = memory.get("peak_bytes")
-    rows.append(["all", "proxy peak RSS MiB", "–", f"{peak / 2**20:.1f}" if peak else "–", ""])
+        rows += report.scenario_rows(scenario.name, scenario.metrics, summary[scenario.name], targets)
+    if any(t != "direct" for t in targets):
+        rows.append(report.memory_row(memory, targets))
     return rows
+
+
+def _section(title: str, lines: list[str]) -> None:
+    if lines:
+        print(f"\n{title}")
+        for line in lines:
+            print(f"- {line}")
 
 
 def _meta(args: argparse.Namespace, scenarios: list[Scenario]) -> dict:
     return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "scale": args.factor, "reps": args.reps, "warmup": not args.no_warmup, "load_procs": args.load_procs,
-            "proxy": args.proxy_cmd or "traceproxy (in-tree, bench.proxy_proc)",
+            "targets": list(args.targets),
+            "proxy": args.proxy_cmd or "traceproxy (in-tree, bench.proxy_proc; tracing and access log off)",
+            "proxy-traced": "traceproxy (in-tree; OTLP http/protobuf to the bench's sink, access log to a file)",
             "scenarios": [s.to_spec() for s in scenarios]}
 
 
@@ -150,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         with _terminate_as_exit(), Children(workdir) as children:
             session = Session(children, workdir, args.load_procs, warmup=not args.no_warmup)
             session.start_upstream()
-            session.start_proxy(args.proxy_cmd, args.proxy_set)
-            _log(f"upstream 127.0.0.1:{session.ports['direct']}, proxy 127.0.0.1:{session.ports['proxy']}; "
-                 f"{len(scenarios)} scenario(s), scale {args.factor:g}, reps {args.reps}")
-            runs, problems = run_scenarios(session, scenarios, args.reps)
-            memory = session.proxy_memory()
+            for target in args.targets:
+                if target != "direct":
+                    session.start_proxy(target, args.proxy_cmd if target == "proxy" else None, args.proxy_set)
+            ports = ", ".join(f"{name} 127.0.0.1:{port}" for name, port in session.ports.items())
+            _log(f"{ports}; {len(scenarios)} scenario(s), targets {','.join(args.targets)}, "
+                 f"scale {args.factor:g}, reps {args.reps}")
+            runs, problems = run_scenarios(session, scenarios, args.reps, args.targets)
+            end = session.finish()
     except ChildError as exc:
         _log(f"could not run: {exc}")
         return 2
@@ -163,25 +201,34 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return _output(args, scenarios, runs, problems, memory)
+    return _output(args, scenarios, runs, problems, end, session.settle_waits)
 
 
-def _output(args, scenarios, runs, problems, memory) -> int:
+def _output(args, scenarios, runs, problems, end, settle_waits) -> int:
     summary = summarize(scenarios, runs)
     meta = _meta(args, scenarios)
-    print(f"traceproxy bench: {meta['proxy']}; {meta['cpus']} CPUs, Python {meta['python']}, "
-          f"scale {args.factor:g}, reps {args.reps}, load processes {args.load_procs}\n")
-    print(report.markdown(table_rows(scenarios, summary, memory)))
-    for line in [*problems, *report.notes(summary)]:
-        print(f"\n- {line}", end="")
-    print("\n\nRates and latencies: medians over reps; counts: totals. "
-          "CPU %: 100 = one core; 'load' is the busiest load process.")
+    memory, tracing = end["memory"], end["tracing"]
+    targets = args.targets
+    print(f"traceproxy bench: targets {', '.join(targets)}; proxy = {meta['proxy']}; {meta['cpus']} CPUs, "
+          f"Python {meta['python']}, scale {args.factor:g}, reps {args.reps}, load processes {args.load_procs}\n")
+    print(report.markdown(table_rows(scenarios, summary, memory, targets), targets))
+    cost = report.tracing_cost(summary, memory)
+    if cost:
+        caveat = " (--proxy-cmd: 'proxy' is another program, so this is not tracing alone)" if args.proxy_cmd else ""
+        _section(f"Tracing cost (tracing over OTLP plus the access log to a file), proxy-traced against "
+                 f"proxy{caveat}:", cost)
+    _section("Tracing ran:", report.tracing_evidence(tracing))
+    _section("Notes:", [*problems, *report.notes(summary)])
+    print("\nRates and latencies: medians over reps; counts: totals. CPU %: 100 = one core; 'load' is the "
+          "busiest load process; a proxy's CPU includes its child processes (the span exporter, also shown "
+          "apart) and 'sink' is the OTLP sink. Peak RSS: each process's peak (VmHWM), summed over the tree.")
     if args.json:
-        report.write_json(args.json, {"meta": meta, "summary": summary, "memory": memory, "problems": problems,
-                                      "runs": runs})
-    failed = [n for n in summary if report.regressed(summary[n]["direct"], summary[n]["proxy"])]
+        report.write_json(args.json, {"meta": meta, "summary": summary, "memory": memory, "tracing": tracing,
+                                      "problems": problems, "settle_waits_s": settle_waits, "runs": runs})
+    failed = [f"{n} ({t})" for n in summary for t in targets
+              if t != "direct" and report.regressed(summary[n].get("direct") or {}, summary[n].get(t) or {})]
     if failed:
-        _log(f"errors or hangs through the proxy but not direct in: {', '.join(failed)}")
+        _log(f"errors or hangs through a proxy target but not direct in: {', '.join(failed)}")
     return 1 if failed or problems else 0
 
 

@@ -96,7 +96,8 @@ _ROUND_JSON = RequestSpec(tokens=16)
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("S1", "small non-streaming POST, keep-alive", connections=64, requests=(_SMALL,),
-             duration=5.0, timeout=5.0, metrics=("req_s", "ttfb_p50", "ttfb_p99", "failures", "cpu")),
+             duration=5.0, timeout=5.0,
+             metrics=("req_s", "latency_p50", "ttfb_p50", "ttfb_p99", "failures", "cpu")),
     Scenario("S2", "concurrent paced SSE, 64 tok at 50 tok/s, TTFT 20 ms", connections=256, requests=(_PACED,),
              rounds=1, timeout=15.0, detail=True,
              metrics=("ttfb_p50", "ttft_p50", "ttft_p99", "gap_p99", "delivery_p99", "failures", "cpu")),

@@ -1,24 +1,52 @@
-"""One benchmark session: the upstream and proxy processes, and measured runs of the load generator.
+"""One benchmark session: the upstream, the proxies, the OTLP sink, and measured runs of the load generator.
+
+Targets: ``direct`` (the upstream itself), ``proxy`` (traceproxy with tracing and
+the access log off, or any ``--proxy-cmd``) and ``proxy-traced`` (traceproxy
+exporting spans over OTLP http/protobuf to the sink, access log to a file in the
+run's temp directory). Each is its own process tree, all started up front, so runs
+of different targets can be interleaved.
 
 The session owns its children through ``procs.Children``; leaving the ``with``
 block (normally, on an exception or on Ctrl-C) stops each by its process group.
+``finish`` reads memory and the span counters and stops ``proxy-traced`` in order
+(the leader first, so its exporter drains into the sink) before the sink reports.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import select
 import shlex
 import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import report
-from .monitor import CpuWindow, RssSampler, vm_hwm_bytes
-from .procs import Child, ChildError, Children, free_port, python_module, wait_listening, wait_port_file
+from .monitor import CpuWindow, RssSampler, busy_percent, tree_hwm
+from .procs import (Child, ChildError, Children, child_environment, free_port, python_module, wait_listening,
+                    wait_port_file)
+from .proxy_proc import minimal_overrides, traced_overrides
 from .scenarios import Scenario
 
 READY_TIMEOUT = 30.0  # load processes opening their connections
 EXIT_SLACK = 15.0  # beyond the scenario budget before a load process is killed
+TRACED_STOP_GRACE = 10.0  # proxy-traced: 1 s request grace, then its exporter drains (up to 5 s)
+SETTLE_WINDOW, SETTLE_BUSY, SETTLE_MAX = 0.2, 10.0, 15.0  # quiet: < SETTLE_BUSY % CPU over a window
+HTTP_TIMEOUT = 5.0
+
+
+@dataclass
+class ProxyProcess:
+    target: str
+    child: Child
+    port: int
+    rss: RssSampler
+    admin_port: int | None = None
+    command: str | None = None  # --proxy-cmd, when not in-tree traceproxy
 
 
 class Session:
@@ -28,9 +56,10 @@ class Session:
         self.workdir = workdir
         self.load_procs = max(1, load_procs)
         self.upstream: Child | None = None
-        self.proxy: Child | None = None
+        self.sink: Child | None = None
+        self.proxies: dict[str, ProxyProcess] = {}
         self.ports: dict[str, int] = {}
-        self.rss: RssSampler | None = None
+        self.settle_waits: list[float] = []
         self._runs = 0
 
     # -- servers ----------------------------------------------------------------------------
@@ -41,45 +70,97 @@ class Session:
         self.ports["direct"] = wait_port_file(self.upstream, port_file)
         return self.ports["direct"]
 
-    def start_proxy(self, command: str | None = None, overrides: list[str] | None = None) -> int:
+    def start_sink(self) -> int:
+        port_file = self.workdir / "sink.port"
+        argv = python_module("traceproxy.bench.sink_proc", "--port-file", str(port_file),
+                             "--stats-file", str(self.workdir / "sink.stats.json"))
+        self.sink = self.children.start("otlp-sink", argv)
+        self.ports["sink"] = wait_port_file(self.sink, port_file)
+        return self.ports["sink"]
+
+    def start_proxy(self, target: str = "proxy", command: str | None = None,
+                    overrides: list[str] | None = None) -> int:
+        """Start one proxy target. ``command`` (``--proxy-cmd``) replaces traceproxy for ``proxy`` only;
+        ``overrides`` (``--proxy-set``) apply after the target's own keys."""
         upstream_port = self.ports["direct"]
-        if command:
+        admin_port = None
+        if target == "proxy" and command:
             port = free_port()
             argv = shlex.split(command.format(port=port, upstream_port=upstream_port))
-            self.proxy = self.children.start("proxy", argv)
-            wait_listening(self.proxy, port)
+            child = self.children.start(target, argv, cwd=os.getcwd())  # relative paths as the user typed them
+            wait_listening(child, port)
         else:
-            port_file = self.workdir / "proxy.port"
-            args = ["--upstream", f"http://127.0.0.1:{upstream_port}", "--port-file", str(port_file)]
-            for item in overrides or []:
+            if target == "proxy":
+                keys = minimal_overrides()
+            elif target == "proxy-traced":
+                if "sink" not in self.ports:
+                    self.start_sink()
+                keys = traced_overrides(f"http://127.0.0.1:{self.ports['sink']}",
+                                        str(self.access_log_path))
+            else:
+                raise ValueError(f"not a proxy target: {target}")
+            port_file, admin_file = self.workdir / f"{target}.port", self.workdir / f"{target}.admin-port"
+            args = ["--upstream", f"http://127.0.0.1:{upstream_port}", "--port-file", str(port_file),
+                    "--admin-port-file", str(admin_file)]
+            for item in [*keys, *(overrides or [])]:
                 args += ["--set", item]
-            self.proxy = self.children.start("proxy", python_module("traceproxy.bench.proxy_proc", *args))
-            port = wait_port_file(self.proxy, port_file)
-        self.ports["proxy"] = port
-        self.rss = RssSampler(self.proxy.pid).start()
+            child = self.children.start(target, python_module("traceproxy.bench.proxy_proc", *args),
+                                        env=_proxy_environment())
+            port = wait_port_file(child, port_file)
+            if admin_file.exists():
+                admin_port = int(admin_file.read_text().strip())
+        self.proxies[target] = ProxyProcess(target, child, port, RssSampler(child.pid).start(), admin_port,
+                                            command if target == "proxy" else None)
+        self.ports[target] = port
         return port
 
-    def proxy_alive(self) -> bool:
-        return self.proxy is not None and self.proxy.alive()
+    @property
+    def access_log_path(self) -> Path:
+        return self.workdir / "proxy-traced.access.jsonl"
 
-    def proxy_memory(self) -> dict:
-        """Peak RSS of the proxy: sampled (process tree) and the kernel's VmHWM (leader only)."""
-        sampled = self.rss.stop() if self.rss else 0
-        hwm = vm_hwm_bytes(self.proxy.pid) if self.proxy_alive() else None
-        return {"sampled_peak_bytes": sampled, "vm_hwm_bytes": hwm, "peak_bytes": max(sampled, hwm or 0)}
+    def proxy_alive(self, target: str = "proxy") -> bool:
+        proxy = self.proxies.get(target)
+        return proxy is not None and proxy.child.alive()
+
+    def server_pids(self) -> list[int]:
+        children = [self.upstream, self.sink, *(p.child for p in self.proxies.values())]
+        return [c.pid for c in children if c is not None and c.alive()]
+
+    def settle(self) -> float:
+        """Wait until the servers are idle (a traced proxy's exporter may still be sending the
+        last run's spans), so no run pays for the one before; the seconds waited."""
+        started = time.monotonic()
+        while busy_percent(self.server_pids(), SETTLE_WINDOW) >= SETTLE_BUSY:
+            if time.monotonic() - started > SETTLE_MAX:
+                print(f"bench: servers still busy after {SETTLE_MAX:g} s; measuring anyway",
+                      file=sys.stderr, flush=True)
+                break
+        waited = time.monotonic() - started
+        self.settle_waits.append(round(waited, 3))
+        return waited
 
     # -- measured runs -------------------------------------------------------------------------
     def measure(self, scenario: Scenario, target: str) -> dict:
-        """Run one scenario against ``target`` ("direct" or "proxy"); the merged result."""
+        """Run one scenario against ``target``; the merged result."""
         self._runs += 1
+        settled = self.settle()
         loads = [self._start_load(scenario, target, k, offset, count)
                  for k, (offset, count) in enumerate(split(scenario.connections, self.load_procs))]
+        proxy = self.proxies.get(target)
         try:
             for child, _ in loads:
                 _expect_line(child, "ready", READY_TIMEOUT)
-            cpu = CpuWindow({"upstream": self.upstream.pid, "proxy": self.proxy.pid})
-            if self.rss:
-                self.rss.take_window()
+            trees = {"upstream": self.upstream.pid}
+            singles = {}
+            if proxy is not None:
+                trees["proxy"] = proxy.child.pid
+                if proxy.command is None:  # traceproxy: its only child process is the span exporter
+                    singles["proxy_main"] = proxy.child.pid
+            if target == "proxy-traced" and self.sink is not None:
+                trees["sink"] = self.sink.pid
+            cpu = CpuWindow(trees, singles)
+            if proxy is not None:
+                proxy.rss.take_window()
             cpu.start()
             for child, _ in loads:
                 child.proc.stdin.write(b"go\n")
@@ -90,9 +171,12 @@ class Session:
             for child, _ in loads:
                 self.children.stop(child)
         merged = report.merge(parts)
+        if "proxy_main" in usage:
+            usage["exporter"] = round(max(0.0, usage["proxy"] - usage.pop("proxy_main")), 1)
         merged["cpu"] = usage
-        if target == "proxy" and self.rss:
-            merged["proxy_rss_peak"] = self.rss.take_window()
+        merged["settle_s"] = round(settled, 3)
+        if proxy is not None:
+            merged["proxy_rss_peak"] = proxy.rss.take_window()
         return merged
 
     def _start_load(self, scenario: Scenario, target: str, k: int, offset: int, count: int) -> tuple[Child, Path]:
@@ -102,7 +186,103 @@ class Session:
                 "connections": count, "offset": offset, "warmup": self.warmup}
         spec_path.write_text(json.dumps(spec))
         argv = python_module("traceproxy.bench.loadgen", "--spec", str(spec_path), "--out", str(out_path))
-        return self.children.start(f"load-{stem}", argv, stdin=-1, stdout=-1), out_path
+        return self.children.start(f"load-{stem}", argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE), out_path
+
+    # -- the end of the session ------------------------------------------------------------------
+    def finish(self) -> dict:
+        """Memory of each proxy, then (for proxy-traced) its span counters, an orderly stop so its
+        exporter drains into the sink, and the sink's final counts. Call once, after the runs."""
+        self.settle()  # a traced proxy's exporter may still be sending the last run's spans
+        memory = {target: self._memory(proxy) for target, proxy in self.proxies.items()}
+        tracing: dict = {}
+        traced = self.proxies.get("proxy-traced")
+        if traced is not None:
+            tracing["proxy_metrics_before_stop"] = self._span_metrics(traced)
+            self.children.stop(traced.child, leader_grace=TRACED_STOP_GRACE)
+            tracing["proxy_exit_code"] = traced.child.proc.returncode
+            tracing["access_log"] = _file_lines(self.access_log_path)
+        if self.sink is not None:
+            tracing["sink"] = self._stop_sink()
+        return {"memory": memory, "tracing": tracing}
+
+    def _memory(self, proxy: ProxyProcess) -> dict:
+        """Peak RSS of a proxy's process tree: sampled (tree sum) and each process's VmHWM."""
+        sampled = proxy.rss.stop()
+        processes = tree_hwm(proxy.child.pid) if proxy.child.alive() else []
+        hwm_sum = sum(p["vm_hwm_bytes"] or 0 for p in processes)
+        return {"sampled_peak_bytes": sampled, "processes": processes, "vm_hwm_sum_bytes": hwm_sum or None,
+                "peak_bytes": max(sampled, hwm_sum)}
+
+    def _span_metrics(self, proxy: ProxyProcess) -> dict:
+        if proxy.admin_port is None:
+            return {}
+        try:
+            text = _http_get(f"http://127.0.0.1:{proxy.admin_port}/metrics").decode()
+        except OSError as exc:
+            return {"error": str(exc)}
+        totals = prometheus_totals(text)
+        return {key: totals.get(f"traceproxy_{key}") for key in
+                ("requests_total", "spans_dropped_total", "spans_exported_total")}
+
+    def sink_stats(self) -> dict | None:
+        if "sink" not in self.ports:
+            return None
+        try:
+            return json.loads(_http_get(f"http://127.0.0.1:{self.ports['sink']}/stats"))
+        except (OSError, ValueError):
+            return None
+
+    def _stop_sink(self) -> dict:
+        last = self.sink_stats()
+        self.children.stop(self.sink)
+        stats_file = self.workdir / "sink.stats.json"
+        try:
+            return json.loads(stats_file.read_text())
+        except (OSError, ValueError):
+            return last or {}
+
+
+def _proxy_environment() -> dict[str, str]:
+    """The in-tree proxies run with the bench's settings only: no OTEL_* variable from the
+    caller's environment changes their endpoint, sampling, headers or compression."""
+    return {k: v for k, v in child_environment().items() if not k.startswith("OTEL_")}
+
+
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never an *_proxy variable
+
+
+def _http_get(url: str) -> bytes:
+    with _LOCAL.open(url, timeout=HTTP_TIMEOUT) as response:
+        return response.read()
+
+
+def prometheus_totals(text: str) -> dict[str, float]:
+    """Each metric name in Prometheus text format with its samples summed over all labels."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end <= 0:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        name = line[:name_end]
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def _file_lines(path: Path) -> dict:
+    try:
+        size, lines = path.stat().st_size, 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                lines += chunk.count(b"\n")
+    except OSError:
+        return {"bytes": 0, "lines": 0}
+    return {"bytes": size, "lines": lines}
 
 
 def split(total: int, parts: int) -> list[tuple[int, int]]:

@@ -86,9 +86,7 @@ def _span_context(span: SpanData) -> SpanContext:
 def _parent_context(span: SpanData) -> SpanContext | None:
     if not span.parent_span_id:
         return None
-    # SpanData does not say whether the parent came over the wire; the SDK encoder
-    # writes the flag either way, so "local" is a guess for a SERVER span's parent.
-    return SpanContext(span.trace_id, span.parent_span_id, is_remote=False)
+    return SpanContext(span.trace_id, span.parent_span_id, is_remote=span.parent_is_remote)
 
 
 def _status(span: SpanData) -> Status:

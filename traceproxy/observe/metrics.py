@@ -207,7 +207,8 @@ class ProxyMetrics:
 
     def _render_internals(self, out: "Exposition") -> None:
         spans = self.span_export.stats if self.span_export is not None else {}
-        out.counter("spans_dropped_total", "Spans dropped because the export queue was full.",
+        out.counter("spans_dropped_total", "Span items (a finished request's spans, or one stall span) dropped because the export queue "
+                    "was full or the exporter process was gone.",
                     [((), spans.get("spans_dropped", 0))])
         out.counter("spans_exported_total", "Spans the exporter process delivered.",
                     [((), spans.get("spans_exported", 0))])

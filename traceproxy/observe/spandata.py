@@ -37,3 +37,4 @@ class SpanData(NamedTuple):
     status_message: str = ""
     trace_state: str = ""  # the W3C tracestate value to keep on this span, as received
     sampled: bool = True
+    parent_is_remote: bool = False  # the parent came over the wire (a client's traceparent)

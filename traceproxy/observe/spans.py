@@ -122,7 +122,7 @@ def spans_for(s: RequestSummary) -> list[SpanData]:
         s.trace_id, s.span_id, s.parent_span_id, f"{s.method} {route}" if route else s.method, KIND_SERVER,
         s.start_ns + s.clock_offset_ns, s.end_ns + s.clock_offset_ns, _server_attributes(s, route),
         tuple(sorted(events, key=lambda e: e.time_unix_ns)), *_status(s.outcome, s.status, s.error),
-        s.tracestate, s.sampled,
+        s.tracestate, s.sampled, parent_is_remote=bool(s.parent_span_id),
     )
     spans = [server_span]
     for attempt in s.attempts:
