@@ -51,7 +51,7 @@ class ServerContext:
         self.request_id_header = self.request_id_names[0]
         self.inject_rid = settings.request_id.inject_rid
         # Upstream copies of what we set ourselves on every response.
-        self.response_id_names = frozenset({self.request_id_header, b"traceresponse"})
+        self.pool.replaced_response_headers = frozenset({self.request_id_header, b"traceresponse"})
 
     # -- requests ------------------------------------------------------------------
     def start_request(self, record: RequestRecord) -> None:
@@ -62,6 +62,7 @@ class ServerContext:
     def end_request(self, record: RequestRecord, outcome: Outcome, error: str | None) -> None:
         """The only way a request ends: outcome stamped once, observers told once."""
         record.finish(outcome, time.monotonic_ns(), error)
+        record.owner = None  # owner <-> record is a cycle: break it so refcounting frees both
         self.in_flight.pop(record.id, None)
         if self.fanout.done_observers:
             self.fanout.done(record)

@@ -271,25 +271,24 @@ class Exchange:
         self.response_framing = framing
         if framing == H.ResponseFraming.LENGTH and length.isdigit():
             self._declared_length = int(length)
-        self._sse = any(n.lower() == b"content-type" and b"text/event-stream" in v.lower()
-                        for n, v in parts.end_to_end)
+        self._sse = parts.event_stream
         # Keep the client connection only if its request was read to the end and
         # the response has a length the client can see.
         self.keep_client_alive = (
             self.head.keep_alive and self.request_complete and framing != H.ResponseFraming.CLOSE
             and not self.client.closing
         )
-        ours = self.ctx.response_id_names
-        headers = [p for p in parts.end_to_end if p[0].lower() not in ours]
         head = H.client_response_head(
-            status, reason, headers, framing, length, self.keep_client_alive, self.head.http11,
+            status, reason, parts.end_to_end, framing, length, self.keep_client_alive, self.head.http11,
             extra=self.ctx.response_ids(record), keepalive_timeout=self.ctx.advertised_keepalive,
         )
         self._client_out.append(head)
         self.response_started = True
         self._stamp(Mark.FIRST_DOWNSTREAM_TX_BYTE, now)
         record.last_upstream_rx_ns = now
-        self._aim_timer(now)
+        upstream_read = self.ctx.timeouts.upstream_read
+        if upstream_read and (self._timer is None or self._timer_due > now + int(upstream_read * 1e9)):
+            self._aim_timer(now)
 
     # ---------------------------------------------------------------------------
     # Phase: the response body (upstream -> client)

@@ -207,18 +207,24 @@ class ResponseParts:
     chunked: bool
     content_length: bytes | None
     end_to_end: Headers
+    event_stream: bool  # Content-Type: text/event-stream (SSE)
 
 
-def parse_response_headers(headers: Headers) -> ResponseParts:
-    """One pass over the upstream's response headers."""
+def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozenset()) -> ResponseParts:
+    """One pass over the upstream's response headers; ``replaced`` names headers the
+    proxy sets itself on every response, so the upstream's copies are dropped."""
     kept: Headers = []
-    chunked = False
+    chunked = event_stream = False
     length = None
     listed: set[bytes] = set()
     for name, value in headers:
         lname = name.lower()
         if lname not in HOP_BY_HOP and lname != b"content-length":
+            if lname in replaced:
+                continue
             kept.append((name, value))
+            if lname == b"content-type":
+                event_stream = b"text/event-stream" in value.lower()
         elif lname == b"content-length":
             length = value.strip()
         elif lname == b"transfer-encoding":
@@ -227,7 +233,7 @@ def parse_response_headers(headers: Headers) -> ResponseParts:
             listed.update(_tokens(value))
     if listed - _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
-    return ResponseParts(chunked, length, kept)
+    return ResponseParts(chunked, length, kept, event_stream)
 
 
 class ResponseFraming:

@@ -156,7 +156,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._headers = []
             self._reason = b""
             return
-        parts = H.parse_response_headers(self._headers)
+        parts = H.parse_response_headers(self._headers, self.pool.replaced_response_headers)
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
         self.user.upstream_response_head(status, self._reason or b"", parts)
@@ -197,6 +197,8 @@ class UpstreamPool:
         self._sweeper: asyncio.TimerHandle | None = None
         self.stats = collections.Counter()
         self.discarding = False
+        # Response headers the proxy sets itself (request id, traceresponse).
+        self.replaced_response_headers: frozenset[bytes] = frozenset()
 
     # -- acquiring ---------------------------------------------------------------
     def acquire(self, user: "Exchange", fresh: bool = False) -> asyncio.Task | None:
