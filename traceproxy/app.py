@@ -23,7 +23,6 @@ from .config import ConfigError, Settings
 from .lifecycle.flags import Flag
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
-from .observe.accesslog import AccessLog
 from .observe.metrics import ProxyMetrics
 from .observe.watchdog import StallLog, Watchdog
 from .proxy.context import ServerContext
@@ -33,7 +32,8 @@ log = logging.getLogger("traceproxy")
 
 
 def tracing_export_config(settings: Settings, environ=os.environ):
-    """The exporter process's configuration, or None when tracing is off.
+    """The exporter process's configuration, or None when neither tracing nor the
+    access log is on.
 
     Config keys win; where one is empty the standard OTEL_* variable applies.
     """
@@ -44,7 +44,8 @@ def tracing_export_config(settings: Settings, environ=os.environ):
     exporter = tracing.exporter
     if exporter == "auto":
         exporter = "otlp" if (tracing.otlp_endpoint or endpoint_env) else "file"
-    if exporter == "off":
+    access_log = settings.access_log.path
+    if exporter == "off" and not access_log:
         return None
     protocol = (tracing.otlp_protocol or environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
@@ -59,6 +60,7 @@ def tracing_export_config(settings: Settings, environ=os.environ):
         service_name=tracing.service_name or environ.get("OTEL_SERVICE_NAME") or "traceproxy",
         resource_attributes=_resource_attributes(environ.get("OTEL_RESOURCE_ATTRIBUTES", "")),
         queue_spans=tracing.queue_spans,
+        access_log_path=access_log,
     )
 
 
@@ -76,7 +78,6 @@ class ProxyServer:
         self.tracing = None  # TracingObserver when tracing is on
         self.watchdog: Watchdog | None = None
         self.metrics: ProxyMetrics | None = None
-        self.access_log: AccessLog | None = None
         self._server: asyncio.base_events.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self.admin_port: int | None = None
@@ -88,7 +89,6 @@ class ProxyServer:
         self.ctx = ServerContext(self.settings, self.fanout)
         self._start_watchdog()
         self._start_metrics()
-        self._start_access_log()
         listen = self.settings.listen
         self._server = await loop.create_server(
             lambda: ClientConnection(self.ctx),
@@ -117,6 +117,8 @@ class ProxyServer:
             server=(settings.listen.host, settings.listen.port),
             upstream=(settings.upstream.host, settings.upstream.port),
             healthy_sample_ratio=healthy_ratio_from_environment(settings.tracing.healthy_sample_ratio),
+            spans=config.exporter != "off",
+            access_log=bool(config.access_log_path),
         )
         self.fanout.add(self.tracing)
 
@@ -137,13 +139,6 @@ class ProxyServer:
         self.fanout.add(self.metrics)
         self.watchdog.listeners.append(self.metrics)
         self.ctx.connection_closed_listeners.append(self.metrics.on_client_connection_closed)
-
-    def _start_access_log(self) -> None:
-        path = self.settings.access_log.path
-        if path:
-            self.access_log = AccessLog(path)
-            self.access_log.open()
-            self.fanout.add(self.access_log)
 
     async def _start_admin(self) -> None:
         admin_app = build_admin_app(self.ctx, self.started_ns, self.watchdog, self.metrics)
@@ -172,8 +167,6 @@ class ProxyServer:
             conn.close()
         ctx.pool.close_all()
         self.watchdog.stop()
-        if self.access_log is not None:
-            self.access_log.close()
         if self.span_export is not None:
             await self.span_export.stop(timeout=5.0)
         if self._admin_runner is not None:

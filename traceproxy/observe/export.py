@@ -84,7 +84,7 @@ class SpanExportPipe:
         if self._loop is not None:
             raise RuntimeError("SpanExportPipe.start() called twice")
         self._loop = asyncio.get_running_loop()
-        if self.config.exporter == "off":
+        if not self.config.needs_process:
             return
         data_read, data_write = os.pipe()
         stats_read, stats_write = os.pipe()
@@ -147,7 +147,7 @@ class SpanExportPipe:
         self._flush()
 
     def _drop_uncollected(self, spans: Iterable[SpanData]) -> None:
-        if self.config.exporter == "off":
+        if not self.config.needs_process:
             return
         count = sum(1 for _ in spans)
         self._submitted += count

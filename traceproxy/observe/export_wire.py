@@ -40,6 +40,11 @@ class ExportConfig:
     batch_spans: int = 512  # spans per pipe message (at most queue_spans)
     flush_interval: float = 0.2  # seconds before a partial batch is sent
     export_timeout: float = 5.0  # per export call in the child
+    access_log_path: str = ""  # "" off, "-" the child's stdout (the proxy's), else a file
+
+    @property
+    def needs_process(self) -> bool:
+        return self.exporter != "off" or bool(self.access_log_path)
 
     def __post_init__(self) -> None:
         if self.exporter not in EXPORTERS:

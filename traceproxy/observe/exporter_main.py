@@ -1,4 +1,5 @@
-"""The exporter process: batches of spans in on stdin, OTLP (or a file, or stderr) out.
+"""The exporter process: batches of spans in on stdin, OTLP (or a file, or stderr) out,
+and the access log: one line per request summary.
 
 Run as ``python -m traceproxy.observe.exporter_main CONFIG_JSON STATS_FD`` by
 ``SpanExportPipe`` (traceproxy/observe/export.py); the framing and the stats lines
@@ -77,12 +78,16 @@ class StatsReporter:
                 self.send()
 
 
-def pump(stream, sink, counters: Counters) -> None:
+def pump(stream, sink, counters: Counters, access_log=None) -> None:
     while (payload := read_frame(stream)) is not None:
         try:
             items = decode_frame(payload)
         except Exception:  # the frame boundary is known, so the next frame is still good
             log.exception("skipping a span frame that does not unpickle")
+            continue
+        if access_log is not None:
+            access_log.write_summaries(items)
+        if sink is None:
             continue
         batch = spans_of(items, counters)
         if not batch:
@@ -100,6 +105,8 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
     for item in items:
         if isinstance(item, SpanData):
             spans.append(item)
+            continue
+        if not item.keep_spans:  # sampled out: only its access log line was wanted
             continue
         try:
             spans.extend(spans_for_summary(item))
@@ -141,15 +148,23 @@ def main(argv: list[str]) -> int:
     reporter = StatsReporter(int(stats_fd), counters)
     terminate_on_sigterm(reporter)
     reporter.start()
-    sink = None
+    sink = access_log = None
     try:
-        from .export_sinks import make_sink
+        config = ExportConfig.from_json(config_json)
+        if config.exporter != "off":
+            from .export_sinks import make_sink
 
-        sink = make_sink(ExportConfig.from_json(config_json))
-        pump(sys.stdin.buffer, sink, counters)
+            sink = make_sink(config)
+        if config.access_log_path:
+            from .accesslog import AccessLogWriter
+
+            access_log = AccessLogWriter(config.access_log_path)
+        pump(sys.stdin.buffer, sink, counters, access_log)
     finally:
         if sink is not None:
             sink.shutdown()
+        if access_log is not None:
+            access_log.close()
         reporter.close()
     return 0
 

@@ -81,10 +81,11 @@ class RequestSummary(NamedTuple):
     response_tail: bytes
     attempts: tuple[AttemptSummary, ...]
     stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
+    keep_spans: bool = True  # False: sampled out, sent only for its access log line
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
-              upstream: tuple[str, int]) -> RequestSummary:
+              upstream: tuple[str, int], keep_spans: bool = True) -> RequestSummary:
     marks = record.marks
     previous, last = record.response_tail
     tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if previous else last[-TAIL_BYTES:]
@@ -100,6 +101,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.max_chunk_gap_ns, record.request_body_head, tail,
         tuple(_summarize_attempt(a) for a in record.attempts),
         tuple((e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls),
+        keep_spans,
     )
 
 

@@ -1,5 +1,9 @@
 """The tracing observer: one decision and one summary per finished request.
 
+The summary feeds both outputs of the exporter process: the spans (when tracing is
+on and the request is kept) and the access log line (for every request, when the
+access log is on), so neither costs the event loop more than copying the record.
+
 Tail-biased sampling, decided when the request ends: a request that did not end
 ``OK`` (or got a 5xx) is always kept; a healthy one is kept when its trace id falls
 under ``healthy_sample_ratio`` (the same test as OpenTelemetry's TraceIdRatioBased
@@ -28,8 +32,10 @@ class SummarySink(Protocol):
 
 class TracingObserver:
     def __init__(self, sink: SummarySink, server: tuple[str, int], upstream: tuple[str, int],
-                 healthy_sample_ratio: float) -> None:
+                 healthy_sample_ratio: float, spans: bool = True, access_log: bool = False) -> None:
         self.sink = sink
+        self.spans = spans  # tracing is on
+        self.access_log = access_log  # every request's summary is wanted for its log line
         self.server = server
         self.upstream = upstream
         self.threshold = int(healthy_sample_ratio * _RATIO_BOUND)
@@ -42,15 +48,19 @@ class TracingObserver:
         return record.sampled and (record.trace_id & (_RATIO_BOUND - 1)) < self.threshold
 
     def on_done(self, record: RequestRecord) -> None:
-        if not self.keep(record):
-            self.sampled_out += 1
-            return
-        summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream)
+        keep = self.spans and self.keep(record)
+        if not keep:
+            self.sampled_out += self.spans
+            if not self.access_log:
+                return
+        summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream, keep)
         self.sink.submit((summary,))
 
 
     # -- stall listener: the stall span goes out at once, not when the request ends
     def on_stall(self, record: RequestRecord, judgement, entry) -> None:
+        if not self.spans:
+            return
         span = stall_span(record, entry.code, entry.phase, entry.since_ns, entry.detected_ns,
                           self.clock_offset_ns, new_span_id())
         self.sink.submit_now((span,))

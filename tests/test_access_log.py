@@ -1,0 +1,40 @@
+"""The access log: one valid JSON line per request, nginx-style timings, the outcome
+and blame, and the keep-alive ledger."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from .support import RawClient, wait_until
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_one_json_line_per_request_with_timings_outcome_and_ledger(fast_upstream, start_proxy, tmp_path):
+    log = tmp_path / "logs" / "access.log"
+    proxy = start_proxy(fast_upstream().url, **{"access_log.path": str(log)})
+    client = RawClient(proxy.port)
+    for _ in range(2):
+        client.roundtrip("POST", "/v1/chat/completions?x=\"q\"",
+                         headers=[("x-request-id", 'id "with" quotes\\')], body=b'{"stream": true}')
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    failing = start_proxy(f"http://127.0.0.1:{dead}", **{"access_log.path": str(log)})
+    RawClient(failing.port).roundtrip("GET", "/v1/models")
+    assert wait_until(lambda: len(_lines(log)) == 3, timeout=5)  # flushed within the flush interval
+    first, second, failed = _lines(log)
+    assert first["request_id"] == 'id "with" quotes\\' and first["path"] == '/v1/chat/completions?x="q"'
+    assert first["status"] == 200 and first["outcome"] == "OK" and first["blame"] == "-"
+    assert first["client_request_sequence"] == 1 and second["client_request_sequence"] == 2
+    assert first["upstream_reused"] is False and second["upstream_reused"] is True
+    assert second["client_idle_gap"] >= 0 and second["upstream_connection_request"] == 2
+    for name in ("upstream_connect_time", "upstream_header_time", "upstream_response_time", "time_to_first_byte",
+                 "time_to_first_chunk", "request_time"):
+        assert 0 <= first[name] <= first["request_time"] + 1e-6, name
+    assert len(first["trace_id"]) == 32 and first["time"].endswith("Z") and first["chunks"] >= 1
+    assert failed["status"] == 502 and failed["outcome"] == "UF" and failed["blame"] == "engine"
+    assert "refused" in failed["error"] and failed["upstream_connection"] is None
