@@ -24,6 +24,7 @@ from traceproxy.config import (
     default_settings,
     load_settings,
     render_default_toml,
+    unknown_environment,
 )
 
 SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "config" / "traceproxy.toml"
@@ -291,8 +292,6 @@ ERROR_CASES = [
     ("unknown-toml-section", {"toml": "[timeout]\nconnect = 1\n"}, ["unknown key timeout ", "{path}"]),
     ("unknown-top-level-key", {"toml": "worker = 2\n"}, ["unknown key worker ", "did you mean workers"]),
     ("section-given-as-value", {"toml": "timeouts = 5\n"}, ["timeouts", "{path}", "[timeouts] table"]),
-    ("unknown-env-var", {"env": {"TRACEPROXY_TIMEOUT_CONNECT": "1"}},
-     ["TRACEPROXY_TIMEOUT_CONNECT", "did you mean TRACEPROXY_TIMEOUTS_CONNECT"]),
     ("admin-public-without-permission", {"argv": ["--admin", "0.0.0.0:9464"]},
      ["admin", "flag --admin", "'0.0.0.0:9464'", "not a loopback address", "admin_public = true"]),
     ("admin-hostname-without-permission", {"env": {"TRACEPROXY_ADMIN": "metrics.internal:9464"}},
@@ -476,3 +475,11 @@ def test_stall_abort_on_lists_known_kinds_only():
     with pytest.raises(ConfigError) as err:
         load_settings({"stall.abort_on": "prefill"}, {})
     assert "stall.abort_on" in str(err.value) and "first_byte" in str(err.value)
+
+
+def test_unknown_environment_variables_are_ignored_with_a_warning_naming_them():
+    environ = {"TRACEPROXY_TIMEOUT_CONNECT": "1", "TRACEPROXY_CMD": "traceproxy serve ..."}
+    assert load_settings({}, environ) == default_settings()
+    warnings = unknown_environment(environ)
+    assert len(warnings) == 2
+    assert any("TRACEPROXY_TIMEOUT_CONNECT" in w and "did you mean TRACEPROXY_TIMEOUTS_CONNECT" in w for w in warnings)

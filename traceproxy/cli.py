@@ -8,7 +8,7 @@ import logging
 import sys
 
 from . import __version__
-from .config import ConfigError, add_flags, load_settings
+from .config import ConfigError, add_flags, load_settings, unknown_environment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +71,8 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"traceproxy: configuration error: {exc}", file=sys.stderr)
         return 2
+    for warning in unknown_environment():
+        print(f"traceproxy: warning: {warning}", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(settings)

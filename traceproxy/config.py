@@ -556,14 +556,18 @@ def _file_values(doc: Mapping[str, Any], where: str) -> Raw:
 
 
 def _env_values(environ: Mapping[str, str]) -> Raw:
-    raw: Raw = {}
-    for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
-            continue
-        if name not in _BY_ENV:
-            raise _unknown("environment variable", name, _BY_ENV)
-        raw[_BY_ENV[name].dotted] = (value, f"env {name}")
-    return raw
+    # Unknown TRACEPROXY_* variables are not errors: the environment is shared with
+    # other tools (a benchmark's TRACEPROXY_CMD, say). ``unknown_environment`` names
+    # them so the command line can warn about a likely typo.
+    return {_BY_ENV[name].dotted: (value, f"env {name}") for name, value in environ.items() if name in _BY_ENV}
+
+
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per TRACEPROXY_* variable that is not a setting, with a suggestion."""
+    environ = os.environ if environ is None else environ
+    return [str(_unknown("environment variable", name, _BY_ENV)) + " (ignored)"
+            for name in sorted(environ) if name.startswith(ENV_PREFIX) and name != CONFIG_ENV
+            and name not in _BY_ENV]
 
 
 def _given_flags(flags: argparse.Namespace | Mapping[str, Any] | None) -> dict[str, Any]:
