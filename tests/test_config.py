@@ -483,3 +483,9 @@ def test_unknown_environment_variables_are_ignored_with_a_warning_naming_them():
     warnings = unknown_environment(environ)
     assert len(warnings) == 2
     assert any("TRACEPROXY_TIMEOUT_CONNECT" in w and "did you mean TRACEPROXY_TIMEOUTS_CONNECT" in w for w in warnings)
+
+
+def test_short_flag_aliases():
+    settings = load_settings(parse_flags(["--inject-rid", "true", "--request-id-headers", "x-request-id,x-trace-id"]), {})
+    assert settings.request_id.inject_rid is True
+    assert settings.request_id.headers == ("x-request-id", "x-trace-id")

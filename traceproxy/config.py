@@ -603,6 +603,10 @@ def load_settings(
     return _build(raw)
 
 
+# Short names that operators and docs use, beside the section-derived flag.
+FLAG_ALIASES = {"request_id.inject_rid": ("--inject-rid",), "request_id.headers": ("--request-id-headers",)}
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Adds --config and one flag per setting; all default to None so "not given" stays visible."""
     group = parser.add_argument_group("settings (flags > TRACEPROXY_* env > --config file > defaults)")
@@ -611,7 +615,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     for s in SCHEMA:
         text = f"{s.meaning} Expected: {s.kind.expected}. Default: {_toml_value(s.default)}. Env: {s.env}."
         # argparse %-formats help strings
-        group.add_argument(s.flag, dest=s.dest, metavar=s.kind.metavar, default=None, help=text.replace("%", "%%"))
+        group.add_argument(s.flag, *FLAG_ALIASES.get(s.dotted, ()), dest=s.dest, metavar=s.kind.metavar,
+                           default=None, help=text.replace("%", "%%"))
 
 
 # --- the default config file ---
