@@ -486,6 +486,11 @@ def test_unknown_environment_variables_are_ignored_with_a_warning_naming_them():
 
 
 def test_short_flag_aliases():
-    settings = load_settings(parse_flags(["--inject-rid", "true", "--request-id-headers", "x-request-id,x-trace-id"]), {})
+    settings = load_settings(parse_flags(["--inject-rid", "--request-id-headers", "x-request-id,x-trace-id"]), {})
     assert settings.request_id.inject_rid is True
     assert settings.request_id.headers == ("x-request-id", "x-trace-id")
+
+
+def test_boolean_flags_given_alone_mean_true_and_still_take_a_value():
+    assert load_settings(parse_flags(["--forwarding-x-forwarded", "false"]), {}).forwarding.x_forwarded is False
+    assert load_settings(parse_flags(["--admin-public"]), {}).admin_public is True

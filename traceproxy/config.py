@@ -615,8 +615,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     for s in SCHEMA:
         text = f"{s.meaning} Expected: {s.kind.expected}. Default: {_toml_value(s.default)}. Env: {s.env}."
         # argparse %-formats help strings
+        switch = {"nargs": "?", "const": "true"} if s.kind.metavar == "BOOL" else {}  # --inject-rid alone = true
         group.add_argument(s.flag, *FLAG_ALIASES.get(s.dotted, ()), dest=s.dest, metavar=s.kind.metavar,
-                           default=None, help=text.replace("%", "%%"))
+                           default=None, help=text.replace("%", "%%"), **switch)
 
 
 # --- the default config file ---
