@@ -494,3 +494,12 @@ def test_short_flag_aliases():
 def test_boolean_flags_given_alone_mean_true_and_still_take_a_value():
     assert load_settings(parse_flags(["--forwarding-x-forwarded", "false"]), {}).forwarding.x_forwarded is False
     assert load_settings(parse_flags(["--admin-public"]), {}).admin_public is True
+
+
+def test_configuration_reference_is_generated_from_the_schema():
+    from traceproxy.config import render_reference_markdown
+
+    shipped = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert shipped == render_reference_markdown()
+    for setting in SCHEMA:
+        assert setting.env in shipped and setting.flag in shipped

@@ -349,3 +349,15 @@ def test_client_connection_requests_observed_when_each_connection_closes(fast_up
     assert result.bucket(histogram, 2) == 1
     assert result.bucket(histogram, 4) == 2
     assert_cumulative(result, histogram)
+
+
+def test_every_exposed_metric_is_documented(fast_upstream, start_proxy):
+    import re
+    import urllib.request
+    from pathlib import Path
+
+    proxy = start_proxy(fast_upstream().url)
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/metrics", timeout=5) as resp:
+        exposed = set(re.findall(r"^# TYPE (traceproxy_\w+) ", resp.read().decode(), re.M))
+    documented = set(re.findall(r"`(traceproxy_\w+)`", (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()))
+    assert exposed and exposed == documented

@@ -659,5 +659,26 @@ def render_default_toml() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_reference_markdown() -> str:
+    """``docs/configuration.md``: every key, its flag, variable, default and meaning."""
+    lines = ["# Configuration reference", "",
+             "Generated from `traceproxy/config.py`; do not edit by hand. Precedence: flags, then",
+             "`TRACEPROXY_*` environment variables, then the `--config` TOML file, then defaults.",
+             "`config/traceproxy.toml` lists the same keys, commented out.", ""]
+    section = None
+    for s in SCHEMA:
+        if s.section != section:
+            section = s.section
+            title = f"[{section}]" if section else "top level"
+            intro = _SECTIONS[section][1] if section else "Where the proxy listens and what it forwards to."
+            lines += [f"## {title}", "", intro, "", "| key | flag / environment | default | meaning |", "|---|---|---|---|"]
+        flags = " ".join(f"`{f}`" for f in (s.flag, *FLAG_ALIASES.get(s.dotted, ())))
+        meaning = f"{s.meaning} Expected: {s.kind.expected}.".replace("|", "\\|")
+        lines.append(f"| `{s.key}` | {flags}<br>`{s.env}` | `{_toml_value(s.default)}` | {meaning} |")
+        if s is SCHEMA[-1] or SCHEMA[SCHEMA.index(s) + 1].section != section:
+            lines.append("")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print(render_default_toml(), end="")
