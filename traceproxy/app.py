@@ -120,7 +120,6 @@ class ProxyServer:
             spans=config.exporter != "off",
             access_log=bool(config.access_log_path),
         )
-        self.fanout.add(self.tracing)
 
     def _start_watchdog(self) -> None:
         stall = self.settings.stall
@@ -131,7 +130,11 @@ class ProxyServer:
         self.watchdog.listeners.append(StallLog())
         if self.tracing is not None:
             self.watchdog.listeners.append(self.tracing)
+        # Order matters at on_done: the watchdog closes a request's open stall
+        # (resolved_ns) before the tracer copies the record into its summary.
         self.fanout.add(self.watchdog)
+        if self.tracing is not None:
+            self.fanout.add(self.tracing)
         self.watchdog.start()
 
     def _start_metrics(self) -> None:
