@@ -60,6 +60,22 @@ def _parser() -> argparse.ArgumentParser:
                      help="print one frame without cursor control and exit (2 if the admin is unreachable)")
     top.add_argument("--no-color", action="store_true", help="no ANSI colours (also when NO_COLOR is set)")
     top.set_defaults(run=_top)
+
+    from .sim.command import add_arguments as add_sim_arguments
+
+    sim = sub.add_parser("sim", help="run a simulated SGLang prefill/decode deployment (with the real router)")
+    add_sim_arguments(sim)
+    sim.set_defaults(run=_sim)
+
+    from .diagnose import add_arguments as add_diagnose_arguments
+    from .repro.command import add_arguments as add_repro_arguments
+
+    repro = sub.add_parser("repro", help="a multi-turn agent harness that, when a turn hangs, says where it is stuck")
+    add_repro_arguments(repro)
+    repro.set_defaults(run=_repro)
+    diagnose = sub.add_parser("diagnose", help="one request's timeline from its spans (span file or Jaeger)")
+    add_diagnose_arguments(diagnose)
+    diagnose.set_defaults(run=_diagnose)
     return parser
 
 
@@ -108,5 +124,23 @@ def _demo(_args: argparse.Namespace) -> int:
 
 def _top(args: argparse.Namespace) -> int:
     from .top import run
+
+    return run(args)
+
+
+def _repro(args: argparse.Namespace) -> int:
+    from .repro.command import run
+
+    return run(args)
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from .diagnose import run_args
+
+    return run_args(args)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from .sim.command import run
 
     return run(args)

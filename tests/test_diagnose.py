@@ -1,0 +1,312 @@
+"""``traceproxy diagnose ID``: a request's timeline from the span file, or from Jaeger.
+
+The span-file tests run real requests through a proxy with the file exporter,
+stop it so the exporter flushes, and run the command in a subprocess. The Jaeger
+test serves a Jaeger-shaped JSON from a tiny fake query API on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from traceproxy.app import ProxyServer
+from traceproxy.config import default_settings
+from traceproxy.diagnose import find_requests, jaeger_spans, run
+from traceproxy.lifecycle.hooks import Fanout
+from traceproxy.sim.fast import FastUpstream
+
+from .support import RawClient, ScriptedUpstream, wait_until
+
+# Causally ordered marks: each cannot happen before the one before it. (The request body
+# streams upstream while it arrives, so last_downstream_rx_byte has no fixed place.)
+MARKS_IN_ORDER = ["first_downstream_rx_byte", "last_downstream_rx_header_byte", "pool_acquired",
+                  "first_upstream_tx_byte", "last_upstream_tx_byte", "first_upstream_rx_byte",
+                  "last_upstream_rx_header_byte", "first_upstream_rx_body_byte", "last_upstream_rx_byte",
+                  "last_downstream_tx_byte"]
+CHAT = json.dumps({"model": "m", "stream": True, "max_tokens": 4,
+                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def diagnose(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "traceproxy", "diagnose", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def _settings(upstream_url: str, spans, **overrides):
+    return default_settings().replace(**{
+        "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream_url, "access_log.path": "",
+        "tracing.exporter": "file", "tracing.file_path": str(spans), **overrides})
+
+
+@pytest.fixture(scope="module")
+def traced(loop_thread, tmp_path_factory):
+    """Three streaming turns on one keep-alive connection, the third with a slow first token
+    (a first-byte stall); then the proxy is stopped so every span is in the file."""
+    spans = tmp_path_factory.mktemp("diagnose") / "spans.jsonl"
+    up = loop_thread.run(FastUpstream().start())
+    proxy = ProxyServer(_settings(up.url, spans, **{"stall.first_byte": 0.2}), Fanout([]))
+    loop_thread.run(proxy.start())
+    client = RawClient(proxy.port)
+    responses = []
+    for turn in range(3):
+        headers = [("Content-Type", "application/json"), ("x-fake-ttft-ms", "600" if turn == 2 else "0")]
+        responses.append(client.roundtrip("POST", "/v1/chat/completions", headers, CHAT))
+    client.close()
+    loop_thread.run(proxy.shutdown(grace=0))
+    loop_thread.run(up.stop())
+    assert all(r.status == 200 and r.complete for r in responses)
+    yield spans, responses
+
+
+def _trace_id(response) -> str:
+    return response.headers["traceresponse"].split("-")[1]
+
+
+def _timeline(out: str) -> list[tuple[float, str]]:
+    """(ms from start, the mark's first word) per timeline row."""
+    rows = []
+    for line in out[out.index("timeline"):].splitlines()[2:]:
+        fields = line.split()
+        if len(fields) < 5 or not fields[0].startswith("+"):
+            break
+        rows.append((float(fields[0][1:]) * (1000 if fields[1] == "s" else 1), fields[4]))
+    return rows
+
+
+def _assert_marks_in_order(out: str) -> None:
+    rows = _timeline(out)
+    assert [t for t, _ in rows] == sorted(t for t, _ in rows), out
+    names = [name for _, name in rows]
+    assert set(MARKS_IN_ORDER) <= set(names) and "last_downstream_rx_byte" in names, out
+    positions = [names.index(mark) for mark in MARKS_IN_ORDER]
+    assert positions == sorted(positions), out
+
+
+def test_by_trace_id(traced):
+    spans, responses = traced
+    second = responses[1]
+    done = diagnose(_trace_id(second), "--spans", str(spans))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith(f"request {second.headers['x-request-id']}   trace {_trace_id(second)}")
+    assert "POST /v1/chat/completions -> HTTP 200   outcome OK (ok), blame -" in out
+    _assert_marks_in_order(out)
+    assert "from start" in out and "gap" in out
+    # the keep-alive ledger: the second request on the client connection, after an idle gap,
+    # on the upstream connection the first request opened
+    assert "request 2 on it, idle " in out
+    assert re.search(r"upstream attempt 1: connection \d+ reused, idle [\d.]+ m?s, request 2 on it -> OK", out)
+    assert "bytes: request body %d" % len(CHAT) in out
+    assert "stalls: none" in out
+
+
+def test_by_request_id_with_a_stall(traced):
+    spans, responses = traced
+    third = responses[2]
+    done = diagnose(third.headers["x-request-id"], "--spans", str(spans))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"trace {_trace_id(third)}" in out
+    assert "request 3 on it" in out
+    # the fast upstream sends its headers at once and the first token 0.6 s later
+    assert "stall FBS (streaming_response)" in out  # the stall event on the timeline
+    # (whether "resolved after" is in the span depends on the watchdog noticing before the request ends)
+    assert "FBS in streaming_response: detected after" in out and "blame engine; " in out
+    _assert_marks_in_order(out)
+
+
+def test_unknown_id_exits_1_and_a_missing_file_2(traced, tmp_path):
+    spans, _ = traced
+    done = diagnose("no-such-request", "--spans", str(spans))
+    assert done.returncode == 1 and "no request" in done.stderr
+    assert diagnose("0" * 31 + "1", "--spans", str(spans)).returncode == 1
+    missing = diagnose("anything", "--spans", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and "no span file" in missing.stderr
+
+
+def test_a_request_still_hung_shows_its_stall_span(loop_thread, tmp_path):
+    async def never_answer(reader, writer, upstream):
+        await reader.read_request()
+        await asyncio.wait_for(reader.read(), 10)  # silent until the proxy closes the connection
+
+    spans = tmp_path / "spans.jsonl"
+    up = loop_thread.run(ScriptedUpstream(never_answer).start())
+    proxy = ProxyServer(_settings(up.url, spans, **{"stall.first_byte": 0.2}), Fanout([]))
+    loop_thread.run(proxy.start())
+    client = RawClient(proxy.port)
+    try:
+        client.request("POST", "/v1/chat/completions", [("Content-Type", "application/json"),
+                                                        ("x-request-id", "hung-turn-7")], CHAT)
+        assert wait_until(lambda: spans.exists() and "hung-turn-7" in spans.read_text(), timeout=10)
+        out, err = io.StringIO(), io.StringIO()
+        assert run("hung-turn-7", str(spans), out=out, err=err) == 0, err.getvalue()
+        text = out.getvalue()
+        assert "not finished when the spans were written" in text
+        assert "FBS (first_byte_stall) in awaiting_upstream_headers" in text and "blame engine" in text
+        assert re.search(r"client connection \d+, request 1 on it", text)
+    finally:
+        client.close()
+        loop_thread.run(proxy.shutdown(grace=0))
+        loop_thread.run(up.stop())
+
+
+# ----------------------------------------------------------------------------------
+# Jaeger
+# ----------------------------------------------------------------------------------
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+SERVER, FIRST, RESEND, ENGINE = "00f067aa0ba902b7", "1111111111111111", "2222222222222222", "3333333333333333"
+T0 = 1_700_000_000_000_000  # µs
+
+
+def _tag(key, value):
+    kind = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else \
+        "float64" if isinstance(value, float) else "string"
+    return {"key": key, "type": kind, "value": value}
+
+
+def _log(offset_us, event, **fields):
+    return {"timestamp": T0 + offset_us, "fields": [_tag("event", event)] + [_tag(k, v) for k, v in fields.items()]}
+
+
+def _span(span_id, parent, name, start, duration, tags, logs=(), process="p1"):
+    refs = [{"refType": "CHILD_OF", "traceID": TRACE, "spanID": parent}] if parent else []
+    return {"traceID": TRACE, "spanID": span_id, "references": refs, "operationName": name, "startTime": T0 + start,
+            "duration": duration, "tags": [_tag(k, v) for k, v in tags.items()], "logs": list(logs),
+            "processID": process}
+
+
+JAEGER_TRACE = {"data": [{"traceID": TRACE, "processes": {"p1": {"serviceName": "traceproxy"},
+                                                          "p2": {"serviceName": "sglang-decode"}}, "spans": [
+    _span(SERVER, "", "POST /v1/chat/completions", 0, 2_000_000, {
+        "span.kind": "server", "traceproxy.request_id": "req-42", "traceproxy.outcome": "OK",
+        "traceproxy.outcome.name": "ok", "traceproxy.blame": "-", "http.response.status_code": 200,
+        "traceproxy.client.connection.id": 9, "traceproxy.client.connection.request_sequence": 4,
+        "traceproxy.client.connection.idle_gap_s": 6.5, "http.request.body.size": 321,
+        "http.response.body.size": 4096}, [
+        _log(0, "first_downstream_rx_byte"), _log(100, "last_downstream_rx_header_byte"),
+        _log(150, "last_downstream_rx_byte"), _log(1_200_000, "first_downstream_tx_byte"),
+        _log(800_000, "stall", **{"traceproxy.stall.outcome": "FBS", "traceproxy.stall.phase":
+                                  "awaiting_upstream_headers", "traceproxy.blame": "engine",
+                                  "traceproxy.stall.waited_s": 0.5}),
+        _log(1_200_000, "stall_resolved", **{"traceproxy.stall.outcome": "FBS", "traceproxy.stall.duration_s": 0.9}),
+        _log(2_000_000, "last_downstream_tx_byte")]),
+    _span(FIRST, SERVER, "POST /v1/chat/completions", 200, 100, {
+        "span.kind": "client", "traceproxy.upstream.connection.id": 3, "traceproxy.upstream.connection.reused": True,
+        "traceproxy.upstream.connection.idle_age_s": 4.2, "traceproxy.upstream.connection.request_number": 7,
+        "traceproxy.outcome": "UC", "otel.status_code": "ERROR", "otel.status_description": "stale connection"},
+        [_log(200, "pool_acquired"), _log(250, "first_upstream_tx_byte")]),
+    _span(RESEND, SERVER, "POST /v1/chat/completions", 300, 1_700_000, {
+        "span.kind": "client", "http.request.resend_count": 1, "traceproxy.upstream.connection.id": 4,
+        "traceproxy.upstream.connection.reused": False, "traceproxy.upstream.connection.request_number": 1,
+        "traceproxy.outcome": "OK"},
+        [_log(300, "pool_acquired"), _log(1_150_000, "last_upstream_rx_header_byte"),
+         _log(1_900_000, "last_upstream_rx_byte")]),
+    _span(ENGINE, RESEND, "decode", 400, 1_500_000, {"span.kind": "server"}, process="p2"),
+]}]}
+
+
+class FakeJaeger(BaseHTTPRequestHandler):
+    queries: list[dict] = []
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        parts = urlsplit(self.path)
+        if parts.path == f"/api/traces/{TRACE}":
+            self._json(200, JAEGER_TRACE)
+        elif parts.path == "/api/traces":
+            query = parse_qs(parts.query)
+            FakeJaeger.queries.append(query)
+            tags = json.loads(query["tags"][0])
+            found = query["service"] == ["traceproxy"] and tags == {"traceproxy.request_id": "req-42"}
+            self._json(200, JAEGER_TRACE if found else {"data": []})
+        else:
+            self._json(404, {"data": None, "errors": [{"code": 404, "msg": "trace not found"}]})
+
+    def _json(self, status, document):
+        body = json.dumps(document).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def jaeger():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeJaeger)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def _jaeger_run(url: str, ident: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = run(ident, jaeger=url, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_jaeger_by_trace_id_maps_to_the_same_timeline(jaeger):
+    code, out, err = _jaeger_run(jaeger, TRACE)
+    assert code == 0, err
+    assert out.startswith(f"request req-42   trace {TRACE}")
+    assert "outcome OK (ok), blame -" in out
+    assert "client connection 9, request 4 on it, idle 6.500 s before it" in out
+    assert "upstream attempt 1: connection 3 reused, idle 4.200 s, request 7 on it -> UC (stale connection)" in out
+    assert "upstream attempt 2 (resend 1): connection 4 new, request 1 on it -> OK" in out
+    assert "FBS in awaiting_upstream_headers: detected after 500.000 ms, blame engine; resolved after 900.000 ms" \
+        in out
+    assert "sglang-decode: decode, 1.500 s" in out
+    rows = _timeline(out)
+    assert [name for _, name in rows] == [
+        "first_downstream_rx_byte", "last_downstream_rx_header_byte", "last_downstream_rx_byte", "pool_acquired",
+        "first_upstream_tx_byte", "pool_acquired", "stall", "last_upstream_rx_header_byte",
+        "first_downstream_tx_byte", "stall", "last_upstream_rx_byte", "last_downstream_tx_byte"]
+    assert [t for t, _ in rows][-3:] == [1200.0, 1900.0, 2000.0]  # µs from Jaeger, ms from the start
+    assert "+800.000 ms" in out and "+1.150 s" in out and "+350.000 ms" in out  # from start, gap
+    assert "[attempt 2 (resend 1)]" in out
+    assert out.count("<- longest wait") == 1 and "stall FBS (awaiting_upstream_headers)   <- longest wait" in out
+
+
+def test_jaeger_by_request_id_searches_the_tag(jaeger):
+    FakeJaeger.queries.clear()
+    code, out, _ = _jaeger_run(jaeger, "req-42")
+    assert code == 0 and f"trace {TRACE}" in out
+    [query] = FakeJaeger.queries
+    assert query["service"] == ["traceproxy"] and "start" in query and "end" in query
+
+
+def test_jaeger_not_found_and_unreachable(jaeger):
+    code, _, err = _jaeger_run(jaeger, "req-nope")
+    assert code == 1 and "no request" in err
+    code, _, _ = _jaeger_run(jaeger, "f" * 32)  # 404 on the trace, nothing on the tag search
+    assert code == 1
+    code, _, err = _jaeger_run("http://127.0.0.1:9", "req-42")
+    assert code == 2 and "cannot reach Jaeger" in err
+
+
+def test_jaeger_spans_mapping():
+    spans = {s.span_id: s for s in jaeger_spans(JAEGER_TRACE)}
+    server = spans[SERVER]
+    assert (server.kind, server.service, server.start_ns, server.end_ns) == (
+        "server", "traceproxy", T0 * 1000, (T0 + 2_000_000) * 1000)
+    assert server.attributes["traceproxy.client.connection.id"] == 9
+    assert spans[FIRST].status == "error" and spans[FIRST].status_message == "stale connection"
+    assert spans[RESEND].parent_id == SERVER
+    [found] = find_requests(list(spans.values()), "req-42")
+    assert [a.span_id for a in found.attempts] == [FIRST, RESEND]
+    assert [s.span_id for s in found.downstream] == [ENGINE]

@@ -1,0 +1,649 @@
+"""The simulated SGLang PD deployment (``traceproxy.sim``), alone and behind the real router.
+
+Part 1 checks the simulated workers on their own: the fault table, what the router
+probes, PD pairing by ``bootstrap_room`` (in one process and across processes),
+pacing, per-request faults, idle closes, the faulty keep-alive proxy and the CLI.
+
+Part 2 runs traceproxy in front of the real sglang-router (PD mode) in front of the
+simulated workers, with fast stall thresholds, and checks for each named fault
+what the client gets and which verdict and blame traceproxy gives. The router
+sits in the middle, so the assertions are about what really comes out of it; the
+comments say what the router did with each fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from traceproxy.cli import main as cli_main
+from traceproxy.sim.engine import SimWorker
+from traceproxy.sim.faults import FAULTS, FaultError, parse_fault, parse_faults, split_by_home
+from traceproxy.sim.faultyproxy import FaultyProxy
+from traceproxy.sim.launch import SimDeployment
+from traceproxy.sim.otel import make_tracing
+
+from .otlp_receiver import OtlpHttpReceiver
+from .support import LoopThread, RawClient, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = {"stall.first_byte": 0.5, "stall.stream_gap": 0.5}
+GAUGE_NAMES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
+               "sglang:num_decode_transfer_queue_reqs", "sglang:num_prefill_prealloc_queue_reqs",
+               "sglang:num_decode_prealloc_queue_reqs")
+JSON = [("Content-Type", "application/json")]
+
+
+# ----------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------
+def chat_body(stream: bool = True, max_tokens: int = 5, **extra) -> bytes:
+    return json.dumps({"model": "sim-llama", "messages": [{"role": "user", "content": "Say hi"}],
+                       "max_tokens": max_tokens, "stream": stream, **extra}).encode()
+
+
+def generate_body(room: int | None = None, bootstrap_port: int | None = None, text: str = "Say hi",
+                  max_new_tokens: int = 4, stream: bool = False) -> bytes:
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}, "stream": stream}
+    if room is not None:
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=bootstrap_port, bootstrap_room=room)
+    return json.dumps(body).encode()
+
+
+def sse_events(body: bytes) -> list[str]:
+    return [part[len(b"data: "):].decode() for part in body.split(b"\n\n") if part.startswith(b"data: ")]
+
+
+def token_events(data: bytes) -> int:
+    """Token events in a body or in raw (chunked) bytes: each carries a null finish reason."""
+    return data.count(b'"finish_reason":null')
+
+
+def send_next(client: RawClient, *args) -> None:
+    """Send the next request on a kept-alive connection without waiting for the answer."""
+    client.conn.start_next_cycle()
+    client.request(*args)
+
+
+def http_get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read()
+
+
+def http_post_json(url: str, payload: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def gauge(worker: SimWorker, name: str) -> float:
+    """One sample from the worker's /metrics, read over HTTP like Prometheus would."""
+    for line in http_get(f"{worker.url}/metrics").decode().splitlines():
+        if line.startswith(f'{name}{{model_name="'):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {worker.role}'s /metrics")
+
+
+def read_for(client: RawClient, seconds: float) -> bytes:
+    """Whatever arrives on the client's socket within ``seconds`` (raw bytes)."""
+    client.sock.settimeout(0.1)
+    out = bytearray()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            data = client.sock.recv(65536)
+        except socket.timeout:
+            continue
+        if not data:
+            break
+        out += data
+    return bytes(out)
+
+
+class Done:
+    def __init__(self) -> None:
+        self.records = []
+
+    def on_done(self, record) -> None:
+        self.records.append(record)
+
+    def one(self):
+        assert wait_until(lambda: self.records, timeout=10), "traceproxy finished no request"
+        assert len(self.records) == 1, [r.outcome.code for r in self.records]
+        return self.records[0]
+
+
+def inflight_entry(proxy, code: str, timeout: float = 5.0) -> dict:
+    """The /debug/inflight entry of the request the watchdog has judged ``code``."""
+    def find():
+        entries = json.loads(http_get(f"http://127.0.0.1:{proxy.admin_port}/debug/inflight"))["requests"]
+        return next((e for e in entries if any(s["outcome"] == code for s in e["stalls"])), None)
+
+    assert wait_until(lambda: find() is not None, timeout=timeout), f"no {code} stall in /debug/inflight"
+    entry = find()
+    assert entry["verdict"]["outcome"] == code and entry["verdict"]["stalled"] is True, entry
+    return entry
+
+
+def read_lines(proc: subprocess.Popen, count: int, timeout: float) -> list[str]:
+    """``count`` stdout lines of a child, bounded by ``timeout``."""
+    lines: list[str] = []
+    buf = b""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while len(lines) < count and time.monotonic() < deadline:
+            if not sel.select(timeout=0.2):
+                continue
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            buf += chunk
+            *done, buf = buf.split(b"\n")
+            lines += [line.decode() for line in done]
+    assert len(lines) >= count, f"got {lines!r} from {proc.args}"
+    return lines[:count]
+
+
+def sim_command(*args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return subprocess.Popen([sys.executable, "-m", "traceproxy", "sim", *args], cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def stop_child(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
+    """Signal a child and wait (bounded); SIGKILL its group only if it lingers.
+
+    Graceful first, also when a test failed: ``traceproxy sim`` stops the router it
+    started (in the router's own session, out of reach of our killpg) and removes
+    its temporary directories only when it is allowed to shut down.
+    """
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(5)
+
+
+# ----------------------------------------------------------------------------------
+# 1. The workers on their own
+# ----------------------------------------------------------------------------------
+@pytest.fixture
+def start_worker(loop_thread):
+    started: list[SimWorker] = []
+
+    def factory(role: str, **kwargs) -> SimWorker:
+        worker = loop_thread.run(SimWorker(role, **kwargs).start())
+        started.append(worker)
+        return worker
+
+    yield factory
+    for worker in started:
+        loop_thread.run(worker.stop())
+
+
+def test_fault_table_parses_every_fault_and_rejects_bad_specs(capsys):
+    for name, kind in FAULTS.items():
+        assert parse_fault(name) == (name, kind.default)
+        assert kind.meaning and kind.home in ("prefill", "decode", "any")
+    assert parse_faults("decode_stall:7, idle_close:0.5") == {"decode_stall": ("decode_stall", 7),
+                                                              "idle_close": ("idle_close", 0.5)}
+    assert str(parse_fault("slow_first_token:1500")) == "slow_first_token:1500"
+    for bad in ("no_such_fault", "decode_stall:x", "decode_stall:-1", "no_done:3", "malformed_sse:json"):
+        with pytest.raises(FaultError):
+            parse_fault(bad)
+    assert split_by_home(["prefill_stall", "decode_stall:3", "idle_close:1"]) == {
+        "prefill": ["prefill_stall", "idle_close:1"], "decode": ["decode_stall:3", "idle_close:1"]}
+    # The CLI help is generated from the same table.
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["sim", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for name, kind in FAULTS.items():
+        assert name in help_text and kind.meaning.split(":")[0][:30] in help_text
+
+
+def test_worker_answers_what_the_router_probes(start_worker):
+    prefill = start_worker("prefill", model="probe-model")
+    for path in ("/server_info", "/get_server_info"):
+        info = json.loads(http_get(prefill.url + path))
+        assert info["disaggregation_mode"] == "prefill" and info["tp_size"] == 1 and info["dp_size"] == 1
+        assert info["served_model_name"] == "probe-model" and os.path.isdir(info["model_path"])
+    for path in ("/model_info", "/get_model_info"):
+        assert json.loads(http_get(prefill.url + path))["model_path"] == info["model_path"]
+    assert json.loads(http_get(prefill.url + "/v1/models"))["data"][0]["id"] == "probe-model"
+    for path in ("/health", "/health_generate"):
+        assert http_get(prefill.url + path) == b""
+    metrics = http_get(prefill.url + "/metrics").decode()
+    for name in (*GAUGE_NAMES, "sglang:num_bootstrap_failed_reqs"):
+        assert f"# TYPE {name} " in metrics
+    for name in GAUGE_NAMES:
+        assert f'{name}{{model_name="probe-model"}} 0' in metrics
+
+
+def test_admin_faults_can_be_read_replaced_and_cleared(start_worker):
+    decode = start_worker("decode", default_faults=["no_done"])
+    assert json.loads(http_get(decode.url + "/admin/faults")) == {"faults": ["no_done"]}
+    status, body = http_post_json(decode.url + "/admin/faults", {"faults": ["decode_stall:2", "idle_close:1.5"]})
+    assert status == 200 and body == {"faults": ["decode_stall:2", "idle_close:1.5"]}
+    status, body = http_post_json(decode.url + "/admin/faults", {"faults": ["bogus"]})
+    assert status == 400 and "unknown fault" in body["error"]
+    assert http_post_json(decode.url + "/admin/faults", {"faults": []}) == (200, {"faults": []})
+
+
+def _pair_and_check(prefill_port: int, bootstrap_port: int, decode: SimWorker, room: int) -> None:
+    """Decode first: it must wait (prealloc queue) until its prefill has run."""
+    decode_client = RawClient(decode.port)
+    decode_client.request("POST", "/generate", JSON, generate_body(room, bootstrap_port))
+    assert wait_until(lambda: gauge(decode, "sglang:num_decode_prealloc_queue_reqs") == 1, timeout=5)
+    assert read_for(decode_client, 0.3) == b"", "decode answered before its prefill arrived"
+    prefill_answer = RawClient(prefill_port).roundtrip("POST", "/generate", JSON, generate_body(room, bootstrap_port))
+    decoded = decode_client.response()
+    assert prefill_answer.status == 200 and json.loads(prefill_answer.body)["text"] == ""
+    assert decoded.status == 200 and json.loads(decoded.body)["meta_info"]["completion_tokens"] == 4
+    assert gauge(decode, "sglang:num_decode_prealloc_queue_reqs") == 0
+
+
+def test_decode_waits_for_its_prefill_room_in_one_process(start_worker):
+    prefill, decode = start_worker("prefill"), start_worker("decode")
+    _pair_and_check(prefill.port, prefill.bootstrap_port, decode, room=7)
+    assert gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 0
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("via", ["bootstrap-port", "prefill-url"])
+def test_decode_polls_the_bootstrap_of_a_prefill_in_another_process(start_worker, via):
+    proc = sim_command("worker", "--role", "prefill", "--log-level", "warning")
+    try:
+        prefill_line, bootstrap_line = read_lines(proc, 2, timeout=20)
+        assert prefill_line.startswith("prefill http://127.0.0.1:") and bootstrap_line.startswith("bootstrap http://")
+        prefill_url = prefill_line.split(" ", 1)[1]
+        prefill_port = int(prefill_url.rsplit(":", 1)[1])
+        if via == "bootstrap-port":  # what the router writes into the body
+            decode, bootstrap_port = start_worker("decode"), int(bootstrap_line.rsplit(":", 1)[1])
+        else:  # docker-compose: the body's bootstrap port is not where the prefill listens
+            decode, bootstrap_port = start_worker("decode", prefill_url=prefill_url), _closed_port()
+        _pair_and_check(prefill_port, bootstrap_port, decode, room=8)
+        assert stop_child(proc, signal.SIGINT) == 0
+    finally:
+        stop_child(proc)
+
+
+def test_prefill_time_grows_with_the_prompt_and_decode_runs_at_its_rate(start_worker):
+    decode = start_worker("decode", prefill_tokens_per_s=4000, decode_tokens_per_s=50)
+
+    def timed(text: str) -> float:
+        t0 = time.monotonic()
+        resp = RawClient(decode.port).roundtrip("POST", "/generate", JSON, generate_body(text=text, max_new_tokens=10))
+        assert resp.status == 200
+        return time.monotonic() - t0
+
+    short, long = timed("hi"), timed("x" * 4000)  # ~1 vs ~1000 prompt tokens
+    assert 0.2 <= short < 0.35  # 10 tokens at 50 tokens/s
+    assert long - short >= 0.2  # + 1000 prompt tokens at 4000 tokens/s
+
+
+def test_request_faults_from_the_header_act_on_a_worker_used_alone(start_worker):
+    decode = start_worker("decode")
+    client = RawClient(decode.port)
+    client.request("POST", "/v1/chat/completions", [*JSON, ("x-sim-fault", "decode_stall:2")], chat_body())
+    got = read_for(client, 0.6)
+    assert got.startswith(b"HTTP/1.1 200") and b"[DONE]" not in got
+    assert token_events(got) == 2
+    [seen] = decode.requests
+    assert seen.faults == ("decode_stall:2",)
+    client.close()
+
+
+def test_reset_mid_stream_aborts_the_connection_with_a_tcp_reset(start_worker):
+    decode = start_worker("decode")
+    sock = socket.create_connection(("127.0.0.1", decode.port), timeout=5)
+    body = chat_body(max_tokens=8)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
+                 b"x-sim-fault: reset_mid_stream:2\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    got, ending = b"", "timeout"
+    try:
+        for _ in range(100):
+            data = sock.recv(65536)
+            if not data:
+                ending = "FIN"
+                break
+            got += data
+    except ConnectionResetError:
+        ending = "RST"
+    finally:
+        sock.close()
+    assert ending == "RST" and b"[DONE]" not in got
+    assert token_events(got) <= 2  # a reset may discard bytes the client had not read yet
+
+
+def test_idle_close_closes_an_idle_keepalive_connection(start_worker):
+    decode = start_worker("decode")
+    control = RawClient(decode.port)
+    assert control.roundtrip("POST", "/v1/completions", JSON, chat_body(stream=False)).status == 200
+    assert not control.is_closed_by_peer(wait=0.6)
+    client = RawClient(decode.port)
+    t0 = time.monotonic()
+    resp = client.roundtrip("POST", "/v1/completions", [*JSON, ("x-sim-fault", "idle_close:0.3")],
+                            chat_body(stream=False))
+    assert resp.status == 200 and resp.complete
+    assert client.is_closed_by_peer(wait=2.0)
+    assert time.monotonic() - t0 >= 0.3
+    assert decode.idle_closes == 1
+
+
+def test_no_otlp_endpoint_means_no_span_export(monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert make_tracing("decode", None) is None
+
+
+def test_faulty_proxy_limits_are_drawn_from_the_seeded_range(start_worker, loop_thread):
+    decode = start_worker("decode", decode_tokens_per_s=1000)
+    proxy = loop_thread.run(FaultyProxy(decode.url, hang_after=(1, 3), seed=11).start())
+    try:
+        answered = []
+        for _ in range(6):
+            client = RawClient(proxy.port, timeout=0.5)
+            turns = 0
+            for _ in range(5):  # more turns than any limit
+                try:
+                    resp = client.roundtrip("POST", "/v1/completions", JSON, chat_body(stream=False))
+                except socket.timeout:
+                    break
+                assert resp.status == 200
+                turns += 1
+            answered.append(turns)
+            client.close()
+        assert answered == proxy.limits
+        assert set(answered) <= {1, 2, 3} and len(set(answered)) > 1
+        assert proxy.hung == 6
+    finally:
+        loop_thread.run(proxy.stop())
+
+
+def test_cli_starts_the_deployment_prints_urls_and_stops_everything_on_sigterm():
+    pytest.importorskip("sglang_router", exc_type=ImportError)
+    proc = sim_command("--faulty-proxy", "--log-level", "warning")
+    children: list[psutil.Process] = []
+    try:
+        lines = read_lines(proc, 5, timeout=60)
+        urls = dict(line.split(" ", 1) for line in lines)
+        assert list(urls) == ["prefill", "decode", "router", "faulty-proxy", "bootstrap"]
+        assert all(url.startswith("http://127.0.0.1:") for url in urls.values())
+        router_port = int(urls["router"].rsplit(":", 1)[1])
+        resp = RawClient(router_port).roundtrip("POST", "/generate", JSON, generate_body())
+        assert resp.status == 200 and json.loads(resp.body)["meta_info"]["completion_tokens"] == 4
+        children = psutil.Process(proc.pid).children(recursive=True)
+        # The router renames its process ("sglang::router"), hence the loose match.
+        assert any("sglang" in " ".join(child.cmdline()) for child in children), children
+        assert stop_child(proc) == 0
+        assert wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+                          timeout=10), "the router outlived traceproxy sim"
+    finally:
+        stop_child(proc)
+        for child in children:  # only if traceproxy sim failed to stop what it started
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                child.kill()
+
+
+# ----------------------------------------------------------------------------------
+# 2. traceproxy -> the real sglang-router (PD) -> the simulated workers
+# ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def span_receiver():
+    with OtlpHttpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def sim(loop_thread: LoopThread, span_receiver):
+    pytest.importorskip("sglang_router", reason="sglang-router cannot be imported", exc_type=ImportError)
+    deployment = SimDeployment(router=True, faulty_proxy=True, hang_after=1, otlp_endpoint=span_receiver.endpoint)
+    loop_thread.run(deployment.start(), timeout=90)
+    yield deployment
+    loop_thread.run(deployment.stop(), timeout=30)
+
+
+@pytest.fixture
+def pd(sim, loop_thread):
+    """The module's deployment with no faults, nothing held and empty records."""
+
+    def reset():
+        for worker in (sim.prefill, sim.decode):
+            worker.set_faults([])
+            loop_thread.run(worker.release_held())
+            worker.clear()
+
+    reset()
+    yield sim
+    reset()
+
+
+@pytest.fixture
+def traced(pd, start_proxy):
+    """traceproxy in front of the router, with an observer of finished requests."""
+    done = Done()
+    return start_proxy(pd.router_url, observers=[done], **FAST), done
+
+
+def test_healthy_streaming_chat_completes_and_the_trace_reaches_both_workers(pd, traced, caplog):
+    caplog.set_level("INFO", logger="traceproxy.sim")
+    proxy, done = traced
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body(max_tokens=5))
+    assert resp.status == 200 and resp.complete
+    events = sse_events(resp.body)
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["usage"] == {"prompt_tokens": final["usage"]["prompt_tokens"], "completion_tokens": 5,
+                              "total_tokens": final["usage"]["prompt_tokens"] + 5}
+    assert token_events(resp.body) == 5
+    assert done.one().outcome.code == "OK"
+
+    trace_id = resp.headers["traceresponse"].split("-")[1]
+    [pre], [dec] = pd.prefill.requests, pd.decode.requests
+    assert pre.trace_id == dec.trace_id == trace_id
+    assert pre.request_id == dec.request_id == resp.headers["x-request-id"]
+    assert pre.room is not None and pre.room == dec.room
+    for role in ("prefill", "decode"):
+        assert any(r.name == f"traceproxy.sim.{role}" and f"trace_id={trace_id}" in r.getMessage()
+                   and f"x-request-id={pre.request_id}" in r.getMessage() for r in caplog.records), role
+
+
+def test_workers_export_their_span_under_the_incoming_traceparent(pd, traced, span_receiver):
+    proxy, _ = traced
+    resp = RawClient(proxy.port).roundtrip("POST", "/generate", JSON, generate_body())
+    assert resp.status == 200
+    [pre], [dec] = pd.prefill.requests, pd.decode.requests
+    _, trace_id, parent_id, _ = pre.headers["traceparent"].split("-")
+    assert dec.headers["traceparent"] == pre.headers["traceparent"]
+
+    def spans():
+        return {s.name: s for s in span_receiver.find(trace_id=trace_id)}
+
+    assert wait_until(lambda: {"sglang.prefill", "sglang.decode"} <= set(spans()), timeout=10), spans()
+    for role, seen in (("prefill", pre), ("decode", dec)):
+        span = spans()[f"sglang.{role}"]
+        assert span.parent_span_id == parent_id  # the proxy's span, via the router
+        assert span.span.kind == 2  # SPAN_KIND_SERVER
+        assert span.resource["service.name"] == f"sim-sglang-{role}"
+        assert span.attributes["sglang.bootstrap_room"] == seen.room
+        assert span.attributes["sglang.request_id"] == seen.request_id
+
+
+def test_prefill_stall_is_a_first_byte_stall_blamed_on_the_engine(pd, traced):
+    proxy, done = traced
+    pd.prefill.set_faults(["prefill_stall"])
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", JSON, chat_body())
+    entry = inflight_entry(proxy, "FBS")
+    # The router answers its client only once prefill has answered: no headers at all.
+    assert entry["verdict"]["blame"] == "engine" and entry["phase"] == "awaiting_upstream_headers"
+    # Meanwhile, in the engines: prefill is running, decode waits for the KV cache.
+    assert gauge(pd.prefill, "sglang:num_running_reqs") == 1
+    assert gauge(pd.decode, "sglang:num_decode_transfer_queue_reqs") == 1
+    client.close()
+    # The router drops both engine requests once its own client (traceproxy) is gone.
+    assert wait_until(lambda: gauge(pd.prefill, "sglang:num_running_reqs") == 0
+                      and gauge(pd.decode, "sglang:num_decode_transfer_queue_reqs") == 0, timeout=5)
+    record = done.one()
+    assert record.outcome.code == "DC" and [s.code for s in record.stalls] == ["FBS"]
+
+
+def test_decode_stall_is_a_mid_stream_stall_blamed_on_the_engine(pd, traced):
+    proxy, done = traced
+    pd.decode.set_faults(["decode_stall:3"])
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", JSON, chat_body(max_tokens=8))
+    entry = inflight_entry(proxy, "MSS")
+    assert entry["verdict"]["blame"] == "engine" and entry["phase"] == "streaming_response"
+    got = read_for(client, 0.3)
+    assert token_events(got) == 3 and b"[DONE]" not in got
+    [dec] = pd.decode.requests
+    assert dec.faults == ("decode_stall:3",)
+    client.close()
+    assert [s.code for s in done.one().stalls] == ["MSS"]
+    # Observed: the router does not cancel a *silent* decode stream when its client
+    # leaves (it would notice on the next chunk); only its request timeout ends it.
+    assert gauge(pd.decode, "sglang:num_running_reqs") == 1
+
+
+def test_reset_mid_stream_truncates_the_response_and_is_upstream_closed(pd, traced):
+    proxy, done = traced
+    pd.decode.set_faults(["reset_mid_stream:3"])
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body(max_tokens=8))
+    # Observed: the router streams decode's body through; when decode's connection is
+    # reset mid-body it cannot finish its own chunked response and closes the
+    # connection to traceproxy without the last chunk. It does not turn the reset
+    # into a clean end (which would have been NDN), so traceproxy sees UC.
+    assert resp.status == 200 and not resp.complete and b"[DONE]" not in resp.body
+    # An RST may discard the last token in the router's receive buffer before it was read.
+    assert 1 <= token_events(resp.body) <= 3
+    record = done.one()
+    assert record.outcome.code == "UC" and record.outcome.blame.value == "engine"
+
+
+def test_malformed_sse_line_passes_through_the_router_and_is_ndn(pd, traced):
+    proxy, done = traced
+    pd.decode.set_faults(["malformed_sse"])
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
+    # Observed: the router does not parse decode's SSE; the truncated JSON event and
+    # the clean end without [DONE] reach the client as they were sent.
+    assert resp.status == 200 and resp.complete
+    events = sse_events(resp.body)
+    assert len(events) == 2 and json.loads(events[0])["choices"][0]["delta"]["content"]
+    with pytest.raises(ValueError):
+        json.loads(events[1])
+    record = done.one()
+    assert record.outcome.code == "NDN" and record.outcome.blame.value == "engine"
+
+
+def test_malformed_chunk_makes_the_router_cut_its_response(pd, traced):
+    proxy, done = traced
+    pd.decode.set_faults(["malformed_sse:chunk"])
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
+    # Observed: the router's HTTP client rejects the invalid chunk size and the router
+    # ends its own response abruptly (headers sent, body cut): UC, not UPE, because
+    # the framing traceproxy saw (the router's) was valid up to the cut.
+    assert resp.status == 200 and not resp.complete and b"[DONE]" not in resp.body
+    record = done.one()
+    assert record.outcome.code == "UC" and record.outcome.blame.value == "engine"
+
+
+def test_no_done_is_a_stream_without_done(pd, traced):
+    proxy, done = traced
+    pd.decode.set_faults(["no_done"])
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body(max_tokens=4))
+    assert resp.status == 200 and resp.complete
+    assert token_events(resp.body) == 4 and b"[DONE]" not in resp.body and b'"finish_reason":"' not in resp.body
+    record = done.one()
+    assert record.outcome.code == "NDN" and record.outcome.blame.value == "engine"
+
+
+def test_slow_first_token_is_a_stall_that_resolves(pd, traced):
+    proxy, done = traced
+    pd.decode.set_faults(["slow_first_token:1200"])
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body(max_tokens=3))
+    assert resp.status == 200 and resp.complete and sse_events(resp.body)[-1] == "[DONE]"
+    record = done.one()
+    assert record.outcome.code == "OK"
+    [stall] = record.stalls
+    # The router sent the headers once prefill answered; the wait is for the first token.
+    assert stall.code == "FBS" and stall.phase == "streaming_response" and stall.resolved_ns is not None
+
+
+def test_pinned_request_leaves_the_inflight_gauge_at_one(pd, traced):
+    proxy, _ = traced
+    assert gauge(pd.prefill, "sglang:num_prefill_inflight_queue_reqs") == 0
+    pd.prefill.set_faults(["pinned_request"])
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
+    assert resp.status == 200 and resp.complete and sse_events(resp.body)[-1] == "[DONE]"
+    pd.prefill.set_faults([])
+    assert RawClient(proxy.port).roundtrip("POST", "/generate", JSON, generate_body()).status == 200
+    time.sleep(0.3)
+    assert gauge(pd.prefill, "sglang:num_prefill_inflight_queue_reqs") == 1
+    assert gauge(pd.prefill, "sglang:num_running_reqs") == 0
+
+
+def test_request_faults_through_the_router_only_survive_in_the_body(pd, traced):
+    proxy, done = traced
+    # The router forwards an allow-list of headers: x-sim-fault never reaches decode.
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", [*JSON, ("x-sim-fault", "no_done")],
+                                           chat_body())
+    assert resp.complete and sse_events(resp.body)[-1] == "[DONE]"
+    [dec] = pd.decode.requests
+    assert "x-sim-fault" not in dec.headers and dec.faults == ()
+    assert done.one().outcome.code == "OK"
+    # Chat's metadata map is kept by the router's typed request: the fault arrives.
+    done.records.clear()
+    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON,
+                                           chat_body(metadata={"sim_fault": "no_done"}))
+    assert resp.complete and b"[DONE]" not in resp.body
+    assert done.one().outcome.code == "NDN"
+
+
+def test_faulty_proxy_hangs_a_reused_connection_and_serves_a_fresh_one(pd):
+    port = int(pd.faulty_proxy_url.rsplit(":", 1)[1])
+    client = RawClient(port)
+    first = client.roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
+    assert first.status == 200 and first.complete and sse_events(first.body)[-1] == "[DONE]"
+    send_next(client, "POST", "/v1/chat/completions", JSON, chat_body())
+    assert read_for(client, 1.0) == b"", "turn 2 on the reused connection must hang"
+    assert not client.is_closed_by_peer(wait=0.2)  # ... with the socket left open
+    fresh = RawClient(port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
+    assert fresh.status == 200 and fresh.complete
+    client.close()
+
+
+def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, start_proxy):
+    done = Done()
+    proxy = start_proxy(pd.faulty_proxy_url, observers=[done], **FAST)
+    client = RawClient(proxy.port)
+    assert client.roundtrip("POST", "/v1/chat/completions", JSON, chat_body()).complete
+    send_next(client, "POST", "/v1/chat/completions", JSON, chat_body())  # reuses the pooled upstream connection
+    entry = inflight_entry(proxy, "FBS")
+    assert entry["verdict"]["blame"] == "engine" and entry["phase"] == "awaiting_upstream_headers"
+    client.close()

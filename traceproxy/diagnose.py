@@ -1,0 +1,585 @@
+"""``traceproxy diagnose ID``: one request's life, read back from its spans.
+
+Given a trace id (32 hex digits) or a request id (the ``x-request-id`` the proxy
+returned or kept), find the request's spans and print its timeline: the lifecycle
+marks in order with the gap from the previous mark and from the start, the bytes,
+the keep-alive ledger (client connection and request sequence, idle gap; per
+upstream attempt: connection new or reused, idle age, request number), every
+upstream attempt (resends), the stalls, and the outcome with its blame and error.
+
+Two sources, mapped to the same ``Span`` shape:
+
+* the local span file (``[tracing] exporter = "file"``): OTLP/JSON lines, one
+  ``ExportTraceServiceRequest`` per line with hex ids. Read in two passes, each
+  parsing only the lines that contain what is looked for: the first finds the
+  trace ids of the request, the second every span of those traces;
+* Jaeger's HTTP query API: ``GET /api/traces/{trace id}``, or for a request id
+  ``GET /api/traces?service=...&tags={"traceproxy.request_id": ID}``.
+
+A request still hung when the spans were written has no SERVER span yet (it is
+exported when the request ends) but has its stall span, exported the moment the
+stall was detected; the timeline then says so and shows the stall.
+
+Exit status: 0 found, 1 not found, 2 usage or I/O error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .lifecycle.marks import Mark
+from .observe import semconv as sc
+
+DEFAULT_SPANS = "traceproxy-data/spans.jsonl"
+DEFAULT_SERVICE = "traceproxy"
+JAEGER_TIMEOUT_S = 10.0
+JAEGER_LIMIT = 20
+JAEGER_LOOKBACK_S = 2 * 24 * 3600
+FOUND, NOT_FOUND, ERROR = 0, 1, 2
+
+_HEX32 = re.compile(r"^[0-9a-fA-F]{32}$")
+_OTLP_KINDS = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
+_OTLP_STATUS = {0: "unset", 1: "ok", 2: "error"}
+_MARK_ORDER = {m.label: int(m) for m in Mark}
+STALL_EVENT, STALL_RESOLVED_EVENT = "stall", "stall_resolved"
+
+
+class DiagnoseError(Exception):
+    """Usage or I/O trouble: a missing file, an unreachable Jaeger (exit status 2)."""
+
+
+@dataclass
+class Event:
+    name: str
+    time_ns: int
+    attributes: dict = field(default_factory=dict)
+
+
+@dataclass
+class Span:
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    kind: str  # server, client, internal, ...
+    start_ns: int
+    end_ns: int
+    attributes: dict = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    status: str = "unset"
+    status_message: str = ""
+    service: str = ""
+
+
+@dataclass
+class RequestSpans:
+    """The spans of one request: its SERVER span (None while still in flight), its
+    CLIENT span per upstream attempt, its stall spans, and spans of other services
+    parented on the attempts (engines, routers; Jaeger only)."""
+
+    trace_id: str
+    server_span_id: str
+    server: Span | None = None
+    attempts: list[Span] = field(default_factory=list)
+    stalls: list[Span] = field(default_factory=list)
+    downstream: list[Span] = field(default_factory=list)
+
+    @property
+    def start_ns(self) -> int:
+        spans = [self.server] if self.server else self.stalls + self.attempts
+        return min((s.start_ns for s in spans), default=0)
+
+    @property
+    def request_id(self) -> str:
+        for span in ([self.server] if self.server else []) + self.stalls:
+            if span.attributes.get(sc.REQUEST_ID):
+                return str(span.attributes[sc.REQUEST_ID])
+        return ""
+
+
+def is_trace_id(ident: str) -> bool:
+    return bool(_HEX32.match(ident))
+
+
+# ----------------------------------------------------------------------------------
+# OTLP/JSON (the local span file)
+# ----------------------------------------------------------------------------------
+def otlp_value(value: dict):
+    """One OTLP/JSON ``AnyValue`` -> a Python value."""
+    if not isinstance(value, dict):
+        return None
+    if "stringValue" in value:
+        return value["stringValue"]
+    if "intValue" in value:
+        return int(value["intValue"])
+    if "doubleValue" in value:
+        return float(value["doubleValue"])
+    if "boolValue" in value:
+        return bool(value["boolValue"])
+    if "arrayValue" in value:
+        return [otlp_value(v) for v in value["arrayValue"].get("values", ())]
+    if "kvlistValue" in value:
+        return otlp_attributes(value["kvlistValue"].get("values", ()))
+    return value.get("bytesValue")
+
+
+def otlp_attributes(items: Iterable[dict]) -> dict:
+    return {item["key"]: otlp_value(item.get("value", {})) for item in items if "key" in item}
+
+
+def otlp_spans(document: dict) -> Iterator[Span]:
+    """Every span of one ``ExportTraceServiceRequest``."""
+    for resource_spans in document.get("resourceSpans", ()):
+        resource = otlp_attributes(resource_spans.get("resource", {}).get("attributes", ()))
+        service = str(resource.get("service.name", ""))
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for raw in scope_spans.get("spans", ()):
+                yield _otlp_span(raw, service)
+
+
+def _otlp_span(raw: dict, service: str) -> Span:
+    status = raw.get("status", {})
+    return Span(
+        trace_id=raw.get("traceId", "").lower(),
+        span_id=raw.get("spanId", "").lower(),
+        parent_id=raw.get("parentSpanId", "").lower(),
+        name=raw.get("name", ""),
+        kind=_OTLP_KINDS.get(raw.get("kind", 0), "unspecified"),
+        start_ns=int(raw.get("startTimeUnixNano", 0)),
+        end_ns=int(raw.get("endTimeUnixNano", 0)),
+        attributes=otlp_attributes(raw.get("attributes", ())),
+        events=[Event(e.get("name", ""), int(e.get("timeUnixNano", 0)), otlp_attributes(e.get("attributes", ())))
+                for e in raw.get("events", ())],
+        status=_OTLP_STATUS.get(status.get("code", 0), "unset"),
+        status_message=status.get("message", ""),
+        service=service,
+    )
+
+
+def _scan_file(path: Path, needles: set[str]) -> Iterator[Span]:
+    """Spans of the lines that contain any needle; a torn last line is skipped."""
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            if not any(needle in line for needle in needles):
+                continue
+            try:
+                document = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(document, dict):
+                yield from otlp_spans(document)
+
+
+def file_spans(path: str | Path, ident: str) -> list[Span]:
+    """The spans of every trace that holds the request ``ident`` (trace id or request id)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DiagnoseError(f"no span file at {path} (the proxy writes it with [tracing] exporter = \"file\")")
+    try:
+        wanted = json.dumps(ident)[1:-1]  # as the id appears inside a JSON string
+        traces = {s.trace_id for s in _scan_file(path, {wanted, ident.lower()}) if _mentions(s, ident)}
+        if not traces:
+            return []
+        return [s for s in _scan_file(path, traces) if s.trace_id in traces]
+    except OSError as exc:
+        raise DiagnoseError(f"cannot read {path}: {exc}") from None
+
+
+def _mentions(span: Span, ident: str) -> bool:
+    return span.trace_id == ident.lower() or span.attributes.get(sc.REQUEST_ID) == ident
+
+
+# ----------------------------------------------------------------------------------
+# Jaeger's HTTP query API
+# ----------------------------------------------------------------------------------
+def jaeger_value(tag: dict):
+    value = tag.get("value")
+    kind = tag.get("type", "string")
+    if kind == "int64" and not isinstance(value, bool):
+        return int(value)
+    if kind == "float64":
+        return float(value)
+    if kind == "bool" and isinstance(value, str):
+        return value.lower() == "true"
+    return value
+
+
+def jaeger_tags(tags: Iterable[dict]) -> dict:
+    return {t["key"]: jaeger_value(t) for t in tags if isinstance(t, dict) and "key" in t}
+
+
+def jaeger_spans(document: dict) -> list[Span]:
+    """Every span of a Jaeger ``/api/traces`` answer (``data[].spans[]``)."""
+    spans = []
+    for trace in document.get("data") or ():
+        processes = trace.get("processes") or {}
+        for raw in trace.get("spans") or ():
+            service = (processes.get(raw.get("processID")) or {}).get("serviceName", "")
+            spans.append(_jaeger_span(raw, service))
+    return spans
+
+
+def _jaeger_span(raw: dict, service: str) -> Span:
+    tags = jaeger_tags(raw.get("tags") or ())
+    parent = next((r.get("spanID", "") for r in raw.get("references") or () if r.get("refType") == "CHILD_OF"), "")
+    start_ns = int(raw.get("startTime", 0)) * 1000
+    kind = str(tags.pop("span.kind", "internal")).lower()
+    status = str(tags.pop("otel.status_code", "")).lower() or ("error" if tags.get("error") is True else "unset")
+    message = str(tags.pop("otel.status_description", ""))
+    return Span(
+        trace_id=str(raw.get("traceID", "")).lower().zfill(32),
+        span_id=str(raw.get("spanID", "")).lower().zfill(16),
+        parent_id=str(parent).lower().zfill(16) if parent else "",
+        name=raw.get("operationName", ""),
+        kind=kind,
+        start_ns=start_ns,
+        end_ns=start_ns + int(raw.get("duration", 0)) * 1000,
+        attributes=tags,
+        events=[_jaeger_event(log) for log in raw.get("logs") or ()],
+        status=status,
+        status_message=message,
+        service=service,
+    )
+
+
+def _jaeger_event(log: dict) -> Event:
+    fields = jaeger_tags(log.get("fields") or ())
+    name = str(fields.pop("event", ""))
+    return Event(name, int(log.get("timestamp", 0)) * 1000, fields)
+
+
+def fetch_jaeger(base_url: str, ident: str, service: str = DEFAULT_SERVICE) -> list[Span]:
+    """The spans Jaeger holds for the trace id or request id ``ident``; raises DiagnoseError."""
+    base = base_url.rstrip("/")
+    if is_trace_id(ident):
+        found = _jaeger_get(f"{base}/api/traces/{ident.lower()}")
+        if found:
+            return found
+    tags = json.dumps({sc.REQUEST_ID: ident})
+    now_us = int(time.time() * 1e6)
+    query = urllib.parse.urlencode({"service": service, "tags": tags, "limit": JAEGER_LIMIT,
+                                    "start": now_us - JAEGER_LOOKBACK_S * 1_000_000, "end": now_us})
+    return _jaeger_get(f"{base}/api/traces?{query}")
+
+
+def _jaeger_get(url: str) -> list[Span]:
+    try:
+        with _opener(url).open(url, timeout=JAEGER_TIMEOUT_S) as answer:
+            body = answer.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return []
+        raise DiagnoseError(f"Jaeger answered HTTP {exc.code} for {url}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise DiagnoseError(f"cannot reach Jaeger at {url}: {getattr(exc, 'reason', exc)}") from None
+    try:
+        document = json.loads(body)
+    except ValueError:
+        raise DiagnoseError(f"Jaeger's answer for {url} is not JSON") from None
+    return jaeger_spans(document) if isinstance(document, dict) else []
+
+
+def _opener(url: str) -> urllib.request.OpenerDirector:
+    """No environment proxy for a loopback Jaeger; the usual opener otherwise."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})) if local else urllib.request.build_opener()
+
+
+# ----------------------------------------------------------------------------------
+# Which spans belong to the request
+# ----------------------------------------------------------------------------------
+def _is_proxy_server(span: Span) -> bool:
+    return span.kind == "server" and sc.REQUEST_ID in span.attributes
+
+
+def _is_stall(span: Span) -> bool:
+    return sc.STALL_OUTCOME in span.attributes and sc.REQUEST_ID in span.attributes
+
+
+def find_requests(spans: list[Span], ident: str) -> list[RequestSpans]:
+    """The requests ``ident`` names (all the proxy's requests of a trace, or those
+    with that request id), oldest first."""
+    requests: dict[tuple[str, str], RequestSpans] = {}
+    for span in spans:
+        if (_is_proxy_server(span) or _is_stall(span)) and _mentions(span, ident):
+            server_id = span.span_id if _is_proxy_server(span) else span.parent_id
+            found = requests.setdefault((span.trace_id, server_id), RequestSpans(span.trace_id, server_id))
+            if _is_proxy_server(span):
+                found.server = span
+            else:
+                found.stalls.append(span)
+    for found in requests.values():
+        _attach_children(found, spans)
+    return sorted(requests.values(), key=lambda r: r.start_ns)
+
+
+def _attach_children(found: RequestSpans, spans: list[Span]) -> None:
+    same_trace = [s for s in spans if s.trace_id == found.trace_id]
+    found.attempts = sorted((s for s in same_trace if s.kind == "client" and s.parent_id == found.server_span_id),
+                            key=_attempt_order)
+    attempt_ids = {a.span_id for a in found.attempts}
+    found.downstream = sorted((s for s in same_trace if s.parent_id in attempt_ids), key=lambda s: s.start_ns)
+    found.stalls.sort(key=lambda s: s.end_ns)
+
+
+def _attempt_order(span: Span) -> tuple[int, int]:
+    return int(span.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0)), span.start_ns
+
+
+# ----------------------------------------------------------------------------------
+# Formatting: RequestSpans -> lines
+# ----------------------------------------------------------------------------------
+def duration(ns: float | None) -> str:
+    if ns is None:
+        return "-"
+    if abs(ns) < 1e9:
+        return f"{ns / 1e6:.3f} ms"
+    return f"{ns / 1e9:.3f} s"
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else duration(float(value) * 1e9)
+
+
+def wall_clock(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+
+
+def request_lines(found: RequestSpans) -> list[str]:
+    lines = [f"request {found.request_id or '-'}   trace {found.trace_id}"]
+    if found.server is None:
+        lines += _in_flight_lines(found)
+    else:
+        lines += _outcome_lines(found.server)
+        lines += _ledger_lines(found.server)
+        lines += _byte_lines(found.server)
+    lines += [line for attempt in found.attempts for line in _attempt_lines(attempt)]
+    lines += _timeline_lines(found)
+    lines += _stall_lines(found)
+    lines += _downstream_lines(found)
+    return lines
+
+
+def _in_flight_lines(found: RequestSpans) -> list[str]:
+    lines = ["  not finished when the spans were written: no SERVER span yet, only its stall span(s)"]
+    first = found.stalls[0].attributes if found.stalls else {}
+    if first:
+        lines.append(f"  {first.get(sc.HTTP_REQUEST_METHOD, '-')} {first.get(sc.URL_PATH, '-')}")
+        lines.append(f"  client connection {first.get(sc.CLIENT_CONNECTION_ID, '-')}, "
+                     f"request {first.get(sc.CLIENT_REQUEST_SEQUENCE, '-')} on it")
+        if sc.UPSTREAM_CONNECTION_ID in first:
+            reuse = "reused" if first.get(sc.UPSTREAM_CONNECTION_REUSED) else "new"
+            lines.append(f"  upstream connection {first[sc.UPSTREAM_CONNECTION_ID]} ({reuse})")
+    return lines
+
+
+def _outcome_lines(server: Span) -> list[str]:
+    a = server.attributes
+    status = a.get(sc.HTTP_RESPONSE_STATUS_CODE)
+    lines = [f"  {server.name} -> {'HTTP ' + str(status) if status else 'no response status'}   "
+             f"outcome {a.get(sc.OUTCOME, '-')} ({a.get(sc.OUTCOME_NAME, '-')}), blame {a.get(sc.BLAME, '-')}"]
+    error = a.get(sc.ERROR_MESSAGE) or (server.status_message if server.status == "error" else "")
+    if error:
+        lines.append(f"  error: {error}")
+    return lines
+
+
+def _ledger_lines(server: Span) -> list[str]:
+    a = server.attributes
+    idle = a.get(sc.CLIENT_IDLE_GAP)
+    gap = f", idle {_seconds(idle)} before it" if idle is not None else ""
+    peer = f" ({a[sc.CLIENT_ADDRESS]}:{a.get(sc.CLIENT_PORT, '-')})" if sc.CLIENT_ADDRESS in a else ""
+    return [f"  client connection {a.get(sc.CLIENT_CONNECTION_ID, '-')}{peer}, "
+            f"request {a.get(sc.CLIENT_REQUEST_SEQUENCE, '-')} on it{gap}"]
+
+
+def _byte_lines(server: Span) -> list[str]:
+    a = server.attributes
+    lines = [f"  bytes: request body {a.get(sc.HTTP_REQUEST_BODY_SIZE, '-')}, "
+             f"response body {a.get(sc.HTTP_RESPONSE_BODY_SIZE, '-')}; {a.get(sc.CHUNKS, '-')} upstream chunks, "
+             f"largest gap {_seconds(a.get(sc.CHUNK_MAX_GAP))}"]
+    genai = []
+    if sc.GEN_AI_REQUEST_MODEL in a:
+        genai.append(f"model {a[sc.GEN_AI_REQUEST_MODEL]}")
+    if a.get(sc.GEN_AI_REQUEST_STREAM):
+        genai.append(f"stream, first chunk after {_seconds(a.get(sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK))}")
+    if sc.GEN_AI_USAGE_INPUT_TOKENS in a or sc.GEN_AI_USAGE_OUTPUT_TOKENS in a:
+        genai.append(f"tokens in {a.get(sc.GEN_AI_USAGE_INPUT_TOKENS, '-')} / out "
+                     f"{a.get(sc.GEN_AI_USAGE_OUTPUT_TOKENS, '-')}")
+    if sc.GEN_AI_RESPONSE_FINISH_REASONS in a:
+        genai.append(f"finish {a[sc.GEN_AI_RESPONSE_FINISH_REASONS]}")
+    if sc.DONE_SEEN in a:
+        genai.append("[DONE] seen" if a[sc.DONE_SEEN] else "no [DONE]")
+    if genai:
+        lines.append("  genai: " + ", ".join(genai))
+    return lines
+
+
+def _attempt_label(attempt: Span) -> str:
+    resend = int(attempt.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0))
+    return f"attempt {resend + 1}" + (f" (resend {resend})" if resend else "")
+
+
+def _attempt_lines(attempt: Span) -> list[str]:
+    a = attempt.attributes
+    conn = f"connection {a.get(sc.UPSTREAM_CONNECTION_ID, '-')}"
+    if a.get(sc.UPSTREAM_CONNECTION_REUSED):
+        conn += f" reused, idle {_seconds(a.get(sc.UPSTREAM_CONNECTION_IDLE_AGE))}"
+    else:
+        conn += " new"
+    line = (f"  upstream {_attempt_label(attempt)}: {conn}, request "
+            f"{a.get(sc.UPSTREAM_CONNECTION_REQUEST_NUMBER, '-')} on it -> {a.get(sc.OUTCOME, '-')}")
+    if attempt.status == "error" and attempt.status_message:
+        line += f" ({attempt.status_message})"
+    return [line]
+
+
+def timeline_entries(found: RequestSpans) -> list[tuple[int, str, str]]:
+    """(time, what, where) for every mark and stall event, in order."""
+    entries = []
+    if found.server is not None:
+        entries += [(e.time_ns, _event_text(e), "") for e in found.server.events]
+    for attempt in found.attempts:
+        entries += [(e.time_ns, _event_text(e), _attempt_label(attempt)) for e in attempt.events]
+    if found.server is None:
+        entries += [(s.end_ns, f"stall detected: {s.attributes.get(sc.STALL_OUTCOME)}", "stall span")
+                    for s in found.stalls]
+    return sorted(entries, key=lambda e: (e[0], _MARK_ORDER.get(e[1], len(_MARK_ORDER))))
+
+
+def _event_text(event: Event) -> str:
+    if event.name == STALL_EVENT:
+        return (f"stall {event.attributes.get(sc.STALL_OUTCOME, '-')} "
+                f"({event.attributes.get(sc.STALL_PHASE, '-')})")
+    if event.name == STALL_RESOLVED_EVENT:
+        return f"stall {event.attributes.get(sc.STALL_OUTCOME, '-')} resolved"
+    return event.name
+
+
+def _timeline_lines(found: RequestSpans) -> list[str]:
+    entries = timeline_entries(found)
+    if not entries:
+        return ["  timeline: no marks"]
+    start = found.server.start_ns if found.server is not None else entries[0][0]
+    took = f", took {duration(found.server.end_ns - start)}" if found.server is not None else ""
+    lines = [f"  timeline (start {wall_clock(start)}{took}):",
+             f"    {'from start':>14} {'gap':>14}  mark"]
+    gaps = [when - before for (when, _, _), before in zip(entries, [start] + [e[0] for e in entries])]
+    longest = gaps.index(max(gaps)) if max(gaps) > 0 else -1
+    for index, ((when, what, where), gap) in enumerate(zip(entries, gaps)):
+        lines.append(f"    {'+' + duration(when - start):>14} {'+' + duration(gap):>14}  {what}"
+                     + (f"   [{where}]" if where else "") + ("   <- longest wait" if index == longest else ""))
+    return lines
+
+
+def _stall_lines(found: RequestSpans) -> list[str]:
+    stalls = _stalls_from_events(found.server) if found.server is not None else _stalls_from_spans(found.stalls)
+    if not stalls:
+        return ["  stalls: none"]
+    return ["  stalls:"] + [f"    {text}" for text in stalls]
+
+
+def _stalls_from_events(server: Span) -> list[str]:
+    resolved = {}
+    for event in server.events:
+        if event.name == STALL_RESOLVED_EVENT:
+            resolved[event.attributes.get(sc.STALL_OUTCOME)] = event.attributes.get(sc.STALL_DURATION)
+    ended_ok = server.attributes.get(sc.OUTCOME) == "OK"
+    texts = []
+    for event in server.events:
+        if event.name != STALL_EVENT:
+            continue
+        a = event.attributes
+        code = a.get(sc.STALL_OUTCOME, "-")
+        if code in resolved:
+            state = f"resolved after {_seconds(resolved[code])}"
+        elif ended_ok:
+            state = "no resolution recorded, and the request then finished OK"
+        else:
+            state = "not resolved (the request ended stalled)"
+        texts.append(f"{code} in {a.get(sc.STALL_PHASE, '-')}: detected after {_seconds(a.get(sc.STALL_WAITED))}, "
+                     f"blame {a.get(sc.BLAME, '-')}; {state}")
+    return texts
+
+
+def _stalls_from_spans(stalls: list[Span]) -> list[str]:
+    return [f"{s.attributes.get(sc.STALL_OUTCOME, '-')} ({s.attributes.get(sc.OUTCOME_NAME, '-')}) in "
+            f"{s.attributes.get(sc.STALL_PHASE, '-')}: detected after {_seconds(s.attributes.get(sc.STALL_WAITED))}, "
+            f"blame {s.attributes.get(sc.BLAME, '-')} at {wall_clock(s.end_ns)}"
+            + (f": {s.status_message}" if s.status_message else "") for s in stalls]
+
+
+def _downstream_lines(found: RequestSpans) -> list[str]:
+    if not found.downstream:
+        return []
+    return ["  spans below the proxy (router, engines):"] + [
+        f"    {s.service or '-'}: {s.name}, {duration(s.end_ns - s.start_ns)}"
+        + (f", status {s.status}" if s.status == "error" else "") for s in found.downstream]
+
+
+def report_lines(requests: list[RequestSpans], ident: str, source: str) -> list[str]:
+    if not requests:
+        return [f"traceproxy diagnose: no request with trace id or request id {ident!r} in {source}"]
+    lines = [f"{len(requests)} requests match {ident!r} in {source}"] if len(requests) > 1 else []
+    for index, found in enumerate(requests):
+        if index:
+            lines.append("")
+        lines += request_lines(found)
+    return lines
+
+
+# ----------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------
+def run(ident: str, spans_path: str = DEFAULT_SPANS, jaeger: str | None = None,
+        service: str = DEFAULT_SERVICE, out=None, err=None) -> int:
+    """Print the timeline of the request(s) ``ident`` names; the exit status."""
+    out, err = out or sys.stdout, err or sys.stderr
+    ident = ident.strip()
+    if not ident:
+        print("traceproxy diagnose: give a trace id or a request id", file=err)
+        return ERROR
+    try:
+        spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(spans_path, ident)
+    except DiagnoseError as exc:
+        print(f"traceproxy diagnose: {exc}", file=err)
+        return ERROR
+    requests = find_requests(spans, ident)
+    source = f"Jaeger at {jaeger}" if jaeger else str(spans_path)
+    lines = report_lines(requests, ident, source)
+    print("\n".join(lines), file=out if requests else err)
+    return FOUND if requests else NOT_FOUND
+
+
+def add_arguments(parser) -> None:
+    """The ``traceproxy diagnose`` arguments, on an argparse (sub)parser."""
+    parser.description = ("Print one request's timeline from its spans: the marks in order with the gaps, "
+                          "bytes, the keep-alive ledger, each upstream attempt, stalls, and the outcome with "
+                          "its blame. Exit status: 0 found, 1 not found, 2 usage or I/O error.")
+    parser.add_argument("id", metavar="ID", help="a trace id (32 hex digits) or a request id (x-request-id)")
+    parser.add_argument("--spans", default=DEFAULT_SPANS, metavar="PATH",
+                        help=f"the proxy's span file, OTLP/JSON lines (default: {DEFAULT_SPANS})")
+    parser.add_argument("--jaeger", metavar="URL", default=None,
+                        help="ask Jaeger's HTTP query API instead (e.g. http://127.0.0.1:16686)")
+    parser.add_argument("--service", default=DEFAULT_SERVICE,
+                        help="the proxy's service name in Jaeger, for request id searches "
+                        f"(default: {DEFAULT_SERVICE})")
+
+
+def run_args(args) -> int:
+    return run(args.id, args.spans, args.jaeger, args.service)

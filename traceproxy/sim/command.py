@@ -1,0 +1,126 @@
+"""``traceproxy sim`` and ``traceproxy sim worker``: flags and entry point.
+
+Kept apart from ``launch.py`` so that building the CLI parser costs only the stdlib:
+aiohttp, the workers and the router launcher are imported when the command runs.
+The fault list in ``--help`` is read from the one fault table in ``faults.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .faults import FaultError, fault_table, parse_faults
+
+DESCRIPTION = """\
+Run a simulated SGLang prefill/decode deployment on loopback: a prefill and a decode
+worker and, when sglang_router is importable, the real sglang-router in PD mode in
+front of them (offline), optionally a faulty keep-alive proxy in front of the router.
+Prints one "NAME URL" line per listener (prefill, decode, router, faulty-proxy,
+bootstrap) and runs until SIGINT/SIGTERM.
+
+"traceproxy sim worker --role prefill|decode --listen HOST:PORT" runs one worker
+(for docker-compose: give the decode worker --prefill-url, or give the router the
+prefill's --bootstrap-port).
+"""
+
+FAULTS_EPILOG = """\
+faults: --fault NAME[:ARG], repeatable or comma-separated; (role) is the worker it acts on.
+Per worker at runtime: POST /admin/faults {"faults": [...]} (POST /admin/release drops held
+requests). Per request: header x-sim-fault (the router drops it), or the body field sim_fault
+on /v1/completions, or metadata.sim_fault on /v1/chat/completions (both survive the router).
+""" + fault_table()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.epilog = FAULTS_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--host", default="127.0.0.1", help="address every listener binds (default: 127.0.0.1)")
+    parser.add_argument("--prefill-port", type=int, default=0, help="0 picks a free port (default)")
+    parser.add_argument("--decode-port", type=int, default=0, help="0 picks a free port (default)")
+    parser.add_argument("--router-port", type=int, default=0, help="0 picks a free port (default)")
+    parser.add_argument("--bootstrap-port", type=int, default=0, help="the prefill's KV bootstrap port (0: free)")
+    parser.add_argument("--no-router", action="store_true", help="do not start sglang-router")
+    parser.add_argument("--faulty-proxy", action="store_true",
+                        help="also start the faulty keep-alive proxy (in front of the router, else of decode)")
+    parser.add_argument("--hang-after", default="1-3", metavar="N|LOW-HIGH",
+                        help="faulty proxy: turns forwarded per client connection before it hangs (default 1-3)")
+    parser.add_argument("--seed", type=int, default=None, help="faulty proxy: random seed for --hang-after ranges")
+    _add_worker_arguments(parser)
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for sglang_router.launch_router (repeatable, e.g. --router-arg=--policy"
+                        " --router-arg=random)")
+    parser.set_defaults(sim_command=None)
+
+    sub = parser.add_subparsers(dest="sim_command")
+    worker = sub.add_parser("worker", help="run one simulated worker", epilog=FAULTS_EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    worker.add_argument("--role", required=True, choices=["prefill", "decode"])
+    worker.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="(default: 127.0.0.1:0)")
+    worker.add_argument("--bootstrap-port", type=int, default=0, help="prefill only: KV bootstrap port (0: free)")
+    worker.add_argument("--prefill-url", default=None, metavar="URL",
+                        help="decode only: poll this prefill worker's GET /bootstrap/{room} instead of the "
+                        "bootstrap address the router puts in the body (e.g. http://prefill:30001)")
+    _add_worker_arguments(worker)
+
+
+def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fault", action="append", default=[], metavar="NAME[:ARG]",
+                        help="a worker-wide fault (see below); repeatable")
+    parser.add_argument("--model", default="sim-llama", help="served model name (default: sim-llama)")
+    parser.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens/s (default 8000)")
+    parser.add_argument("--decode-tps", type=float, default=100.0, help="decode tokens/s per request (default 100)")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="export the workers' spans here (default: OTEL_EXPORTER_OTLP_ENDPOINT, else none)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _hang_after(text: str) -> int | tuple[int, int]:
+    low, sep, high = text.partition("-")
+    return (int(low), int(high)) if sep else int(low)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        parse_faults(args.fault)
+        hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1
+    except (FaultError, ValueError) as exc:
+        print(f"traceproxy sim: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.sim_command == "worker":
+        return _run_worker(args)
+    from .launch import SimDeployment, router_importable, run_deployment
+
+    router = not args.no_router
+    if router and not router_importable():
+        print("traceproxy sim: sglang_router is not importable; running without the router", file=sys.stderr)
+        router = False
+    deployment = SimDeployment(
+        router=router, faults=args.fault, faulty_proxy=args.faulty_proxy, host=args.host,
+        prefill_port=args.prefill_port, decode_port=args.decode_port, router_port=args.router_port,
+        bootstrap_port=args.bootstrap_port, hang_after=hang_after, seed=args.seed, model=args.model,
+        prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
+        otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg))
+    try:
+        return asyncio.run(run_deployment(deployment))
+    except KeyboardInterrupt:
+        return 0
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from .engine import SimWorker
+    from .launch import run_worker
+
+    host, _, port = args.listen.rpartition(":")
+    worker = SimWorker(args.role, host or "127.0.0.1", int(port or 0), model=args.model,
+                       prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
+                       default_faults=args.fault, bootstrap_port=args.bootstrap_port,
+                       otlp_endpoint=args.otlp_endpoint, prefill_url=args.prefill_url)
+    try:
+        return asyncio.run(run_worker(worker))
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,345 @@
+"""A simulated SGLang server in a PD (prefill/decode) role, good enough for the real router.
+
+Theory of operation
+-------------------
+``SimWorker`` is an aiohttp app that answers everything sglang-router 0.3.2 asks of a
+worker (it probes the port for gRPC first: the HTTP/2 preface gets a 400 and the
+router falls back to HTTP): ``/health``, ``/health_generate``, ``/server_info`` and
+``/get_server_info`` (``disaggregation_mode`` = the role; ``model_path`` is an
+existing, empty local directory, so an offline router never downloads a
+tokenizer), ``/model_info``, ``/get_model_info``, ``/v1/models`` and ``/get_load``.
+Inference (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, stream or
+not) is run by ``generation.serve``; a prefill worker also runs the bootstrap
+listener its decode peers wait on (``bootstrap.py``; its main port answers the same
+``GET /bootstrap/{room}`` poll).
+
+Around each inference request the worker records what arrived (``requests``), logs
+one line (rid, x-request-id, trace id, result), counts it in SGLang's gauges
+(``GET /metrics``), and, when tracing is configured, exports a SERVER span under the
+request's ``traceparent``. Faults (``faults.py``) come from the worker
+(``default_faults``, ``POST /admin/faults``) and from the request.
+
+aiohttp runs with ``handler_cancellation``: when a client (the router) goes away,
+the handler is cancelled, so held and waiting requests end with it and leave the
+gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+from collections import deque
+from typing import Any, NamedTuple
+
+import aiohttp
+from aiohttp import web
+
+from . import gauges as g
+from .bootstrap import BootstrapServer, Rooms, poll_handler, register_local, unregister_local
+from .faults import FaultError, applies, parse_faults, request_fault_specs
+from .generation import Job, serve
+from .otel import end_request_span, make_tracing, request_span
+from .shapes import Reply, max_tokens, prompt_tokens, request_rid
+
+INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+RECORD_LIMIT = 1000  # requests remembered per worker
+
+
+class SeenRequest(NamedTuple):
+    """One inference request as it reached the worker (header names lower-cased)."""
+
+    path: str
+    headers: dict[str, str]
+    body: Any
+    rid: str
+    request_id: str
+    trace_id: str
+    room: int | None
+    faults: tuple[str, ...]
+    received_at: float  # time.monotonic()
+
+
+class _DropProtocolProbes(logging.Filter):
+    """The router's gRPC probe (HTTP/2 bytes) makes aiohttp log a 400 traceback; drop it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ == "BadHttpMessage")
+
+
+_server_log = logging.getLogger("traceproxy.sim.aiohttp")
+_server_log.addFilter(_DropProtocolProbes())
+
+
+def trace_id_of(traceparent: str) -> str:
+    parts = traceparent.split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
+
+
+class SimWorker:
+    def __init__(self, role: str, host: str = "127.0.0.1", port: int = 0, model: str = "sim-llama",
+                 prefill_tokens_per_s: float = 8000.0, decode_tokens_per_s: float = 100.0, default_faults=(), *,
+                 bootstrap_port: int = 0, bootstrap_timeout: float = 60.0, max_running_requests: int = 64,
+                 model_path: str | None = None, otlp_endpoint: str | None = None,
+                 prefill_url: str | None = None) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, not {role!r}")
+        if prefill_tokens_per_s <= 0 or decode_tokens_per_s <= 0:
+            raise ValueError("token rates must be positive")
+        self.role, self.host, self.port, self.model = role, host, port, model
+        self.prefill_tokens_per_s, self.decode_tokens_per_s = prefill_tokens_per_s, decode_tokens_per_s
+        self.faults = parse_faults(default_faults)
+        self.bootstrap_port = bootstrap_port
+        self.bootstrap_timeout = bootstrap_timeout
+        self.max_running_requests = max_running_requests
+        self.model_path = model_path
+        self.otlp_endpoint = otlp_endpoint
+        self.prefill_url = prefill_url  # decode: poll this prefill's /bootstrap, not the body's address
+        self.log = logging.getLogger(f"traceproxy.sim.{role}")
+        self.metrics = g.EngineMetrics(model)
+        self.rooms = Rooms()
+        self.idle_closes = 0
+        self._records: deque[SeenRequest] = deque(maxlen=RECORD_LIMIT)
+        self._idle_timers: dict[object, asyncio.TimerHandle] = {}  # per connection (aiohttp protocol)
+        self._idle_after: dict[object, float] = {}  # a request's own idle_close, for its connection
+        self._own_model_path = False
+        self._runner: web.AppRunner | None = None
+        self._bootstrap: BootstrapServer | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.tracing = None
+        self.stopping: asyncio.Event | None = None
+        self.let_go: asyncio.Event | None = None  # set: every held request is dropped
+        self.slots: asyncio.Semaphore | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> "SimWorker":
+        self.stopping = asyncio.Event()
+        self.let_go = asyncio.Event()
+        self.slots = asyncio.Semaphore(self.max_running_requests)
+        if self.model_path is None:
+            self.model_path, self._own_model_path = tempfile.mkdtemp(prefix="sim-sglang-model-"), True
+        self.tracing = make_tracing(self.role, self.otlp_endpoint)
+        self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=1.0, logger=_server_log)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        if self.role == "prefill":
+            self._bootstrap = await BootstrapServer(self.rooms, self.host, self.bootstrap_port).start()
+            self.bootstrap_port = self._bootstrap.port
+            register_local(self.advertised_host, self.bootstrap_port, self.rooms)
+        else:
+            self.session = aiohttp.ClientSession()
+        return self
+
+    async def stop(self) -> None:
+        if self.stopping is not None:
+            self.stopping.set()
+            self.let_go.set()  # held requests end before the runner waits for them
+        for timer in self._idle_timers.values():
+            timer.cancel()
+        self._idle_timers.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._bootstrap is not None:
+            unregister_local(self.advertised_host, self.bootstrap_port)
+            await self._bootstrap.stop()
+            self._bootstrap = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        if self.tracing is not None:
+            await self.tracing.shutdown()
+            self.tracing = None
+        if self._own_model_path:
+            shutil.rmtree(self.model_path, ignore_errors=True)
+
+    @property
+    def advertised_host(self) -> str:
+        return "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.advertised_host}:{self.port}"
+
+    @property
+    def bootstrap_url(self) -> str:
+        return f"http://{self.advertised_host}:{self.bootstrap_port}"
+
+    # -- what arrived (safe to read from any thread) ------------------------------------
+    @property
+    def requests(self) -> list[SeenRequest]:
+        return list(self._records)
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    def set_faults(self, specs) -> None:
+        self.faults = parse_faults(specs)
+
+    async def release_held(self) -> None:
+        """Drop every request a fault is holding (their connections close); later ones hold again."""
+        let_go, self.let_go = self.let_go, asyncio.Event()
+        let_go.set()
+
+    # -- the app -------------------------------------------------------------------------
+    def _app(self) -> web.Application:
+        app = web.Application(middlewares=[self._idle_close_middleware])
+        for path in ("/health", "/health_generate"):
+            app.router.add_get(path, self._health)
+        for path in ("/server_info", "/get_server_info"):
+            app.router.add_get(path, self._server_info)
+        for path in ("/model_info", "/get_model_info"):
+            app.router.add_get(path, self._model_info)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/get_load", self._load)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/admin/faults", self._get_faults)
+        app.router.add_post("/admin/faults", self._set_faults)
+        app.router.add_post("/admin/release", self._release)
+        if self.role == "prefill":
+            app.router.add_get("/bootstrap/{room}", poll_handler(self.rooms))
+        for path in INFERENCE_PATHS:
+            app.router.add_post(path, self._inference)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        info = {"disaggregation_mode": self.role, "tp_size": 1, "dp_size": 1, "model_path": self.model_path,
+                "tokenizer_path": self.model_path, "served_model_name": self.model, "is_generation": True,
+                "max_running_requests": self.max_running_requests, "version": "0.0.0-sim"}
+        if self.role == "prefill":
+            info["disaggregation_bootstrap_port"] = self.bootstrap_port
+        return web.json_response(info)
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                  "served_model_name": self.model, "is_generation": True})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "sglang", "root": self.model_path}]})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        gauges = self.metrics.gauges
+        return web.json_response([{"dp_rank": 0, "num_reqs": gauges[g.RUNNING] + gauges[g.QUEUED],
+                                   "num_waiting_reqs": gauges[g.QUEUED], "num_tokens": 0}])
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response({"faults": [str(f) for f in self.faults.values()]})
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        try:
+            payload = await request.json()
+            specs = payload["faults"]
+            if not isinstance(specs, list):
+                raise FaultError('"faults" must be a list of fault specs')
+            self.set_faults(specs)
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"expected {{\"faults\": [...]}}: {exc}"}, status=400)
+        self.log.info("%s worker faults now: %s", self.role, [str(f) for f in self.faults.values()] or "none")
+        return await self._get_faults(request)
+
+    async def _release(self, request: web.Request) -> web.Response:
+        await self.release_held()
+        return web.json_response({"released": True})
+
+    # -- inference ------------------------------------------------------------------------
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        received = time.monotonic()
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            request_faults = parse_faults(request_fault_specs(request.headers, body))
+        except ValueError as exc:  # FaultError and JSONDecodeError are ValueErrors
+            return web.json_response({"error": {"message": str(exc), "type": "BadRequest", "code": 400}}, status=400)
+        job = self._job(request, body, request_faults)
+        if "idle_close" in job.faults:
+            self._idle_after[request.protocol] = job.arg("idle_close")
+        self._record(job, received)
+        span = request_span(self.tracing, job) if self.tracing is not None else None
+        try:
+            return await serve(job)
+        except asyncio.CancelledError:
+            job.result = "client_gone" if job.result == "ok" else job.result
+            raise
+        except ConnectionError:
+            job.result = "client_gone" if job.result == "ok" else job.result
+            raise
+        finally:
+            job.stage.leave()
+            if job.result != "ok":
+                self.metrics.count("sglang:num_aborted_requests")
+            self._log_line(job, received)
+            end_request_span(span, job)
+
+    def _job(self, request: web.Request, body: dict, request_faults: dict) -> Job:
+        path = request.path
+        room = body.get("bootstrap_room")
+        room = room if isinstance(room, int) and not isinstance(room, bool) else None
+        bootstrap = None
+        if room is not None and isinstance(body.get("bootstrap_host"), str) and isinstance(
+                body.get("bootstrap_port"), int):
+            bootstrap = (body["bootstrap_host"], body["bootstrap_port"])
+        standalone = room is None
+        faults = {name: fault for name, fault in {**self.faults, **request_faults}.items()
+                  if applies(fault, self.role, standalone)}
+        reply = Reply(path, request_rid(body), self.model, prompt_tokens(path, body))
+        return Job(self, request, path, body, faults, reply, max_tokens(path, body), self.metrics.stage(),
+                   room=room, bootstrap=bootstrap)
+
+    def _record(self, job: Job, received: float) -> None:
+        headers: dict[str, str] = {}
+        for name, value in job.request.headers.items():
+            name = name.lower()
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        self._records.append(SeenRequest(
+            job.path, headers, job.body, job.reply.rid, headers.get("x-request-id", ""),
+            trace_id_of(headers.get("traceparent", "")), job.room, tuple(str(f) for f in job.faults.values()),
+            received))
+
+    def _log_line(self, job: Job, received: float) -> None:
+        headers = job.request.headers
+        self.log.info(
+            "%s %s rid=%s x-request-id=%s trace_id=%s room=%s faults=%s status=%s tokens=%d result=%s %.3fs",
+            self.role, job.path, job.reply.rid, headers.get("x-request-id", "-"),
+            trace_id_of(headers.get("traceparent", "")) or "-", job.room if job.room is not None else "-",
+            ",".join(str(f) for f in job.faults.values()) or "-", job.status, job.tokens, job.result,
+            time.monotonic() - received)
+
+    # -- idle_close --------------------------------------------------------------------------
+    @web.middleware
+    async def _idle_close_middleware(self, request: web.Request, handler):
+        protocol = request.protocol
+        timer = self._idle_timers.pop(protocol, None)
+        if timer is not None:
+            timer.cancel()
+        try:
+            return await handler(request)
+        finally:
+            after = self._idle_after.pop(protocol, None)
+            if after is None and "idle_close" in self.faults:
+                after = self.faults["idle_close"].arg
+            if after is not None and not self.stopping.is_set():
+                self._idle_timers[protocol] = asyncio.get_running_loop().call_later(
+                    max(float(after), 0.01), self._close_idle, protocol)
+
+    def _close_idle(self, protocol) -> None:
+        # Fires only if no request started on this connection since it was armed.
+        self._idle_timers.pop(protocol, None)
+        transport = getattr(protocol, "transport", None)
+        if transport is not None and not transport.is_closing():
+            self.idle_closes += 1
+            transport.close()

@@ -1,0 +1,172 @@
+"""Named faults for the simulated SGLang workers: the one table, and its parser.
+
+Theory of operation
+-------------------
+A fault is a name with an optional argument, written ``name[:arg]``, several
+joined with commas: ``decode_stall:3,idle_close:2``. ``FAULTS`` below is the single
+source of truth: the CLI help, the docs and the parser all read it.
+
+A worker has worker-wide faults (``--fault`` flags, ``POST /admin/faults``) and every
+request may add its own, which win over worker-wide faults of the same name. A
+request names its faults in the ``x-sim-fault`` header. sglang-router 0.3.2
+forwards only an allow-list of headers and re-serialises bodies into typed
+structs, so behind the router the header never arrives; what does survive is a
+top-level ``"sim_fault"`` field on ``/v1/completions`` and
+``"metadata": {"sim_fault": ...}`` on ``/v1/chat/completions``. On ``/generate``
+nothing does: use the worker-wide faults there.
+
+Every fault has a *home*: the PD role whose work it disturbs. A worker applies a
+fault when it is the fault's home, or when it is a decode worker serving a
+request on its own (no ``bootstrap_room``: it then does the prefill itself, so
+every fault applies). ``SimDeployment(faults=...)`` uses the home to send each
+fault to the right worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+FAULT_HEADER = "x-sim-fault"
+FAULT_FIELD = "sim_fault"
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    name: str
+    metavar: str | None  # the argument's name in help text, None when it takes none
+    convert: type | None  # int, float or str
+    default: object  # the argument when omitted
+    home: str  # "prefill", "decode" or "any"
+    meaning: str
+
+
+FAULTS: dict[str, FaultKind] = {kind.name: kind for kind in (
+    FaultKind("prefill_stall", None, None, None, "prefill",
+              "prefill never finishes: the request is held open, so through the router no response headers "
+              "reach the client"),
+    FaultKind("decode_stall", "N", int, 3, "decode",
+              "stop after N tokens (default 3) and leave the connection open"),
+    FaultKind("slow_first_token", "MS", float, 2000.0, "decode",
+              "wait MS milliseconds (default 2000) before the first token: a stall that resolves"),
+    FaultKind("pinned_request", None, None, None, "prefill",
+              "answer normally, but leave the request counted in num_prefill_inflight_queue_reqs forever "
+              "(a leaked KV-transfer slot; no work runs)"),
+    FaultKind("reset_mid_stream", "N", int, 3, "decode",
+              "abort the TCP connection (RST) after N tokens (default 3)"),
+    FaultKind("idle_close", "K", float, 5.0, "any",
+              "close a keep-alive connection once it has been idle K seconds (default 5)"),
+    FaultKind("malformed_sse", "KIND", str, "line", "decode",
+              "after one token, KIND line (default): an SSE event with truncated JSON, then a clean end "
+              "without [DONE]; KIND chunk: an invalid chunk-size line, then close"),
+    FaultKind("no_done", None, None, None, "decode",
+              "end the stream cleanly without data: [DONE] and without a finish reason"),
+)}
+
+MALFORMED_KINDS = ("line", "chunk")
+
+
+class FaultError(ValueError):
+    """A fault spec names an unknown fault or carries a bad argument."""
+
+
+class Fault(NamedTuple):
+    name: str
+    arg: object = None
+
+    def __str__(self) -> str:
+        return self.name if self.arg is None else f"{self.name}:{_format_arg(self.arg)}"
+
+    @property
+    def home(self) -> str:
+        return FAULTS[self.name].home
+
+
+def _format_arg(arg: object) -> str:
+    if isinstance(arg, float) and arg.is_integer():
+        return str(int(arg))
+    return str(arg)
+
+
+def parse_fault(spec: str) -> Fault:
+    """``"decode_stall:3"`` -> ``Fault("decode_stall", 3)``; defaults fill a missing argument."""
+    name, sep, raw = spec.strip().partition(":")
+    kind = FAULTS.get(name.strip())
+    if kind is None:
+        raise FaultError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    if kind.convert is None:
+        if sep:
+            raise FaultError(f"fault {kind.name} takes no argument, got {raw!r}")
+        return Fault(kind.name)
+    if not sep or not raw.strip():
+        return Fault(kind.name, kind.default)
+    try:
+        arg = kind.convert(raw.strip())
+    except ValueError:
+        raise FaultError(f"fault {kind.name}:{kind.metavar} needs a {kind.convert.__name__}, got {raw!r}") from None
+    if isinstance(arg, (int, float)) and arg < 0:
+        raise FaultError(f"fault {kind.name}: {kind.metavar} must not be negative, got {raw!r}")
+    if kind.name == "malformed_sse" and arg not in MALFORMED_KINDS:
+        raise FaultError(f"fault malformed_sse:KIND takes one of {MALFORMED_KINDS}, got {raw!r}")
+    return Fault(kind.name, arg)
+
+
+def parse_faults(specs: str | Iterable[str] | None) -> dict[str, Fault]:
+    """Comma-separated specs (a string, or several) -> {name: Fault}; the last of a name wins."""
+    if specs is None:
+        return {}
+    if isinstance(specs, str):
+        specs = [specs]
+    faults: dict[str, Fault] = {}
+    for spec in specs:
+        for part in str(spec).split(","):
+            if part.strip():
+                fault = parse_fault(part)
+                faults[fault.name] = fault
+    return faults
+
+
+def applies(fault: Fault, role: str, standalone: bool) -> bool:
+    """Whether a worker in ``role`` acts on ``fault`` (see the module docstring)."""
+    return fault.home in ("any", role) or (role == "decode" and standalone)
+
+
+def split_by_home(specs: str | Iterable[str] | None) -> dict[str, list[str]]:
+    """Deployment-wide specs -> {"prefill": [...], "decode": [...]}, by each fault's home."""
+    out: dict[str, list[str]] = {role: [] for role in ROLES}
+    for fault in parse_faults(specs).values():
+        for role in ROLES:
+            if fault.home in ("any", role):
+                out[role].append(str(fault))
+    return out
+
+
+def request_fault_specs(headers: Mapping[str, str], body: object) -> list[str]:
+    """The fault specs a request carries: header, ``sim_fault`` field, ``metadata.sim_fault``."""
+    specs = [headers.get(FAULT_HEADER, "")]
+    if isinstance(body, dict):
+        specs.append(body.get(FAULT_FIELD) or "")
+        metadata = body.get("metadata")
+        if isinstance(metadata, dict):
+            specs.append(metadata.get(FAULT_FIELD) or "")
+    return [spec for spec in specs if isinstance(spec, str) and spec.strip()]
+
+
+def fault_table() -> str:
+    """One line per fault, for ``--help``."""
+    lines = []
+    for kind in FAULTS.values():
+        usage = kind.name if kind.metavar is None else f"{kind.name}[:{kind.metavar}]"
+        lines.append(f"  {usage:<24} ({kind.home}) {kind.meaning}")
+    return "\n".join(lines)
+
+
+def fault_markdown() -> str:
+    """The same table as Markdown, for the docs."""
+    rows = ["| fault | acts on | meaning |", "|---|---|---|"]
+    for kind in FAULTS.values():
+        usage = kind.name if kind.metavar is None else f"{kind.name}[:{kind.metavar}]"
+        rows.append(f"| `{usage}` | {kind.home} | {kind.meaning} |")
+    return "\n".join(rows)

@@ -1,0 +1,279 @@
+"""One inference request on a simulated worker: its phases, pacing and faults.
+
+Theory of operation
+-------------------
+``serve(job)`` runs a request the way its worker's PD role would:
+
+* **prefill** (with a ``bootstrap_room``): arrive in the room, wait for the decode
+  peer to attach (prealloc queue), wait for a slot (queue), prefill for
+  ``prompt_tokens / prefill_tokens_per_s`` (running), mark the room ready and wait
+  for the decode side to take the KV cache (inflight queue), then answer with no
+  generated text: the router drains that answer and never shows it to the client.
+* **decode** (with a room): open the SSE response at once (as Starlette does), wait
+  for the prefill of the room (prealloc, then transfer queue), then decode
+  ``max_tokens`` tokens at ``decode_tokens_per_s`` (running).
+* **decode without a room** (a worker used on its own): prefill locally, then decode.
+
+The job is counted in exactly one SGLang gauge at a time (``Stage``). Faults act at
+fixed points: before prefill compute (``prefill_stall``), before token number N
+(``decode_stall``, ``reset_mid_stream``), before the first token
+(``slow_first_token``), after the first token (``malformed_sse``), at the end
+(``no_done``, ``pinned_request``). A held request waits until its client goes away
+(aiohttp cancels the handler), the worker stops or is told to let go
+(``POST /admin/release``), or ``HOLD_LIMIT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from . import gauges as g
+from .bootstrap import fetch_kv
+from .faults import Fault
+from .gauges import Stage
+from .shapes import Reply, sse, token_text
+
+if TYPE_CHECKING:
+    from .engine import SimWorker
+
+HOLD_LIMIT = 3600.0  # a held request is let go after an hour at most
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass
+class Job:
+    worker: "SimWorker"
+    request: web.Request
+    path: str
+    body: dict
+    faults: dict[str, Fault]
+    reply: Reply
+    max_tokens: int
+    stage: Stage
+    room: int | None = None
+    bootstrap: tuple[str, int] | None = None  # the prefill's bootstrap host and port
+    tokens: int = 0
+    status: int = 200
+    result: str = "ok"
+    events: list[str] = field(default_factory=list)  # milestones, for the span
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def arg(self, name: str):
+        fault = self.faults.get(name)
+        return None if fault is None else fault.arg
+
+    def has(self, name: str) -> bool:
+        return name in self.faults
+
+
+async def serve(job: Job) -> web.StreamResponse:
+    metrics = job.worker.metrics
+    metrics.count("sglang:num_requests")
+    metrics.count("sglang:prompt_tokens", job.reply.prompt_tokens)
+    if job.worker.role == "prefill":
+        return await _serve_prefill(job)
+    return await _serve_decode(job)
+
+
+# ----------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------
+async def _serve_prefill(job: Job) -> web.StreamResponse:
+    rooms = job.worker.rooms
+    room = rooms.get(job.room) if job.room is not None else None
+    timeout = job.worker.bootstrap_timeout
+    if room is not None:
+        rooms.update(room, prefill_arrived=True)
+        job.stage.enter(g.PREFILL_PREALLOC)
+        if not await rooms.wait_for(room, lambda r: r.attached, timeout):
+            rooms.update(room, failed=room.failed or "bootstrap timeout")
+            job.worker.metrics.count("sglang:num_bootstrap_failed_reqs")
+            return await _fail(job, None, f"no decode peer attached to room {job.room} within {timeout:g} s")
+    held = await _prefill_compute(job)
+    if held is not None:
+        return held
+    if room is not None:
+        rooms.update(room, ready=True)
+        job.stage.enter(g.PREFILL_INFLIGHT)
+        if not await rooms.wait_for(room, lambda r: r.taken, timeout):
+            rooms.update(room, failed=room.failed or "transfer timeout")
+            job.worker.metrics.count("sglang:num_transfer_failed_reqs")
+            return await _fail(job, None, f"KV cache of room {job.room} not taken within {timeout:g} s")
+    _maybe_pin(job)
+    if job.stream:
+        resp = await _open_stream(job)
+        await resp.write(sse(job.reply.final_event(0)))
+        await resp.write(sse("[DONE]"))
+        await resp.write_eof()
+        return resp
+    return web.json_response(job.reply.complete(0))
+
+
+async def _prefill_compute(job: Job) -> web.StreamResponse | None:
+    """Queue, then run prefill; returns a response only when the request was held."""
+    job.stage.enter(g.QUEUED)
+    async with job.worker.slots:
+        job.stage.enter(g.RUNNING)
+        if job.has("prefill_stall"):
+            return await _hold(job, None)
+        await asyncio.sleep(job.reply.prompt_tokens / job.worker.prefill_tokens_per_s)
+        job.events.append("prefill_done")
+    return None
+
+
+def _maybe_pin(job: Job) -> None:
+    if job.has("pinned_request"):
+        job.stage.pin(g.PREFILL_INFLIGHT)
+        job.events.append("pinned")
+
+
+# ----------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------
+async def _serve_decode(job: Job) -> web.StreamResponse:
+    resp = await _open_stream(job) if job.stream else None
+    if job.room is not None and job.bootstrap is not None:
+        error = await _wait_for_kv(job)
+        if error:
+            job.worker.metrics.count("sglang:num_transfer_failed_reqs")
+            return await _fail(job, resp, error)
+    else:
+        held = await _prefill_compute(job)
+        if held is not None:
+            return held
+    _maybe_pin(job)
+    job.stage.enter(g.QUEUED)
+    async with job.worker.slots:
+        job.stage.enter(g.RUNNING)
+        return await _decode(job, resp)
+
+
+async def _wait_for_kv(job: Job) -> str:
+    def on_state(state: str) -> None:
+        job.stage.enter(g.DECODE_PREALLOC if state == "waiting" else g.DECODE_TRANSFER)
+
+    host, port = job.bootstrap
+    error = await fetch_kv(job.worker.session, host, port, job.room, job.worker.bootstrap_timeout, on_state,
+                           prefill_url=job.worker.prefill_url)
+    if not error:
+        job.events.append("kv_transferred")
+    return error
+
+
+async def _decode(job: Job, resp: web.StreamResponse | None) -> web.StreamResponse:
+    stall_at, reset_at = job.arg("decode_stall"), job.arg("reset_mid_stream")
+    first_delay = (job.arg("slow_first_token") or 0.0) / 1000
+    pace = 1.0 / job.worker.decode_tokens_per_s
+    for n in range(job.max_tokens + 1):  # n tokens are out
+        if stall_at is not None and n >= stall_at:
+            return await _hold(job, resp)
+        if reset_at is not None and n >= reset_at:
+            return await _reset(job, resp)
+        if n == job.max_tokens:
+            break
+        await asyncio.sleep(pace + (first_delay if n == 0 else 0.0))
+        event = job.reply.token_event(token_text(n), n + 1)
+        job.tokens = n + 1
+        job.worker.metrics.count("sglang:generation_tokens")
+        if resp is not None:
+            await resp.write(sse(event))
+        if n == 0:
+            job.events.append("first_token")
+        if job.has("malformed_sse"):
+            return await _malformed(job, resp)
+    return await _finish(job, resp)
+
+
+async def _finish(job: Job, resp: web.StreamResponse | None) -> web.StreamResponse:
+    no_done = job.has("no_done")
+    if resp is None:
+        return web.json_response(job.reply.complete(job.tokens, None if no_done else "length"))
+    if not no_done:
+        await resp.write(sse(job.reply.final_event(job.tokens)))
+        await resp.write(sse("[DONE]"))
+    await resp.write_eof()
+    return resp
+
+
+# ----------------------------------------------------------------------------------
+# faults and failures
+# ----------------------------------------------------------------------------------
+async def _open_stream(job: Job) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await resp.prepare(job.request)
+    return resp
+
+
+async def _fail(job: Job, resp: web.StreamResponse | None, message: str, status: int = 503) -> web.StreamResponse:
+    job.status, job.result = status, "failed"
+    error = job.reply.error_event(message, status)
+    if resp is None:
+        return web.json_response(error, status=status)
+    await resp.write(sse(error))  # SGLang reports a failure inside a started stream like this
+    await resp.write(sse("[DONE]"))
+    await resp.write_eof()
+    return resp
+
+
+async def _hold(job: Job, resp: web.StreamResponse | None) -> web.StreamResponse:
+    """Send nothing more until the client leaves (the handler is cancelled), or the worker stops
+    or is told to let go (``POST /admin/release``)."""
+    job.result = "held"
+    let_go = job.worker.let_go
+    try:
+        await asyncio.wait_for(let_go.wait(), HOLD_LIMIT)
+    except asyncio.TimeoutError:
+        pass
+    return _drop(job, resp)
+
+
+async def _reset(job: Job, resp: web.StreamResponse | None) -> web.StreamResponse:
+    job.result = "reset"
+    transport = job.request.transport
+    if transport is not None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:  # linger 0: close() sends RST instead of FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        transport.abort()
+    # The connection is gone; aiohttp cancels this handler as soon as it notices.
+    await asyncio.sleep(1.0)
+    return _drop(job, resp)
+
+
+async def _malformed(job: Job, resp: web.StreamResponse | None) -> web.StreamResponse:
+    job.result = "malformed"
+    if job.arg("malformed_sse") == "chunk":
+        transport = job.request.transport
+        if transport is not None:
+            transport.write(b"zz\r\nnot a chunk\r\n")  # an invalid chunk-size line, under aiohttp's framing
+            transport.close()
+        await asyncio.sleep(1.0)
+        return _drop(job, resp)
+    event = json.dumps(job.reply.token_event("", job.tokens), separators=(",", ":"))
+    cut = event[: len(event) // 2].encode()  # JSON cut short
+    if resp is None:
+        return web.Response(body=cut, content_type="application/json")
+    await resp.write(b"data: " + cut + b"\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def _drop(job: Job, resp: web.StreamResponse | None) -> web.StreamResponse:
+    """Close the connection under a request that will never complete."""
+    transport = job.request.transport
+    if transport is not None:
+        transport.close()
+    return resp if resp is not None else web.Response(status=503)

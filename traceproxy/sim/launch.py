@@ -1,0 +1,310 @@
+"""Start a simulated PD deployment: prefill + decode workers, the real sglang-router, a faulty proxy.
+
+Theory of operation
+-------------------
+``SimDeployment`` starts, on the running event loop, a prefill and a decode
+``SimWorker`` (loopback, ephemeral ports), then, when asked, the real
+``python -m sglang_router.launch_router --pd-disaggregation`` as a child process in
+its own session (``RouterProcess``), then, when asked, a ``FaultyProxy`` in front of
+the router (or of the decode worker when there is no router). The router cannot
+bind port 0 and report it, so its ports are picked just before it starts (bind 0,
+read, release). It runs offline (``HF_HUB_OFFLINE=1``; the workers' ``model_path``
+is an empty directory, so it never fetches a tokenizer) and is ready when a warm-up
+``/generate`` goes through it to both workers; the workers' records are cleared
+after that. Stopping SIGTERMs the router's process group, then SIGKILLs it if it
+lingers; every wait is bounded.
+
+``run_deployment`` and ``run_worker`` are the ``traceproxy sim`` and
+``traceproxy sim worker`` commands: start, print one ``name URL`` line per
+listener, run until SIGINT/SIGTERM, stop everything started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import aiohttp
+
+from .engine import SimWorker
+from .faults import split_by_home
+from .faultyproxy import FaultyProxy
+
+STARTUP_TIMEOUT = 60.0
+STOP_WAIT = 5.0
+
+
+class RouterUnavailable(RuntimeError):
+    """sglang_router cannot be imported in this interpreter."""
+
+
+def router_importable() -> bool:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RouterProcess:
+    """``sglang_router.launch_router`` in PD mode, as a child in its own session."""
+
+    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, workdir: str, *,
+                 host: str = "127.0.0.1", port: int = 0, request_timeout: float = 60.0, log_level: str = "warn",
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.prefill_url, self.bootstrap_port, self.decode_url = prefill_url, bootstrap_port, decode_url
+        self.workdir, self.host = workdir, host
+        self.port = port or free_port(host)
+        self.prometheus_port = free_port(host)
+        self.request_timeout, self.log_level, self.extra_args = request_timeout, log_level, tuple(extra_args)
+        self.log_path = os.path.join(workdir, "router.log")
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", self.host, "--port", str(self.port),
+            "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
+            "--pd-disaggregation",
+            "--prefill", self.prefill_url, str(self.bootstrap_port),
+            "--decode", self.decode_url,
+            "--log-level", self.log_level,
+            # The workers are up first: these only bound how long a broken setup takes to fail.
+            "--worker-startup-timeout-secs", "30", "--worker-startup-check-interval", "1",
+            "--request-timeout-secs", str(max(1, int(self.request_timeout))),
+            "--shutdown-grace-period-secs", "1",
+            *self.extra_args,
+        ]
+
+    async def start(self, timeout: float = STARTUP_TIMEOUT) -> "RouterProcess":
+        if not router_importable():
+            raise RouterUnavailable("sglang_router is not importable (pip install sglang-router)")
+        t0 = time.monotonic()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1")
+        for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+            env.pop(name, None)  # the router traces only when told to with its own flags
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log_file,
+                                         stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                                         start_new_session=True)
+        try:
+            await self._wait_ready(t0 + timeout)
+        except BaseException:
+            await self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    async def _wait_ready(self, deadline: float) -> None:
+        """Until a /generate goes through the router (which needs both workers registered)."""
+        last = "no attempt yet"
+        body = json.dumps({"text": "warm-up", "sampling_params": {"max_new_tokens": 1}})
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100_000):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sglang-router exited with {self.proc.returncode}:\n{self.log_tail()}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    async with session.post(f"{self.url}/generate", data=body,
+                                            headers={"Content-Type": "application/json",
+                                                     "X-Request-ID": "sim-warmup"},
+                                            timeout=aiohttp.ClientTimeout(total=min(10.0, remaining))) as resp:
+                        text = await resp.read()
+                        if resp.status == 200:
+                            return
+                        last = f"HTTP {resp.status}: {text[:200]!r}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    last = repr(exc)
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"sglang-router not ready in time (last: {last}):\n{self.log_tail()}")
+
+    async def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not _signal_group(proc.pid, sig):
+                break
+            if await _wait_exit(proc, STOP_WAIT):
+                break
+        _signal_group(proc.pid, signal.SIGKILL)  # stragglers left in the group after the leader exited
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                text = f.read()[-20000:].decode(errors="replace")
+        except OSError:
+            return "(no router log)"
+        text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # it colours its log even into a file
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal the router's own process group (start_new_session: its pid is the group id)."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return True
+        await asyncio.sleep(0.05)
+    return proc.poll() is not None
+
+
+class SimDeployment:
+    """``async with SimDeployment(router=True, faults=(), faulty_proxy=False) as dep: ...``
+
+    ``faults`` (specs like ``"decode_stall:3"``) go to the worker each fault disturbs
+    (its home role, see ``faults.py``). Attributes once started: ``prefill``,
+    ``decode`` (``SimWorker``), ``router`` (``RouterProcess`` or None),
+    ``router_url``, ``faulty_proxy`` and ``faulty_proxy_url`` (None when not asked for).
+    """
+
+    def __init__(self, router: bool = True, faults=(), faulty_proxy: bool = False, *, host: str = "127.0.0.1",
+                 prefill_port: int = 0, decode_port: int = 0, router_port: int = 0, bootstrap_port: int = 0,
+                 hang_after: int | tuple[int, int] = (1, 3), seed: int | None = None, model: str = "sim-llama",
+                 prefill_tokens_per_s: float = 8000.0, decode_tokens_per_s: float = 100.0,
+                 otlp_endpoint: str | None = None, router_args: tuple[str, ...] = (), router_log_level: str = "warn",
+                 request_timeout: float = 60.0, startup_timeout: float = STARTUP_TIMEOUT) -> None:
+        self.want_router, self.want_faulty_proxy = router, faulty_proxy
+        self.host, self.router_port = host, router_port
+        self.hang_after, self.seed = hang_after, seed
+        self.router_args, self.router_log_level = tuple(router_args), router_log_level
+        self.request_timeout, self.startup_timeout = request_timeout, startup_timeout
+        self.workdir = ""
+        by_home = split_by_home(faults)
+        common = dict(host=host, model=model, prefill_tokens_per_s=prefill_tokens_per_s,
+                      decode_tokens_per_s=decode_tokens_per_s, otlp_endpoint=otlp_endpoint)
+        self.prefill = SimWorker("prefill", port=prefill_port, default_faults=by_home["prefill"],
+                                 bootstrap_port=bootstrap_port, **common)
+        self.decode = SimWorker("decode", port=decode_port, default_faults=by_home["decode"], **common)
+        self.router: RouterProcess | None = None
+        self.faulty_proxy: FaultyProxy | None = None
+
+    @property
+    def router_url(self) -> str | None:
+        return self.router.url if self.router is not None else None
+
+    @property
+    def faulty_proxy_url(self) -> str | None:
+        return self.faulty_proxy.url if self.faulty_proxy is not None else None
+
+    def urls(self) -> list[tuple[str, str]]:
+        """(name, URL) of every listener: prefill, decode, router, faulty-proxy, bootstrap."""
+        out = [("prefill", self.prefill.url), ("decode", self.decode.url)]
+        if self.router is not None:
+            out.append(("router", self.router.url))
+        if self.faulty_proxy is not None:
+            out.append(("faulty-proxy", self.faulty_proxy.url))
+        out.append(("bootstrap", self.prefill.bootstrap_url))  # the prefill's KV bootstrap listener
+        return out
+
+    async def start(self) -> "SimDeployment":
+        if self.want_router and not router_importable():
+            raise RouterUnavailable("sglang_router is not importable (pip install sglang-router)")
+        self.workdir = tempfile.mkdtemp(prefix="traceproxy-sim-")
+        model_path = os.path.join(self.workdir, "model")  # exists, holds no tokenizer
+        os.mkdir(model_path)
+        try:
+            for worker in (self.prefill, self.decode):
+                worker.model_path = model_path
+                await worker.start()
+            if self.want_router:
+                self.router = RouterProcess(self.prefill.url, self.prefill.bootstrap_port, self.decode.url,
+                                            self.workdir, host=self.host, port=self.router_port,
+                                            request_timeout=self.request_timeout, log_level=self.router_log_level,
+                                            extra_args=self.router_args)
+                await self.router.start(self.startup_timeout)
+                self.prefill.clear()
+                self.decode.clear()
+            if self.want_faulty_proxy:
+                upstream = self.router.url if self.router is not None else self.decode.url
+                self.faulty_proxy = await FaultyProxy(upstream, self.hang_after, host=self.host,
+                                                      seed=self.seed).start()
+            return self
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        if self.faulty_proxy is not None:
+            await self.faulty_proxy.stop()
+            self.faulty_proxy = None
+        if self.router is not None:
+            await self.router.stop()
+            self.router = None
+        for worker in (self.prefill, self.decode):
+            await worker.stop()
+        if self.workdir and not os.environ.get("TRACEPROXY_SIM_KEEP"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = ""
+
+    async def __aenter__(self) -> "SimDeployment":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+
+# ----------------------------------------------------------------------------------
+# The commands
+# ----------------------------------------------------------------------------------
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def run_deployment(deployment: SimDeployment) -> int:
+    async with deployment:
+        for name, url in deployment.urls():
+            print(f"{name} {url}", flush=True)
+        await _until_signalled()
+    return 0
+
+
+async def run_worker(worker: SimWorker) -> int:
+    await worker.start()
+    try:
+        print(f"{worker.role} {worker.url}", flush=True)
+        if worker.role == "prefill":
+            print(f"bootstrap {worker.bootstrap_url}", flush=True)
+        await _until_signalled()
+    finally:
+        await worker.stop()
+    return 0
