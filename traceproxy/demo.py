@@ -1,19 +1,23 @@
-"""``traceproxy demo``: the quick start, with nothing else installed or running.
+"""``traceproxy demo``: the quick start, with nothing else running.
 
-Starts the built-in upstream and the proxy on free loopback ports in this process,
-then plays a short multi-turn streaming conversation on one keep-alive connection,
-lets the upstream close its idle connections between turns (the race that hangs
-naive proxies), and finally asks for a response from an upstream that is down.
-Prints each turn with the proxy's outcome code and what happened to the pooled
-upstream connection.
+Starts the simulated SGLang prefill and decode workers (behind the real SGLang router
+in PD mode when ``sglang-router`` is installed), traceproxy in front with spans to the
+local file, and the repro harness; then injects one named fault at a time and prints
+each fault against the verdict traceproxy gave, with the trace ids, and where the
+spans and the access log are. Everything it starts it stops; it takes well under a
+minute.
+
+The last scenario is the story traceproxy was born from: a faulty client-side proxy
+that stops forwarding on reused keep-alive connections. The harness hangs, and the
+verdict is that the request never reached traceproxy: the hang is in front of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
+import importlib.util
 import time
+from dataclasses import dataclass
 
 import uvloop
 
@@ -21,121 +25,124 @@ from .app import ProxyServer
 from .config import default_settings
 from .lifecycle.hooks import Fanout
 from .lifecycle.timeline import RequestRecord
-from .sim.fast import FastUpstream
+from .repro.harness import run_repro
+from .sim.faultyproxy import FaultyProxy
+from .sim.launch import SimDeployment
 
-TURNS = 6
-SLOW_TURN = 5  # prefill takes 1.2 s while the first_byte stall threshold is 0.5 s
 SPANS = "traceproxy-data/spans.jsonl"
 ACCESS_LOG = "traceproxy-data/access.log"
+TURN_TIMEOUT = 2.5
 
 
-class _Collect:
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: str | None  # a sim fault spec, set on the worker it acts on
+    role: str  # "prefill" or "decode"
+    expected: str  # the verdict we expect traceproxy to give
+    needs_router: bool = False
+    through_faulty_proxy: bool = False
+
+
+SCENARIOS = (
+    Scenario("healthy turns on reused connections", None, "decode", "OK"),
+    Scenario("prefill never finishes", "prefill_stall", "prefill", "FBS engine", needs_router=True),
+    Scenario("decode stops after 3 tokens", "decode_stall:3", "decode", "MSS engine"),
+    Scenario("stream ends without [DONE]", "no_done", "decode", "NDN engine"),
+    Scenario("decode resets mid-stream", "reset_mid_stream:3", "decode", "UC engine"),
+    Scenario("faulty proxy in front, reused conns", None, "decode", "never reached the proxy",
+             through_faulty_proxy=True),
+)
+
+
+class _Outcomes:
+    """Every finished request's outcome, by the request id the harness sent."""
+
     def __init__(self) -> None:
-        self.done: list[RequestRecord] = []
+        self.by_request_id: dict[str, RequestRecord] = {}
 
-    def on_done(self, record):
-        self.done.append(record)
+    def on_done(self, record: RequestRecord) -> None:
+        self.by_request_id[record.request_id] = record
 
 
-async def _turn(reader, writer, body: dict, ttft_ms: int = 0) -> tuple[int, int, bool]:
-    payload = json.dumps(body).encode()
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: demo\r\nContent-Type: application/json\r\n"
-                 b"x-fake-ttft-ms: %d\r\nContent-Length: %d\r\n\r\n%s" % (ttft_ms, len(payload), payload))
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    status = int(head.split(b" ")[1])
-    events, done = 0, False
-    while True:
-        size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), 10)).split(b";")[0], 16)
-        data = await reader.readexactly(size + 2)
-        if size == 0:
-            return status, events, done
-        events += data.count(b"data: ")
-        done = done or b"data: [DONE]" in data
+def _verdict(result, outcomes: _Outcomes) -> tuple[str, str]:
+    """(what traceproxy said, trace id) for the first turn that did not end OK."""
+    for turn in result.records:
+        record = outcomes.by_request_id.get(turn.request_id)
+        if turn.result == "hung" and turn.diagnosis is not None:
+            d = turn.diagnosis
+            if d.kind == "in_flight":
+                return f"{d.outcome} {d.blame}", d.trace_id or turn.trace_id or "-"
+            if d.kind == "not_reached":
+                return "never reached the proxy", "-"
+            return d.kind.replace("_", " "), turn.trace_id or "-"
+        if record is not None and not record.outcome.is_ok:
+            return f"{record.outcome.code} {record.outcome.blame.value}", "%032x" % record.trace_id
+        if turn.result != "ok" and record is None:
+            return turn.result, turn.trace_id or "-"
+    last = result.records[-1] if result.records else None
+    trace = last.trace_id if last is not None and last.trace_id else "-"
+    return ("OK" if result.exit_code == 0 else "failed"), trace
+
+
+async def _run_scenario(scenario: Scenario, dep: SimDeployment, proxy: ProxyServer, outcomes: _Outcomes,
+                        has_router: bool) -> tuple[str, str]:
+    if scenario.needs_router and not has_router:
+        return "skipped (needs sglang-router)", "-"
+    worker = dep.prefill if scenario.role == "prefill" else dep.decode
+    worker.set_faults([scenario.fault] if scenario.fault else [])
+    faulty = None
+    url = f"http://127.0.0.1:{proxy.port}"
+    if scenario.through_faulty_proxy:
+        faulty = await FaultyProxy(url, hang_after=1, seed=1).start()
+        url = faulty.url
+    try:
+        result = await asyncio.to_thread(
+            run_repro, url, f"127.0.0.1:{proxy.admin_port}", 1, 3, TURN_TIMEOUT, "reused", None, max_tokens=6)
+        await asyncio.sleep(0.3)  # the last request's outcome reaches the observers
+        return _verdict(result, outcomes)
+    finally:
+        worker.set_faults([])
+        await dep.prefill.release_held()
+        await dep.decode.release_held()
+        if faulty is not None:
+            await faulty.stop()
 
 
 async def _demo() -> int:
-    collect = _Collect()
-    up = await FastUpstream(idle_close_after=0.3).start()
-    settings = default_settings().replace(**{
-        "listen": "127.0.0.1:0", "admin": "off", "upstream": up.url,
-        "tracing.exporter": "file", "tracing.file_path": SPANS, "access_log.path": ACCESS_LOG,
-        "stall.first_byte": 0.5,
-    })
-    proxy = ProxyServer(settings, Fanout([collect]))
-    await proxy.start()
-    print(f"built-in upstream: {up.url}   (closes idle connections after 0.3 s)")
-    print(f"traceproxy:        http://127.0.0.1:{proxy.port}\n")
-    print(f"{'turn':>4}  {'status':>6}  {'events':>6}  {'[DONE]':>6}  {'outcome':>7}  upstream connection")
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    messages = [{"role": "user", "content": "hello"}]
-    failures = 0
-    for turn in range(1, TURNS + 1):
-        body = {"model": "demo", "stream": True, "max_tokens": 8, "messages": messages}
-        slow = turn == SLOW_TURN
-        status, events, done = await _turn(reader, writer, body, ttft_ms=1200 if slow else 0)
-        record = collect.done[-1]
-        failures += status != 200 or not done
-        note = f"  <- slow prefill: {_stalls(record)}" if slow else ""
-        print(f"{turn:>4}  {status:>6}  {events:>6}  {str(done):>6}  {record.outcome.code:>7}  {_ledger(record)}{note}")
-        messages.append({"role": "assistant", "content": "tok " * 8})
-        messages.append({"role": "user", "content": f"turn {turn + 1}"})
-        await asyncio.sleep(0.4 if turn % 2 else 0.05)
-    writer.close()
-    await _down_upstream_turn(collect)
-    await proxy.shutdown(grace=1)
-    await up.stop()
-    print(f"\n{TURNS - failures}/{TURNS} turns complete on one client connection; "
-          f"stale pooled connections resent: {proxy.ctx.pool.stats['stale_retried']}")
-    print(f"spans (OTLP/JSON lines): {SPANS}\naccess log (JSON lines): {ACCESS_LOG}")
-    return 1 if failures else 0
+    has_router = importlib.util.find_spec("sglang_router") is not None
+    outcomes = _Outcomes()
+    async with SimDeployment(router=has_router, request_timeout=20) as dep:
+        upstream = dep.router_url or dep.decode.url
+        settings = default_settings().replace(**{
+            "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream,
+            "tracing.exporter": "file", "tracing.file_path": SPANS, "access_log.path": ACCESS_LOG,
+            "stall.first_byte": 1.0, "stall.stream_gap": 1.0,
+        })
+        proxy = ProxyServer(settings, Fanout([outcomes]))
+        await proxy.start()
+        behind = "the SGLang router (PD mode) in front of" if has_router else "(sglang-router not installed)"
+        print(f"simulated engine: prefill {dep.prefill.url}, decode {dep.decode.url}")
+        print(f"traceproxy:       http://127.0.0.1:{proxy.port} -> {upstream} {behind} the workers\n")
+        rows, mismatches = [], 0
+        for scenario in SCENARIOS:
+            verdict, trace_id = await _run_scenario(scenario, dep, proxy, outcomes, has_router)
+            matches = verdict == scenario.expected or verdict.startswith("skipped")
+            mismatches += not matches
+            rows.append((scenario.name, scenario.fault or "-", scenario.expected, verdict,
+                         "yes" if matches else "NO", trace_id))
+        await proxy.shutdown(grace=1)
+    _print_table(rows)
+    print(f"\nspans (OTLP/JSON lines): {SPANS}\naccess log (JSON lines): {ACCESS_LOG}")
+    print("look one up: traceproxy diagnose <trace id>")
+    return 1 if mismatches else 0
 
 
-async def _down_upstream_turn(collect: _Collect) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead_port = probe.getsockname()[1]
-    settings = default_settings().replace(**{
-        "listen": "127.0.0.1:0", "admin": "off", "upstream": f"http://127.0.0.1:{dead_port}",
-        "tracing.exporter": "off", "access_log.path": ACCESS_LOG,
-    })
-    proxy = ProxyServer(settings, Fanout([collect]))
-    await proxy.start()
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: demo\r\nConnection: close\r\n\r\n")
-    raw = await asyncio.wait_for(reader.read(), 10)
-    writer.close()
-    record = collect.done[-1]
-    status_line = raw.split(b"\r\n", 1)[0].decode()
-    body = raw.split(b"\r\n\r\n", 1)[1].decode()
-    print(f"\nupstream down: {status_line}, outcome {record.outcome.code} "
-          f"(blame {record.outcome.blame.value}): {record.error}")
-    print(f"  body: {body}")
-    await proxy.shutdown(grace=0)
-
-
-def _stalls(record: RequestRecord) -> str:
-    if not record.stalls:
-        return "no stall"
-    parts = []
-    for entry in record.stalls:
-        state = (f"resolved after {(entry.resolved_ns - entry.since_ns) / 1e9:.1f} s" if entry.resolved_ns
-                 else "unresolved")
-        parts.append(f"stall {entry.code} ({entry.phase.replace('_', ' ')}), {state}")
-    return "; ".join(parts)
-
-
-def _ledger(record: RequestRecord) -> str:
-    parts = []
-    for attempt in record.attempts:
-        conn = attempt.connection
-        if conn is None:
-            parts.append("none")
-            continue
-        kind = f"reused #{conn.id} (idle {attempt.idle_age_ns / 1e9:.2f} s)" if attempt.reused else f"new #{conn.id}"
-        if attempt.outcome is not None:
-            kind += f" -> {attempt.outcome.code}, resent"
-        parts.append(kind)
-    return "; ".join(parts)
+def _print_table(rows) -> None:
+    header = ("scenario", "injected fault", "expected", "traceproxy said", "match", "trace id")
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    for row in (header, tuple("-" * w for w in widths), *rows):
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def run_demo() -> int:
