@@ -305,3 +305,27 @@ def test_repro_imports_only_h11_the_lifecycle_and_the_standard_library():
                 ok = root in ("__future__", "h11") or root in sys.stdlib_module_names or name.startswith(
                     "traceproxy.lifecycle")
                 assert ok, f"{path.name} imports {name}"
+
+
+def test_faulty_proxy_mode_hangs_reused_connections_only_and_the_harness_says_where(fast_upstream, start_proxy,
+                                                                                    loop_thread):
+    """The original story: a client-side proxy that stops forwarding on reused
+    keep-alive connections. Fresh connections stay healthy; the hang is in front of
+    traceproxy, and the harness says so."""
+    from traceproxy.repro.harness import run_repro
+    from traceproxy.sim.faultyproxy import FaultyProxy
+
+    proxy = start_proxy(fast_upstream().url)
+    faulty = loop_thread.run(FaultyProxy(f"http://127.0.0.1:{proxy.port}", hang_after=1, seed=3).start())
+    try:
+        result = run_repro(faulty.url, f"127.0.0.1:{proxy.admin_port}", conversations=2, turns=3,
+                           turn_timeout=1.5, mode="both")
+    finally:
+        loop_thread.run(faulty.stop())
+    reused = [r for r in result.records if r.mode == "reused"]
+    fresh = [r for r in result.records if r.mode == "fresh"]
+    assert fresh and all(r.result == "ok" for r in fresh)
+    hung = [r for r in reused if r.result == "hung"]
+    assert hung and all(r.connection_use >= 2 for r in hung)
+    assert all(r.diagnosis is not None and r.diagnosis.kind == "not_reached" for r in hung)
+    assert result.exit_code == 1
