@@ -9,6 +9,7 @@ import pytest
 from traceproxy.config import (
     SCHEMA,
     ConfigError,
+    Engines,
     Forwarding,
     HostPort,
     Limits,
@@ -391,7 +392,8 @@ def test_schema_matches_the_settings_dataclasses():
         return [f.name for f in dataclasses.fields(cls)]
 
     sections = {"timeouts": Timeouts, "pool": Pool, "limits": Limits, "forwarding": Forwarding,
-                "request_id": RequestIds, "tracing": Tracing, "stall": Stall, "access_log": AccessLog}
+                "request_id": RequestIds, "tracing": Tracing, "stall": Stall, "access_log": AccessLog,
+                "engines": Engines}
     assert [s.key for s in SCHEMA if not s.section] == [n for n in fields(Settings) if n not in sections]
     for name, cls in sections.items():
         assert [s.key for s in SCHEMA if s.section == name] == fields(cls)
@@ -428,7 +430,7 @@ def test_shipped_config_file_loads_to_the_defaults():
 def test_rendered_default_sets_nothing_but_names_every_key_with_its_meaning():
     text = render_default_toml()
     assert tomllib.loads(text) == {"timeouts": {}, "pool": {}, "limits": {}, "forwarding": {}, "request_id": {},
-                                   "tracing": {}, "stall": {}, "access_log": {}}
+                                   "tracing": {}, "stall": {}, "access_log": {}, "engines": {}}
     assert "flags" in text and "TRACEPROXY_" in text
     comments = re.sub(r"\n# ", " ", text)
     for setting in SCHEMA:

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from . import __version__
 from .lifecycle.stall import StallThresholds
-from .observe.inflight import inflight_view
+from .observe.inflight import engines_view, inflight_view
 from .observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .proxy.context import ServerContext
 
@@ -19,8 +19,10 @@ def _dumps(value) -> str:
     return json.dumps(value, indent=1)
 
 
-def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=None) -> web.Application:
-    """``metrics`` is a ``ProxyMetrics``; without one there is no ``/metrics`` route."""
+def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=None,
+                    engines=None) -> web.Application:
+    """``metrics`` is a ``ProxyMetrics``; without one there is no ``/metrics`` route.
+    ``engines`` is an ``EngineScraper`` or None (then ``/debug/inflight`` is as before)."""
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response(
@@ -41,9 +43,9 @@ def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=
     async def inflight(_request: web.Request) -> web.Response:
         now = time.monotonic_ns()
         thresholds = watchdog.thresholds if watchdog is not None else StallThresholds()
-        requests = inflight_view(list(ctx.in_flight.values()), now, thresholds)
-        return web.json_response({"pid": os.getpid(), "count": len(requests), "requests": requests},
-                                 dumps=_dumps)
+        requests = inflight_view(list(ctx.in_flight.values()), now, thresholds, engines)
+        return web.json_response({"pid": os.getpid(), "count": len(requests), "requests": requests,
+                                  **engines_view(engines, now, requests)}, dumps=_dumps)
 
     async def prometheus(_request: web.Request) -> web.Response:
         return web.Response(body=metrics.render().encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE})

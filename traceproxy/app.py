@@ -78,6 +78,7 @@ class ProxyServer:
         self.tracing = None  # TracingObserver when tracing is on
         self.watchdog: Watchdog | None = None
         self.metrics: ProxyMetrics | None = None
+        self.engines = None  # EngineScraper when [engines] metrics_urls is set
         self._server: asyncio.base_events.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self.admin_port: int | None = None
@@ -89,6 +90,7 @@ class ProxyServer:
         self.ctx = ServerContext(self.settings, self.fanout)
         self._start_watchdog()
         self._start_metrics()
+        self._start_engines()
         listen = self.settings.listen
         self._server = await loop.create_server(
             lambda: ClientConnection(self.ctx),
@@ -143,8 +145,28 @@ class ProxyServer:
         self.watchdog.listeners.append(self.metrics)
         self.ctx.connection_closed_listeners.append(self.metrics.on_client_connection_closed)
 
+    def _start_engines(self) -> None:
+        """The engine scraper, only when metrics URLs are configured: otherwise nothing
+        starts and nothing is added to any path."""
+        engines = self.settings.engines
+        if not engines.metrics_urls:
+            return
+        from .observe.engines import EngineScraper
+
+        self.engines = EngineScraper(engines.metrics_urls, self.ctx.in_flight.values,
+                                     interval=engines.scrape_interval, timeout=engines.scrape_timeout,
+                                     orphan_after=engines.orphan_after)
+        # Readers of the latest gauges: a dict lookup each, never a scrape.
+        self.metrics.engines = self.engines
+        for listener in self.watchdog.listeners:
+            if isinstance(listener, StallLog):
+                listener.engines = self.engines
+        if self.tracing is not None:
+            self.tracing.engine_summary = self.engines.summary
+        self.engines.start()
+
     async def _start_admin(self) -> None:
-        admin_app = build_admin_app(self.ctx, self.started_ns, self.watchdog, self.metrics)
+        admin_app = build_admin_app(self.ctx, self.started_ns, self.watchdog, self.metrics, self.engines)
         self._admin_runner = web.AppRunner(admin_app, access_log=None)
         await self._admin_runner.setup()
         admin = self.settings.admin
@@ -170,6 +192,8 @@ class ProxyServer:
             conn.close()
         ctx.pool.close_all()
         self.watchdog.stop()
+        if self.engines is not None:
+            await self.engines.stop()
         if self.span_export is not None:
             await self.span_export.stop(timeout=5.0)
         if self._admin_runner is not None:

@@ -122,6 +122,14 @@ class AccessLog:
 
 
 @dataclass(frozen=True)
+class Engines:
+    metrics_urls: tuple[str, ...]  # empty: the scraper does not start
+    scrape_interval: float
+    scrape_timeout: float
+    orphan_after: float
+
+
+@dataclass(frozen=True)
 class Settings:
     listen: HostPort
     upstream: UpstreamURL
@@ -136,6 +144,9 @@ class Settings:
     tracing: Tracing
     stall: Stall
     access_log: AccessLog
+    # A default so code that builds Settings by hand (tests) keeps working; it must equal
+    # the [engines] schema defaults below (off: no URLs).
+    engines: Engines = Engines(metrics_urls=(), scrape_interval=5.0, scrape_timeout=2.0, orphan_after=30.0)
 
     def replace(self, **dotted_overrides: Any) -> Settings:
         """A copy with some keys changed, e.g. replace(**{"timeouts.connect": 1.0}); validated like any source."""
@@ -290,6 +301,22 @@ def header_names() -> Kind:
         return names
 
     return Kind(parse, 'one or more header names, e.g. ["x-request-id", "x-correlation-id"]', "NAMES")
+
+
+def http_urls() -> Kind:
+    """Zero or more http:// URLs with any path, comma-separated in a flag or env var, a list in TOML."""
+
+    def parse(raw: Any) -> tuple[str, ...]:
+        items = list(raw) if isinstance(raw, (list, tuple)) else [i for i in _str(raw).split(",") if i.strip()]
+        urls = tuple(_str(item).strip() for item in items)
+        for url in urls:
+            scheme, sep, rest = url.partition("://")
+            if scheme.lower() != "http" or not sep:
+                raise _Rejected(f"{url!r} is not an http:// URL")
+            _split_host_port(rest.partition("/")[0], default_port=80, min_port=1)
+        return urls
+
+    return Kind(parse, 'a list of http:// URLs, e.g. ["http://127.0.0.1:30000/metrics"]', "URLS")
 
 
 def choice(*options: str) -> Kind:
@@ -447,6 +474,14 @@ SCHEMA: tuple[Setting, ...] = (
             "Stall kinds that abort even when action is observe, e.g. [\"first_byte\", \"stream_gap\"]."),
     Setting("access_log", "path", text(), "-",
             "One JSON line per finished request: - for stdout, a file path, or empty to turn it off."),
+    Setting("engines", "metrics_urls", http_urls(), [],
+            "Prometheus /metrics URLs of the router and the prefill and decode workers; when empty "
+            "nothing is scraped and nothing is correlated."),
+    Setting("engines", "scrape_interval", seconds(), 5.0, "Seconds between scrapes of every metrics URL."),
+    Setting("engines", "scrape_timeout", seconds(), 2.0,
+            "A scrape that takes longer fails (counted and shown); proxying never waits for it."),
+    Setting("engines", "orphan_after", seconds(), 30.0,
+            "Engine work that no proxied request explains for this long is reported as an orphan (EOR)."),
 )
 
 _SECTIONS: dict[str, tuple[type, str]] = {
@@ -458,6 +493,7 @@ _SECTIONS: dict[str, tuple[type, str]] = {
     "stall": (Stall, "Stall detection: how long a wait may last before the watchdog reports it, in seconds "
               "(0 = off). Stalls are verdicts on live requests; the hard limits are under [timeouts]."),
     "access_log": (AccessLog, "The access log."),
+    "engines": (Engines, "Correlation with the engines: their /metrics gauges, scraped in the background."),
     "tracing": (Tracing, "OpenTelemetry tracing. The standard OTEL_* environment variables apply "
                 "where a key is left empty."),
 }

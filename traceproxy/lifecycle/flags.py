@@ -148,6 +148,23 @@ class Flag:
         "Upstream bytes arrived and were not written to the client, whose transport is not paused.",
         504,
     )
+    # -- engine correlation (``correlation``): verdicts from comparing the proxy's view
+    #    with the engines' /metrics. Never a finished request's outcome, never a local reply.
+    EOR = Outcome(
+        "EOR", "engine_orphan", Blame.ENGINE,
+        "The engines report requests in flight that no proxied request explains, for longer than "
+        "engines.orphan_after (a leaked queue slot or abandoned work); no client request is blamed.",
+    )
+    LST = Outcome(
+        "LST", "lost_before_engine", Blame.UNKNOWN,
+        "A request waits for its response head while the engines report nothing queued or running: "
+        "it was lost between the proxy and the engines, in the router or the network.",
+    )
+    ESL = Outcome(
+        "ESL", "engine_slow", Blame.ENGINE,
+        "A request waits at a phase while the engines report requests in flight at that phase: "
+        "the engines have the work and are slow with it.",
+    )
     # -- how a response ended, checked at the end
     NDN = Outcome(
         "NDN", "stream_without_done", Blame.ENGINE,

@@ -3,6 +3,13 @@
 Read by ``GET /debug/inflight`` and ``traceproxy top``. Built from the records
 the proxy keeps anyway; asking costs one pass over the in-flight requests and
 nothing when nobody asks.
+
+With the engine scraper on (``[engines] metrics_urls``), each entry also gets a
+``correlation`` (the engines' side of its wait: ``ESL`` engine slow, ``LST`` lost
+before the engine, or None) and the view gets ``engines`` (latest gauges per URL)
+and a top-level ``correlation`` (engine vs proxy counts, the orphan state). Both
+read the scraper's last values; nothing here waits for an engine. The watchdog's
+verdicts are not changed by any of this.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ def _age(now: int, stamp: int | None) -> float | None:
     return None if stamp is None else round((now - stamp) / 1e9, 3)
 
 
-def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds) -> dict:
+def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds, engines=None) -> dict:
     judgement = judge(record, now, thresholds)
     attempt = record.attempt
     conn = attempt.connection if attempt is not None else None
@@ -46,6 +53,7 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds)
         "upstream_reused": attempt.reused if conn is not None else None,
         "attempts": len(record.attempts),
         "verdict": None,
+        "correlation": None,
         "stalls": [{"outcome": e.code, "phase": e.phase, "resolved": e.resolved_ns is not None}
                    for e in record.stalls],
     }
@@ -59,10 +67,32 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds)
             "stall_after_s": getattr(thresholds, found.threshold) or None,
             "stalled": judgement.stalled,
         }
+        if engines is not None:
+            entry["correlation"] = _correlation(engines, record, found)
     return entry
 
 
-def inflight_view(records: Iterable[RequestRecord], now: int, thresholds: StallThresholds) -> list[dict]:
-    entries = [inflight_entry(r, now, thresholds) for r in records if not r.finished]
+def _correlation(engines, record: RequestRecord, found) -> dict | None:
+    outcome = engines.correlate(record, found.phase, found.since_ns)
+    if outcome is None:
+        return None
+    return {"outcome": outcome.code, "name": outcome.name, "blame": outcome.blame.value,
+            "engine_in_flight": engines.engine_work()}
+
+
+def inflight_view(records: Iterable[RequestRecord], now: int, thresholds: StallThresholds,
+                  engines=None) -> list[dict]:
+    """``engines``: an ``EngineScraper`` (``observe.engines``) or None."""
+    entries = [inflight_entry(r, now, thresholds, engines) for r in records if not r.finished]
     entries.sort(key=lambda e: -(e["age_s"] or 0))
     return entries
+
+
+def engines_view(engines, now: int, entries: list[dict]) -> dict:
+    """The top-level ``engines`` and ``correlation`` keys; empty when the scraper is off."""
+    if engines is None:
+        return {}
+    top = engines.top_level()
+    verdicts = [e["correlation"]["outcome"] for e in entries if e["correlation"]]
+    top["requests"] = {code: verdicts.count(code) for code in sorted(set(verdicts))}
+    return {"engines": engines.snapshot(now), "correlation": top}

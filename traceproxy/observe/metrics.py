@@ -106,6 +106,7 @@ class ProxyMetrics:
         self.time_to_first_chunk = Histogram(LATENCY_BUCKETS)
         self.chunk_max_gap = Histogram(CHUNK_GAP_BUCKETS)
         self.client_connection_requests = Histogram(CONNECTION_REQUEST_BUCKETS)
+        self.engines = None  # EngineScraper, set by the composition root when scraping is on
 
     # -- lifecycle observer ------------------------------------------------------
     def on_done(self, record: RequestRecord) -> None:
@@ -150,6 +151,7 @@ class ProxyMetrics:
         self._render_upstream_pool(out)
         self._render_client_connections(out)
         self._render_internals(out)
+        self._render_engines(out)
         return out.text()
 
     def _render_requests(self, out: "Exposition") -> None:
@@ -217,6 +219,24 @@ class ProxyMetrics:
         listener_errors = self.watchdog.listener_errors if self.watchdog is not None else 0
         out.counter("stall_listener_errors_total", "Exceptions raised by stall listeners (caught).",
                     [((), listener_errors)])
+
+
+    def _render_engines(self, out: "Exposition") -> None:
+        # Rendered with the scraper off too (no samples, zeros), so dashboards and the
+        # docs check always see the families.
+        engines = self.engines
+        errors = sorted(engines.scrape_errors.items()) if engines is not None else []
+        out.counter("engine_scrape_errors_total", "Failed or timed-out scrapes of an engine /metrics URL.",
+                    [((("url", url),), n) for url, n in errors])
+        gauges = [((("url", url), ("name", name)), value) for url, ep in engines.endpoints.items()
+                  for name, value in sorted(ep.gauges.items())] if engines is not None else []
+        out.gauge("engine_gauge", "The engines' latest SGLang work gauges and router smg_* active/error series, "
+                  "summed over label sets, by URL and metric name.", gauges)
+        out.gauge("engine_orphaned_requests", "Engine requests in flight that no proxied request explains, "
+                  "once that has lasted engines.orphan_after (outcome EOR, blame engine); 0 otherwise.",
+                  [((), engines.orphaned() if engines is not None else 0)])
+        out.counter("engine_orphans_total", "Times engine work no proxied request explains was reported (EOR).",
+                    [((), engines.orphans_total if engines is not None else 0)])
 
 
 def phase_counts(records: Iterable[RequestRecord]) -> dict[Phase, int]:

@@ -225,10 +225,17 @@ def _stall_events(s: RequestSummary) -> tuple[SpanEvent, ...]:
     return tuple(events)
 
 
+# Our own attribute (semconv.py is not ours to edit here): the engines' gauges at the stall.
+STALL_ENGINES = "traceproxy.stall.engines"
+
+
 def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, detected_ns: int,
-               clock_offset_ns: int, span_id: int) -> SpanData:
+               clock_offset_ns: int, span_id: int, engines: str = "") -> SpanData:
     """The span sent the moment a stall is detected, in the request's trace, so a hung
-    request shows in the trace viewer while it is still hung."""
+    request shows in the trace viewer while it is still hung.
+
+    ``engines``: the engines' latest gauges (``running=1 queued=0 ...``) when the
+    engine scraper is on; empty leaves the attribute out."""
     outcome = BY_CODE[code]
     attrs = {
         sc.STALL_OUTCOME: code, sc.OUTCOME_NAME: outcome.name, sc.BLAME: outcome.blame.value,
@@ -241,6 +248,8 @@ def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, dete
     if attempt is not None and attempt.connection is not None:
         attrs[sc.UPSTREAM_CONNECTION_ID] = attempt.connection.id
         attrs[sc.UPSTREAM_CONNECTION_REUSED] = attempt.reused
+    if engines:
+        attrs[STALL_ENGINES] = engines
     return SpanData(record.trace_id, span_id, record.span_id, f"stall {code} {phase}", KIND_INTERNAL,
                     since_ns + clock_offset_ns, detected_ns + clock_offset_ns, attrs, (), STATUS_ERROR,
                     f"{outcome.meaning} Waited {(detected_ns - since_ns) / 1e9:.1f} s.",

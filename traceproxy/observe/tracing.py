@@ -31,6 +31,9 @@ class SummarySink(Protocol):
 
 
 class TracingObserver:
+    # Set by the composition root when the engine scraper runs: () -> "running=1 ...".
+    engine_summary = None
+
     def __init__(self, sink: SummarySink, server: tuple[str, int], upstream: tuple[str, int],
                  healthy_sample_ratio: float, spans: bool = True, access_log: bool = False) -> None:
         self.sink = sink
@@ -61,8 +64,9 @@ class TracingObserver:
     def on_stall(self, record: RequestRecord, judgement, entry) -> None:
         if not self.spans:
             return
+        engines = self.engine_summary() if self.engine_summary is not None else ""
         span = stall_span(record, entry.code, entry.phase, entry.since_ns, entry.detected_ns,
-                          self.clock_offset_ns, new_span_id())
+                          self.clock_offset_ns, new_span_id(), engines)
         self.sink.submit_now((span,))
 
     def on_stall_resolved(self, record: RequestRecord, entry) -> None:

@@ -144,7 +144,13 @@ class Watchdog:
 
 
 class StallLog:
-    """One WARN line per stall and one INFO line when it resolves."""
+    """One WARN line per stall and one INFO line when it resolves.
+
+    ``engines`` (an ``EngineScraper``, set by the composition root when scraping is
+    on) appends the engines' latest gauges to the stall line.
+    """
+
+    engines = None
 
     def on_stall(self, record: RequestRecord, judgement: Judgement, entry: StallEntry) -> None:
         found = judgement.verdict
@@ -152,12 +158,14 @@ class StallLog:
         upstream = "none"
         if attempt is not None and attempt.connection is not None:
             upstream = f"#{attempt.connection.id} ({'reused' if attempt.reused else 'new'})"
+        # The engines' latest gauges, when scraping is on; the line is unchanged otherwise.
+        engines = f" engines: {self.engines.summary()}" if self.engines is not None else ""
         log.warning(
             "stall %s: %s waited %.1f s %s, blame %s; trace_id=%032x request_id=%s %s %s "
-            "client_conn=#%d seq=%d upstream_conn=%s",
+            "client_conn=#%d seq=%d upstream_conn=%s%s",
             found.outcome.code, found.outcome.name, judgement.waited_ns / 1e9, found.phase.value,
             found.outcome.blame.value, record.trace_id, record.request_id, record.method, record.target,
-            record.connection.id, record.sequence, upstream,
+            record.connection.id, record.sequence, upstream, engines,
         )
 
     def on_stall_resolved(self, record: RequestRecord, entry: StallEntry) -> None:

@@ -1,0 +1,203 @@
+"""The engine scraper: the engines' own gauges, read in the background, for correlation.
+
+Theory of operation
+-------------------
+One background task. Every ``scrape_interval`` it GETs each ``metrics_urls`` entry
+at once (aiohttp, each bounded by ``scrape_timeout``), keeps the SGLang work gauges
+and the router's ``smg_*`` active/error series (``correlation.is_kept``), summed over
+label sets per name, and then runs the orphan rule (``correlation.check_orphans``)
+against the proxy's count of requests at the engines.
+
+Nothing here is on the request path: requests never await a scrape, and reading
+the latest gauges (``/debug/inflight``, a stall log line, a stall span, a metrics
+scrape) is a dict lookup. A failing or slow endpoint costs at most one timeout per
+interval in this task; it is counted (``scrape_errors``), shown with its error,
+and logged once when it starts failing and once when it recovers. The scraper is
+only built when ``[engines] metrics_urls`` is not empty.
+
+``in_flight`` (a callable returning the in-flight records) is passed in by the
+composition root: this module may import ``lifecycle`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from ..lifecycle import correlation
+from ..lifecycle.machine import phase_of
+from ..lifecycle.timeline import RequestRecord
+
+log = logging.getLogger("traceproxy.engines")
+
+
+@dataclass
+class Endpoint:
+    url: str
+    gauges: dict[str, float] = field(default_factory=dict)
+    scraped_ns: int | None = None  # last successful scrape
+    error: str | None = None  # the last scrape's failure; None when it succeeded
+
+
+def parse_exposition(text: str) -> dict[str, float]:
+    """The kept samples of a Prometheus text body, summed over label sets per name."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            # The last "}" closes the labels: a value or timestamp never holds one.
+            rest = rest.rpartition("}")[2]
+        else:
+            name, _, rest = line.partition(" ")
+        name = name.strip()
+        if not correlation.is_kept(name):
+            continue
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue  # a malformed line from one endpoint must not drop the rest
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def proxy_upstream_count(records: Iterable[RequestRecord]) -> int:
+    return sum(1 for r in records if not r.finished and phase_of(r) in correlation.UPSTREAM_PHASES)
+
+
+class EngineScraper:
+    def __init__(self, urls: Iterable[str], in_flight: Callable[[], Iterable[RequestRecord]], *,
+                 interval: float, timeout: float, orphan_after: float) -> None:
+        self.endpoints = {url: Endpoint(url) for url in urls}
+        self.in_flight = in_flight
+        self.interval, self.timeout = interval, timeout
+        self.orphan_after_ns = int(orphan_after * 1e9)
+        self.orphan = correlation.OrphanState()
+        self.orphans_total = 0  # orphan episodes reported
+        self.scrape_errors: Counter[str] = Counter()  # url -> failed scrapes
+        self.scrapes = 0
+        self._task: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- running -------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="traceproxy-engine-scraper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _run(self) -> None:
+        # One session, no connection reuse limits beyond aiohttp's: a handful of URLs.
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(self.interval)
+
+    async def scrape_once(self) -> None:
+        await asyncio.gather(*(self._scrape(ep) for ep in self.endpoints.values()))
+        self.scrapes += 1
+        self._check_orphans(time.monotonic_ns())
+
+    async def _scrape(self, ep: Endpoint) -> None:
+        try:
+            # wait_for as well as the session timeout: a server that accepts and never
+            # answers must not hold this task past the timeout whatever aiohttp does.
+            text = await asyncio.wait_for(self._get(ep.url), self.timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure of one endpoint is that endpoint's state
+            self._failed(ep, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            return
+        ep.gauges, ep.scraped_ns = parse_exposition(text), time.monotonic_ns()
+        if ep.error is not None:
+            log.info("engine metrics %s answer again", ep.url)
+        ep.error = None
+
+    async def _get(self, url: str) -> str:
+        async with self._session.get(url) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+            return await resp.text()
+
+    def _failed(self, ep: Endpoint, error: str) -> None:
+        self.scrape_errors[ep.url] += 1
+        if ep.error is None:  # log once per state change, not once per interval
+            log.warning("engine metrics %s failing: %s (correlation uses the last good values)", ep.url, error)
+        ep.error = error
+
+    # -- the orphan rule -------------------------------------------------------------
+    def _check_orphans(self, now: int) -> None:
+        work = self.engine_work()
+        if work is None:
+            return
+        prev = self.orphan
+        proxy = proxy_upstream_count(self.in_flight())
+        self.orphan = correlation.check_orphans(prev, work, proxy, now, self.orphan_after_ns)
+        if self.orphan.reported and not prev.reported:
+            self.orphans_total += 1
+            log.warning("engine orphan %s: the engines report %g requests in flight, the proxy has %d at the "
+                        "engines, for %.1f s; blame engine (no client request is blamed); engines: %s",
+                        correlation.ORPHAN.code, work, proxy, (now - self.orphan.since_ns) / 1e9, self.summary())
+        elif prev.reported and not self.orphan.reported:
+            log.warning("engine orphan %s cleared; engines: %s", correlation.ORPHAN.code, self.summary())
+
+    # -- reading (cheap: no I/O) -------------------------------------------------------
+    def _fresh(self) -> list[dict[str, float]]:
+        return [ep.gauges for ep in self.endpoints.values() if ep.scraped_ns is not None]
+
+    def engine_work(self) -> float | None:
+        """The engines' requests in flight, or None when no endpoint has answered yet."""
+        fresh = self._fresh()
+        return correlation.engines_work(fresh) if fresh else None
+
+    def orphaned(self) -> float:
+        return self.orphan.excess if self.orphan.reported else 0.0
+
+    def summary(self) -> str:
+        """``running=1 queued=0 prefill_inflight=1``, for log lines and stall spans."""
+        return correlation.summary(self._fresh()) or "no data"
+
+    def snapshot(self, now: int) -> dict:
+        """The ``engines`` object of ``/debug/inflight``."""
+        return {
+            url: {"gauges": dict(ep.gauges),
+                  "last_scrape_age_s": None if ep.scraped_ns is None else round((now - ep.scraped_ns) / 1e9, 3),
+                  "error": ep.error, "errors": self.scrape_errors[url]}
+            for url, ep in self.endpoints.items()
+        }
+
+    def correlate(self, record: RequestRecord, phase, waiting_since_ns: int) -> "correlation.Outcome | None":
+        fresh = self._fresh()
+        if not fresh:
+            return None
+        scraped = min(ep.scraped_ns for ep in self.endpoints.values() if ep.scraped_ns is not None)
+        return correlation.correlate(phase, waiting_since_ns, correlation.engines_work(fresh),
+                                     correlation.engines_streaming(fresh), scraped)
+
+    def top_level(self) -> dict:
+        """The top-level ``correlation`` object of ``/debug/inflight``."""
+        o = self.orphan
+        return {
+            "engine_in_flight": self.engine_work(),
+            "proxy_at_engines": proxy_upstream_count(self.in_flight()),
+            "orphan": {"outcome": correlation.ORPHAN.code, "name": correlation.ORPHAN.name,
+                       "blame": correlation.ORPHAN.blame.value, "unexplained": o.excess,
+                       "reported": o.reported, "orphaned": self.orphaned(), "episodes": self.orphans_total},
+        }
