@@ -113,3 +113,11 @@ def test_requests_wait_for_a_free_upstream_connection_at_the_cap(scripted_upstre
     assert first.response().body == b"ok"
     assert second.response().body == b"ok"
     assert up.connections == 1  # the waiter got the released connection
+
+
+def test_connections_the_pool_expires_are_not_counted_as_closed_by_the_upstream(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.2})
+    RawClient(proxy.port).roundtrip("GET", "/health")
+    assert wait_until(lambda: proxy.ctx.pool.open_count == 0, timeout=3)
+    assert proxy.ctx.pool.stats["closed_by_upstream_while_idle"] == 0

@@ -20,9 +20,10 @@ def _dumps(value) -> str:
 
 
 def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=None,
-                    engines=None) -> web.Application:
+                    engines=None, prober=None) -> web.Application:
     """``metrics`` is a ``ProxyMetrics``; without one there is no ``/metrics`` route.
-    ``engines`` is an ``EngineScraper`` or None (then ``/debug/inflight`` is as before)."""
+    ``engines`` is an ``EngineScraper`` or None (then ``/debug/inflight`` is as before).
+    ``prober`` is a ``StallProber`` or None; with one, in-flight entries get ``probe``."""
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response(
@@ -36,6 +37,10 @@ def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=
                 "requests_in_flight": len(ctx.in_flight),
                 "upstream_connections_open": ctx.pool.open_count,
                 "upstream_connections_idle": len(ctx.pool.idle),
+                "upstream_keepalive_timeout_s": ctx.pool.keepalive.learned,
+                "upstream_keepalive_misaligned": ctx.pool.keepalive.misaligned,
+                "pool_idle_timeout_s": ctx.settings.pool.idle_timeout,
+                "client_keepalive_timeout_s": ctx.settings.timeouts.client_keepalive,
             },
             status=503 if ctx.shutting_down else 200,
         )
@@ -43,7 +48,12 @@ def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=
     async def inflight(_request: web.Request) -> web.Response:
         now = time.monotonic_ns()
         thresholds = watchdog.thresholds if watchdog is not None else StallThresholds()
-        requests = inflight_view(list(ctx.in_flight.values()), now, thresholds, engines)
+        records = list(ctx.in_flight.values())
+        requests = inflight_view(records, now, thresholds, engines)
+        if prober is not None:
+            probes = {"%032x" % r.trace_id: prober.result_for(r.id) for r in records if r.trace_id}
+            for entry in requests:
+                entry["probe"] = probes.get(entry["trace_id"])
         return web.json_response({"pid": os.getpid(), "count": len(requests), "requests": requests,
                                   **engines_view(engines, now, requests)}, dumps=_dumps)
 

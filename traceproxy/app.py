@@ -79,6 +79,7 @@ class ProxyServer:
         self.watchdog: Watchdog | None = None
         self.metrics: ProxyMetrics | None = None
         self.engines = None  # EngineScraper when [engines] metrics_urls is set
+        self.prober = None  # StallProber when [engines] probe_on_stall is true
         self._server: asyncio.base_events.Server | None = None
         self._admin_runner: web.AppRunner | None = None
         self.admin_port: int | None = None
@@ -91,6 +92,7 @@ class ProxyServer:
         self._start_watchdog()
         self._start_metrics()
         self._start_engines()
+        self._start_prober()
         listen = self.settings.listen
         self._server = await loop.create_server(
             lambda: ClientConnection(self.ctx),
@@ -165,8 +167,21 @@ class ProxyServer:
             self.tracing.engine_summary = self.engines.summary
         self.engines.start()
 
+    def _start_prober(self) -> None:
+        """The fresh-connection stall probe, only when ``probe_on_stall`` is on."""
+        engines = self.settings.engines
+        if not engines.probe_on_stall:
+            return
+        from .observe.probe import StallProber
+
+        upstream = self.settings.upstream
+        self.prober = StallProber(upstream.host, upstream.port, engines.probe_path, engines.probe_timeout,
+                                  authority=upstream.authority)
+        self.watchdog.listeners.append(self.prober)
+
     async def _start_admin(self) -> None:
-        admin_app = build_admin_app(self.ctx, self.started_ns, self.watchdog, self.metrics, self.engines)
+        admin_app = build_admin_app(self.ctx, self.started_ns, self.watchdog, self.metrics, self.engines,
+                                    self.prober)
         self._admin_runner = web.AppRunner(admin_app, access_log=None)
         await self._admin_runner.setup()
         admin = self.settings.admin
@@ -192,6 +207,8 @@ class ProxyServer:
             conn.close()
         ctx.pool.close_all()
         self.watchdog.stop()
+        if self.prober is not None:
+            self.prober.stop()
         if self.engines is not None:
             await self.engines.stop()
         if self.span_export is not None:

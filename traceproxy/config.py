@@ -127,6 +127,9 @@ class Engines:
     scrape_interval: float
     scrape_timeout: float
     orphan_after: float
+    probe_on_stall: bool = False
+    probe_path: str = "/health"
+    probe_timeout: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -482,6 +485,13 @@ SCHEMA: tuple[Setting, ...] = (
             "A scrape that takes longer fails (counted and shown); proxying never waits for it."),
     Setting("engines", "orphan_after", seconds(), 30.0,
             "Engine work that no proxied request explains for this long is reported as an orphan (EOR)."),
+    Setting("engines", "probe_on_stall", boolean(), False,
+            "When a request stalls waiting on the upstream (FBS, MSS, UCS), send GET probe_path on a fresh "
+            "connection to the same upstream (never from the pool, at most one at a time) and record whether "
+            "it answered: a connection-state fault (fresh works) or an unresponsive engine (fresh hangs too)."),
+    Setting("engines", "probe_path", text(), "/health", "The path the stall probe requests."),
+    Setting("engines", "probe_timeout", seconds(), 2.0,
+            "A stall probe that has no response status line within this long counts as hanging."),
 )
 
 _SECTIONS: dict[str, tuple[type, str]] = {

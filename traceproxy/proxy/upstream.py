@@ -43,6 +43,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.user: Exchange | None = None
         self.closed = False
+        self.discarded_by_pool = False  # closed by us, not by the upstream
         # Per response (reset by ``begin_response``).
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
@@ -91,8 +92,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.record.closed_ns = time.monotonic_ns()
         user = self.user
         if user is None:
-            if not self.pool.discarding:
+            if not self.discarded_by_pool:
                 self.pool.stats["closed_by_upstream_while_idle"] += 1
+                # Learn only from closes of connections still pooled: one the pool
+                # already let go of (discard() with a deferred connection_lost, as
+                # uvloop's abort() does) was closed by the proxy.
+                if self in self.pool.idle and self.record.idle_since_ns is not None:
+                    self.pool.keepalive.saw_idle_close(self.record.idle_age_ns(self.record.closed_ns))
             self.pool.forget(self)
             return
         self.user = None
@@ -144,6 +150,10 @@ class UpstreamConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._complete:
             self._headers.append((name, value))
+            # Keep-Alive is hop-by-hop (dropped towards the client); the length test
+            # keeps this to one comparison for every other header.
+            if len(name) == 10 and name.lower() == b"keep-alive":
+                self.pool.keepalive.saw_header(value)
 
     def on_headers_complete(self) -> None:
         if self._complete:
@@ -181,6 +191,68 @@ def _parser_reason(exc: Exception) -> str:
     return text
 
 
+class KeepAliveLearner:
+    """What the upstream's idle-close timeout is, learned passively, and whether
+    ``pool.idle_timeout`` is safely below it.
+
+    Two sources: a ``Keep-Alive: timeout=N`` response header, and the idle age at
+    which the upstream closed pooled connections (the smallest of the last
+    ``WINDOW``). The learned value is the smaller of the two known ones. The pool
+    is misaligned when its idle timeout is not below the learned value by at least
+    ``MARGIN_S``, or 10 % of the learned value when that is smaller (short
+    timeouts). The first misalignment is logged once, as a WARN.
+    """
+
+    WINDOW = 32
+    MARGIN_S = 0.5
+
+    def __init__(self, idle_timeout: float, upstream: str = "") -> None:
+        self.idle_timeout = idle_timeout
+        self.upstream = upstream
+        self.header_timeout: float | None = None
+        self.observed: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.learned: float | None = None
+        self.misaligned = False
+        self.warned = False
+
+    def saw_header(self, value: bytes) -> None:
+        for param in value.split(b","):
+            key, _, number = param.partition(b"=")
+            if key.strip().lower() == b"timeout":
+                try:
+                    timeout = float(number.strip())
+                except ValueError:
+                    return
+                if timeout > 0 and timeout != self.header_timeout and timeout < 1e9:
+                    self.header_timeout = timeout
+                    self._update()
+                return
+
+    def saw_idle_close(self, idle_age_ns: int) -> None:
+        if idle_age_ns <= 0:
+            return
+        self.observed.append(idle_age_ns / 1e9)
+        self._update()
+
+    def _update(self) -> None:
+        known = [v for v in (self.header_timeout, min(self.observed, default=None)) if v is not None]
+        self.learned = min(known) if known else None
+        if self.learned is None:
+            self.misaligned = False
+            return
+        margin = min(self.MARGIN_S, 0.1 * self.learned)
+        self.misaligned = self.idle_timeout > self.learned - margin
+        if self.misaligned and not self.warned:
+            self.warned = True
+            source = "Keep-Alive header" if self.learned == self.header_timeout else "observed idle closes"
+            log.warning(
+                "keep-alive misaligned: upstream %s closes idle connections after about %.2f s (%s) but "
+                "pool.idle_timeout is %g s, so the proxy may reuse a connection the upstream is closing; "
+                "lower pool.idle_timeout to at most %.2f s",
+                self.upstream or "?", self.learned, source, self.idle_timeout, max(self.learned - margin, 0.0),
+            )
+
+
 class UpstreamPool:
     """Keep-alive connections to one upstream, most recently used first."""
 
@@ -196,9 +268,9 @@ class UpstreamPool:
         self.connecting: set[asyncio.Task] = set()
         self._sweeper: asyncio.TimerHandle | None = None
         self.stats = collections.Counter()
-        self.discarding = False
         # Response headers the proxy sets itself (request id, traceresponse).
         self.replaced_response_headers: frozenset[bytes] = frozenset()
+        self.keepalive = KeepAliveLearner(idle_timeout, f"{host}:{port}")
 
     # -- acquiring ---------------------------------------------------------------
     def acquire(self, user: "Exchange", fresh: bool = False) -> asyncio.Task | None:
@@ -282,13 +354,10 @@ class UpstreamPool:
         conn.user = None
         if conn.transport is not None and not conn.transport.is_closing():
             log.debug("closing upstream connection #%d: %s", conn.record.id, why)
-            # abort() may call connection_lost synchronously: it must not count as
-            # the upstream closing an idle connection.
-            self.discarding = True
-            try:
-                conn.transport.abort()
-            finally:
-                self.discarding = False
+            # connection_lost follows (now or on a later loop turn): it must not
+            # count as the upstream closing an idle connection.
+            conn.discarded_by_pool = True
+            conn.transport.abort()
         self.forget(conn)
 
     def forget(self, conn: UpstreamConnection) -> None:

@@ -1,0 +1,170 @@
+"""Keep-alive alignment (learned passively) and the fresh-connection stall probe."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import time
+import urllib.request
+
+from .support import RawClient
+
+
+def wait_until(predicate, timeout: float = 8.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def admin_get(proxy, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}{path}", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def metric(proxy, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", admin_get(proxy, "/metrics"), re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+# -- keep-alive alignment -----------------------------------------------------------
+def _paced_requests(proxy, count: int, pause: float) -> None:
+    client = RawClient(proxy.port)
+    try:
+        for _ in range(count):
+            response = client.roundtrip("GET", "/health")
+            assert response.status == 200
+            time.sleep(pause)
+    finally:
+        client.close()
+
+
+def test_idle_closes_are_learned_and_a_misaligned_pool_is_reported(fast_upstream, start_proxy, caplog):
+    upstream = fast_upstream(idle_close_after=0.5)
+    proxy = start_proxy(upstream.url, **{"pool.idle_timeout": 2.0})
+    assert math.isnan(metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds"))
+    with caplog.at_level(logging.WARNING, logger="traceproxy.upstream"):
+        _paced_requests(proxy, 3, 0.7)
+        assert wait_until(lambda: metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 1)
+    learned = metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds")
+    assert 0.45 <= learned <= 0.7, learned
+    assert metric(proxy, "traceproxy_client_keepalive_timeout_seconds") == 75.0
+    warnings = [r.getMessage() for r in caplog.records if "keep-alive misaligned" in r.getMessage()]
+    assert len(warnings) == 1 and "pool.idle_timeout is 2 s" in warnings[0] and "lower pool.idle_timeout" in warnings[0]
+    health = json.loads(admin_get(proxy, "/healthz"))
+    assert health["upstream_keepalive_misaligned"] is True
+    assert 0.45 <= health["upstream_keepalive_timeout_s"] <= 0.7
+    assert health["client_keepalive_timeout_s"] == 75.0
+
+
+def test_a_pool_idle_timeout_below_the_upstreams_is_aligned(fast_upstream, start_proxy):
+    upstream = fast_upstream(idle_close_after=0.5)
+    proxy = start_proxy(upstream.url, **{"pool.idle_timeout": 0.2})
+    _paced_requests(proxy, 3, 0.7)
+    assert metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 0
+    assert upstream.idle_closes == 0  # the pool closed them first
+
+
+def _keepalive_header_upstream(scripted_upstream):
+    async def handler(reader, writer, _up):
+        while True:
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n"
+                         b"Keep-Alive: timeout=1, max=100\r\n\r\nok")
+            await writer.drain()
+
+    return scripted_upstream(handler)
+
+
+def test_keepalive_header_is_learned(scripted_upstream, start_proxy):
+    upstream = _keepalive_header_upstream(scripted_upstream)
+    proxy = start_proxy(upstream.url)  # pool.idle_timeout 4.0 > 1.0
+    _paced_requests(proxy, 1, 0)
+    assert metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds") == 1.0
+    assert metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 1
+
+
+def test_keepalive_header_with_margin_is_aligned(scripted_upstream, start_proxy):
+    upstream = _keepalive_header_upstream(scripted_upstream)
+    proxy = start_proxy(upstream.url, **{"pool.idle_timeout": 0.5})
+    _paced_requests(proxy, 1, 0)
+    assert metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds") == 1.0
+    assert metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 0
+
+
+# -- the stall probe ----------------------------------------------------------------
+STALL = {"stall.first_byte": 0.3, "stall.stream_gap": 0.3, "stall.pool_wait": 0.3}
+
+
+def _probe_proxy(start_proxy, url, **extra):
+    return start_proxy(url, **{"engines.probe_on_stall": True, "engines.probe_timeout": 0.8, **STALL, **extra})
+
+
+def _wait_for_probe(proxy) -> dict:
+    assert wait_until(lambda: proxy.prober.results, timeout=8)
+    return next(iter(proxy.prober.results.values()))
+
+
+def test_probe_off_by_default(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url)
+    assert proxy.prober is None
+    assert "probe" not in admin_get(proxy, "/debug/inflight")
+
+
+def test_probe_says_fresh_works_when_only_the_reused_connection_hangs(scripted_upstream, start_proxy):
+    first_conn = []
+
+    async def handler(reader, writer, up):
+        head, _ = await reader.read_request()
+        if not first_conn:
+            first_conn.append(True)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            await reader.read_request()
+            await asyncio.sleep(30)  # the second request on this connection hangs
+            return
+        status = b"200 OK" if head.startswith(b"GET /health ") else b"404 Not Found"
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+
+    upstream = scripted_upstream(handler)
+    proxy = _probe_proxy(start_proxy, upstream.url)
+    client = RawClient(proxy.port)
+    try:
+        assert client.roundtrip("GET", "/v1/models").status == 200
+        client.send(b"GET /v1/models HTTP/1.1\r\nHost: test.local\r\n\r\n")
+        probe = _wait_for_probe(proxy)
+        assert probe["fresh_works"] is True and probe["status"] == 200
+        assert probe["stall"] == "FBS" and probe["upstream_reused"] is True
+        assert probe["verdict"] == "connection-state fault (fresh works)"
+        assert re.match(r"fresh connection answered 200 in \d+ ms while the request waits on reused connection #\d+",
+                        probe["detail"]), probe["detail"]
+        inflight = json.loads(admin_get(proxy, "/debug/inflight"))
+        assert inflight["requests"][0]["probe"]["verdict"] == probe["verdict"]
+    finally:
+        client.close()
+
+
+def test_probe_says_fresh_hangs_too_when_the_engine_answers_nothing(scripted_upstream, start_proxy):
+    async def handler(reader, writer, up):
+        await reader.read_head()
+        await asyncio.sleep(30)
+
+    upstream = scripted_upstream(handler)
+    proxy = _probe_proxy(start_proxy, upstream.url)
+    client = RawClient(proxy.port)
+    try:
+        client.request("GET", "/v1/models")
+        probe = _wait_for_probe(proxy)
+        assert probe["fresh_works"] is False and probe["status"] is None
+        assert probe["verdict"] == "engine unresponsive (fresh hangs too)"
+        assert "no answer within 0.8 s" in probe["detail"]
+        assert proxy.prober.probes == 1  # one stall, one probe
+    finally:
+        client.close()
