@@ -227,3 +227,24 @@ def test_live_view_keeps_retrying_an_unreachable_admin_and_ctrl_c_exits_0():
     assert f"http://127.0.0.1:{port}/debug/inflight".encode() in first and b"retrying" in again
     assert first.startswith(top.ENTER_ALT_SCREEN.encode()) and rest.endswith(top.LEAVE_ALT_SCREEN.encode())
     assert proc.returncode == 0 and b"Traceback" not in err
+
+
+def test_engine_gauges_and_the_orphan_verdict_are_shown():
+    from traceproxy.top import engine_fields
+
+    inflight = {
+        "engines": {
+            "http://127.0.0.1:1/metrics": {"gauges": {"sglang:num_running_reqs": 0,
+                                                      "sglang:num_prefill_inflight_queue_reqs": 1},
+                                           "last_scrape_age_s": 0.4, "error": None, "errors": 0},
+            "http://127.0.0.1:2/metrics": {"gauges": {}, "last_scrape_age_s": None, "error": "connection refused",
+                                           "errors": 3},
+        },
+        "correlation": {"orphan": {"outcome": "EOR", "name": "engine_orphan", "blame": "engine",
+                                   "unexplained": 1, "reported": True}},
+    }
+    fields = engine_fields(inflight)
+    assert fields[0] == "engine http://127.0.0.1:1/metrics: prefill_inflight_queue 1, running 0 (0.4 s ago)"
+    assert "scrape failing (connection refused)" in fields[1]
+    assert fields[2].startswith("EOR engine_orphan: 1") and "blame engine" in fields[2]
+    assert engine_fields({"requests": []}) == []

@@ -348,6 +348,30 @@ def health_fields(snapshot: Snapshot) -> list[str]:
     ]
 
 
+def _gauge_label(name: str) -> str:
+    """``sglang:num_prefill_inflight_queue_reqs`` -> ``prefill_inflight_queue``."""
+    short = name.split(":", 1)[-1]
+    return short.removeprefix("num_").removesuffix("_reqs")
+
+
+def engine_fields(inflight: dict) -> list[str]:
+    """One field per scraped engine endpoint, and the orphan verdict when reported."""
+    fields = []
+    for url, endpoint in (inflight.get("engines") or {}).items():
+        if endpoint.get("error"):
+            fields.append(f"engine {url}: scrape failing ({endpoint['error']})")
+            continue
+        gauges = ", ".join(f"{_gauge_label(name)} {value:g}" for name, value in sorted(endpoint.get("gauges", {}).items())
+                           if not name.startswith("smg_"))
+        age = endpoint.get("last_scrape_age_s")
+        fields.append(f"engine {url}: {gauges or 'no gauges'}" + (f" ({age:.1f} s ago)" if age is not None else ""))
+    orphan = (inflight.get("correlation") or {}).get("orphan") or {}
+    if orphan.get("reported"):
+        fields.append(f"{orphan['outcome']} {orphan['name']}: {orphan['unexplained']:g} engine requests no client "
+                      f"waits on (blame {orphan['blame']})")
+    return fields
+
+
 def pack(fields: list[str], width: int, sep: str = "  ") -> list[str]:
     """fields joined by sep into as few lines of at most width as they fit in; a field is never split."""
     lines: list[str] = []
@@ -366,7 +390,7 @@ def render_frame(snapshot: Snapshot, base_url: str, width: int, clock: str, use_
     stalled = any(row_state(e) == STALLED for e in entries)
     summary = [_paint(line, RED_BOLD if stalled else None, use_color)
                for line in pack([summary_line(entries), f"admin {base_url}", clock], width, "   ")]
-    header = pack(health_fields(snapshot), width) + summary + [""]
+    header = pack(health_fields(snapshot), width) + pack(engine_fields(snapshot.inflight), width) + summary + [""]
     max_rows = None if height is None else height - len(header) - 1
     return header + render_table(entries, width, use_color, max_rows)
 
