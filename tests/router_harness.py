@@ -1,9 +1,9 @@
 """The real ``sglang-router`` in PD mode in front of two fake SGLang engines.
 
 ``RouterHarness`` starts a fake prefill and a fake decode worker (aiohttp, on a
-loop in a background thread), then ``python -m sglang_router.launch_router
---pd-disaggregation`` as a subprocess in its own session, and waits until a
-request goes through the router to both workers. Every inference request a
+loop in a background thread), then the router with the project's own launcher
+(``traceproxy.sim.launch.RouterProcess``: a subprocess in its own session,
+ready once a request goes through it to both workers). Every inference request a
 worker receives is recorded, so tests can assert on what reaches the engines:
 
     with RouterHarness() as h:
@@ -35,12 +35,7 @@ import http.client
 import json
 import logging
 import os
-import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -48,6 +43,8 @@ import uuid
 from typing import Any, NamedTuple
 
 from aiohttp import web
+
+from traceproxy.sim.launch import RouterProcess, RouterUnavailable, free_port, router_importable
 
 STARTUP_TIMEOUT = 60.0  # router start + worker registration, bounded
 STEP_TIMEOUT = 10.0  # any single blocking step (one HTTP exchange, one loop call)
@@ -64,13 +61,6 @@ class RecordedRequest(NamedTuple):
     method: str = "POST"
     raw: bytes = b""
     received_at: float = 0.0  # time.monotonic() when the request head arrived
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (bind port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------
@@ -321,21 +311,11 @@ def _chunk_object(path: str, body: dict, piece: str, text: str, n: int, last: bo
 # ----------------------------------------------------------------------------------
 # The router
 # ----------------------------------------------------------------------------------
-class RouterUnavailable(RuntimeError):
-    """sglang_router is not importable in this interpreter."""
-
-
-def router_importable() -> bool:
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class RouterHarness:
     """Fake prefill + fake decode + the real sglang-router in PD mode.
 
+    The router is launched by ``traceproxy.sim.launch.RouterProcess`` (the same
+    launcher ``traceproxy sim`` uses), on the harness's background loop.
     Attributes once started: ``router_url``, ``router_port``, ``prefill``,
     ``decode`` (``FakeWorker``), ``bootstrap_port`` (what the router writes into
     bodies), ``log_path`` (the router's stdout+stderr), ``startup_seconds``.
@@ -346,41 +326,25 @@ class RouterHarness:
         self.startup_timeout = startup_timeout
         self.log_level = log_level
         self.extra_args = tuple(extra_args)
-        self.router_port = 0
-        self.prometheus_port = 0
         self.bootstrap_port = 0
         self.startup_seconds = 0.0
         self.prefill: FakeWorker | None = None
         self.decode: FakeWorker | None = None
-        self.proc: subprocess.Popen | None = None
+        self.router: RouterProcess | None = None
         self._loop: _LoopThread | None = None
         self._tmp: str | None = None
-        self._log_file = None
-        self.log_path = ""
+
+    @property
+    def router_port(self) -> int:
+        return self.router.port
 
     @property
     def router_url(self) -> str:
-        return f"http://127.0.0.1:{self.router_port}"
+        return self.router.url
 
-    def command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(self.router_port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-            "--pd-disaggregation",
-            "--prefill", self.prefill.url, str(self.bootstrap_port),
-            "--decode", self.decode.url,
-            "--log-level", self.log_level,
-            # Workers are up before the router starts, so registration succeeds at the
-            # first attempt; these only bound the time a broken setup takes to fail.
-            "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout))),
-            "--worker-startup-check-interval", "1",
-            # A hung fake must not hang a test for the default 30 minutes.
-            "--request-timeout-secs", "60",
-            # SIGTERM drains in-flight requests for this long (default 180 s).
-            "--shutdown-grace-period-secs", "1",
-            *self.extra_args,
-        ]
+    @property
+    def log_path(self) -> str:
+        return self.router.log_path if self.router is not None else ""
 
     # --- lifecycle ---
 
@@ -395,18 +359,10 @@ class RouterHarness:
             self._loop = _LoopThread()
             self.prefill = self._loop.run(FakeWorker("prefill", model_path).start())
             self.decode = self._loop.run(FakeWorker("decode", model_path).start())
-            self.router_port, self.prometheus_port, self.bootstrap_port = _distinct_free_ports(
-                3, exclude={self.prefill.port, self.decode.port})
-            self.log_path = os.path.join(self._tmp, "router.log")
-            self._log_file = open(self.log_path, "wb")
-            env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1", RUST_BACKTRACE="1")
-            env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-            env.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
-            self.proc = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
-                env=env, cwd=self._tmp, start_new_session=True,
-            )
-            self._wait_ready(t0 + self.startup_timeout)
+            self.bootstrap_port = free_port()
+            self.router = RouterProcess(self.prefill.url, self.bootstrap_port, self.decode.url, self._tmp,
+                                        log_level=self.log_level, extra_args=self.extra_args)
+            self._loop.run(self.router.start(self.startup_timeout), timeout=self.startup_timeout + STEP_TIMEOUT)
             self.startup_seconds = time.monotonic() - t0
             self.clear()
             return self
@@ -414,41 +370,10 @@ class RouterHarness:
             self.stop()
             raise
 
-    def _wait_ready(self, deadline: float) -> None:
-        """Until a /generate goes through the router to both workers, bounded by ``deadline``."""
-        last = "no attempt yet"
-        attempts = 0
-        while attempts < 10_000:
-            attempts += 1
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"sglang-router exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"sglang-router not ready within {self.startup_timeout:g} s (last: {last}):\n{self.log_tail()}")
-            try:
-                status, _, body = http_exchange(
-                    self.router_port, "POST", "/generate",
-                    {"Content-Type": "application/json", "X-Request-ID": "router-harness-warmup"},
-                    json.dumps({"text": "warm-up", "sampling_params": {"max_new_tokens": 1}}).encode(),
-                    timeout=min(STEP_TIMEOUT, max(0.1, deadline - time.monotonic())),
-                )
-                if status == 200 and self.prefill.requests and self.decode.requests:
-                    return
-                last = f"HTTP {status}: {body[:200]!r}"
-            except OSError as exc:
-                last = repr(exc)
-            time.sleep(0.1)
-        raise RuntimeError(f"sglang-router not ready after {attempts} attempts (last: {last})")
-
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            _kill_group(proc)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
         if self._loop is not None:
+            if self.router is not None:
+                self._loop.run(self.router.stop(), timeout=3 * STEP_TIMEOUT)
             for worker in (self.prefill, self.decode):
                 if worker is not None:
                     try:
@@ -475,44 +400,7 @@ class RouterHarness:
         self.decode.clear()
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                text = f.read()[-20000:].decode(errors="replace")
-        except OSError:
-            return "(no router log)"
-        text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # the router colours its log even into a file
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def _distinct_free_ports(n: int, exclude: set[int]) -> list[int]:
-    ports: list[int] = []
-    for _ in range(50 * n):
-        port = free_port()
-        if port not in exclude and port not in ports:
-            ports.append(port)
-            if len(ports) == n:
-                return ports
-    raise RuntimeError(f"could not find {n} distinct free ports")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the router's process group (its own session), then SIGKILL if it lingers."""
-    pgid = proc.pid  # start_new_session=True: the router leads its own group
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    # Reap stragglers left in the group after the leader exited.
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        return self.router.log_tail(lines) if self.router is not None else "(no router)"
 
 
 def http_exchange(port: int, method: str, path: str, headers: dict[str, str] | None = None,

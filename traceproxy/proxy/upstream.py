@@ -44,17 +44,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.user: Exchange | None = None
         self.closed = False
         self.discarded_by_pool = False  # closed by us, not by the upstream
-        # Per response (reset by ``begin_response``).
         self._parser: httptools.HttpResponseParser | None = None
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._reason = b""
-        self._head_only = False
-        self._in_interim = False
-        self._complete = False
-        self._extra_message = False
-        self._close_delimited = False
-        self._keep_alive = False
-        self.bytes_received = 0
+        self._reset_response(head_only=False)
 
     # -- asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -124,7 +115,11 @@ class UpstreamConnection(asyncio.Protocol):
     def begin_response(self, user: "Exchange", head_only: bool) -> None:
         self.user = user
         self._parser = httptools.HttpResponseParser(self)
-        self._headers = []
+        self._reset_response(head_only)
+
+    def _reset_response(self, head_only: bool) -> None:
+        """Per-response state: every response gets a fresh parser and these."""
+        self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._head_only = head_only
         self._in_interim = False
