@@ -260,3 +260,28 @@ def wait_until(predicate: Callable[[], bool], timeout: float = STEP_TIMEOUT, int
             return True
         time.sleep(interval)
     return predicate()
+
+
+# ----------------------------------------------------------------------------------
+# Upstream behaviours shared by many tests (handlers for ScriptedUpstream)
+# ----------------------------------------------------------------------------------
+async def never_answers(reader: RecordingReader, writer: asyncio.StreamWriter, upstream: ScriptedUpstream) -> None:
+    """Reads one request and answers nothing; returns when the proxy closes the connection."""
+    await reader.read_request()
+    await reader.read(1)
+
+
+def answers_in_parts(*parts: bytes, pause: float = 0.0) -> Callable:
+    """Reads one request, writes ``parts`` with ``pause`` seconds between them, then
+    holds the connection open until the proxy closes it."""
+
+    async def handler(reader, writer, upstream) -> None:
+        await reader.read_request()
+        for index, part in enumerate(parts):
+            if index and pause:
+                await asyncio.sleep(pause)
+            writer.write(part)
+            await writer.drain()
+        await reader.read(1)
+
+    return handler

@@ -5,7 +5,6 @@ resends, and closed client connections land in their histogram."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
 import urllib.request
@@ -13,7 +12,7 @@ import urllib.request
 from traceproxy.lifecycle.machine import Phase
 from traceproxy.observe.metrics import Histogram, format_labels
 
-from .support import RawClient, wait_until
+from .support import RawClient, answers_in_parts, never_answers, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -113,12 +112,6 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def silent_after_request():
-    async def handler(reader, writer, upstream):
-        await reader.read_request()
-        await reader.read(1)  # until the proxy closes
-
-    return handler
 
 
 # ----------------------------------------------------------------------------------
@@ -182,14 +175,8 @@ def test_request_counter_and_histograms_move_by_exactly_the_requests_made(fast_u
 
 
 def test_time_to_first_byte_is_the_head_and_first_chunk_the_body(scripted_upstream, start_proxy):
-    async def head_then_body_later(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.6)
-        writer.write(b"3\r\none\r\n0\r\n\r\n")
-        await writer.drain()
-        await reader.read(1)
+    head_then_body_later = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                            b"3\r\none\r\n0\r\n\r\n", pause=0.6)
 
     proxy = start_proxy(scripted_upstream(head_then_body_later).url)
     client = RawClient(proxy.port)
@@ -242,7 +229,7 @@ def test_metrics_do_no_work_per_mark(fast_upstream, start_proxy):
 # ----------------------------------------------------------------------------------
 def test_stuck_request_shows_in_flight_awaiting_upstream_headers_and_counts_a_stall(scripted_upstream,
                                                                                     start_proxy):
-    proxy = start_proxy(scripted_upstream(silent_after_request()).url, **FAST)
+    proxy = start_proxy(scripted_upstream(never_answers).url, **FAST)
     stuck = {"phase": "awaiting_upstream_headers"}
     assert scrape(proxy).value("traceproxy_requests_in_flight", **stuck) == 0
     client = RawClient(proxy.port)
@@ -263,14 +250,8 @@ def test_stuck_request_shows_in_flight_awaiting_upstream_headers_and_counts_a_st
 
 
 def test_stall_that_resolves_is_counted_and_its_gap_observed_once(scripted_upstream, start_proxy):
-    async def pauses_then_finishes(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.8)
-        writer.write(b"3\r\ntwo\r\n0\r\n\r\n")
-        await writer.drain()
-        await reader.read(1)
+    pauses_then_finishes = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n",
+                                            b"3\r\ntwo\r\n0\r\n\r\n", pause=0.8)
 
     proxy = start_proxy(scripted_upstream(pauses_then_finishes).url, **FAST)
     client = RawClient(proxy.port)

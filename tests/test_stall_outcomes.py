@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from .otlp_receiver import OtlpHttpReceiver
-from .support import RawClient, wait_until
+from .support import RawClient, answers_in_parts, never_answers, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -31,16 +31,7 @@ def _admin(proxy, path: str) -> bytes:
         return resp.read()
 
 
-async def _never_answers(reader, writer, upstream):
-    await reader.read_request()
-    await reader.read(1)
-
-
-async def _one_token_then_silence(reader, writer, upstream):
-    await reader.read_request()
-    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
-    await writer.drain()
-    await reader.read(1)
+_one_token_then_silence = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
 
 
 async def _endless_stream(reader, writer, upstream):
@@ -103,7 +94,7 @@ def _start_scenario(code, scripted_upstream, start_proxy, receiver, keep):
         keep.append(first)
         assert wait_until(lambda: proxy.ctx.pool.open_count == 1)
     else:
-        handler = {"MSS": _one_token_then_silence, "DNR": _endless_stream}.get(code, _never_answers)
+        handler = {"MSS": _one_token_then_silence, "DNR": _endless_stream}.get(code, never_answers)
         proxy = start_proxy(scripted_upstream(handler).url, **tracing)
     sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
     keep.append(sock)

@@ -15,7 +15,7 @@ import urllib.request
 from traceproxy.observe.spandata import KIND_INTERNAL
 from traceproxy.observe.tracing import TracingObserver
 
-from .support import RawClient, wait_until
+from .support import RawClient, answers_in_parts, never_answers, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -45,17 +45,11 @@ def _inflight(proxy) -> list[dict]:
         return json.loads(resp.read())["requests"]
 
 
-def _silent_after_request(reader_done=None):
-    async def handler(reader, writer, upstream):
-        await reader.read_request()
-        await reader.read(1)  # until the proxy closes
-
-    return handler
 
 
 def test_lone_stuck_request_on_an_idle_proxy_is_reported_while_stuck(scripted_upstream, start_proxy, caplog):
     caplog.set_level(logging.WARNING, logger="traceproxy.watchdog")
-    proxy, sink = _proxy(start_proxy, scripted_upstream(_silent_after_request()).url)
+    proxy, sink = _proxy(start_proxy, scripted_upstream(never_answers).url)
     client = RawClient(proxy.port)
     client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "stuck-1")], body=b"{}")
     assert wait_until(lambda: sink.now_items, timeout=3), "the watchdog never fired"
@@ -93,11 +87,7 @@ def test_slow_reader_is_blamed_on_the_client_not_the_engine(scripted_upstream, s
 
 
 def test_engine_silent_mid_stream_is_blamed_on_the_engine(scripted_upstream, start_proxy):
-    async def stalls_mid_stream(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
-        await writer.drain()
-        await reader.read(1)
+    stalls_mid_stream = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
 
     proxy, sink = _proxy(start_proxy, scripted_upstream(stalls_mid_stream).url)
     client = RawClient(proxy.port)
@@ -109,14 +99,8 @@ def test_engine_silent_mid_stream_is_blamed_on_the_engine(scripted_upstream, sta
 
 
 def test_a_stall_that_resolves_is_recorded_with_its_duration(scripted_upstream, start_proxy):
-    async def pauses_then_finishes(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.8)
-        writer.write(b"3\r\ntwo\r\n0\r\n\r\n")
-        await writer.drain()
-        await reader.read(1)
+    pauses_then_finishes = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n",
+                                            b"3\r\ntwo\r\n0\r\n\r\n", pause=0.8)
 
     done = []
 
@@ -136,7 +120,7 @@ def test_a_stall_that_resolves_is_recorded_with_its_duration(scripted_upstream, 
 
 
 def test_abort_action_ends_a_stuck_request_with_504_and_the_outcome(scripted_upstream, start_proxy):
-    up = scripted_upstream(_silent_after_request())
+    up = scripted_upstream(never_answers)
     proxy, _ = _proxy(start_proxy, up.url, **{"stall.action": "abort"})
     resp = RawClient(proxy.port).roundtrip("POST", "/generate", body=b"{}")
     assert resp.status == 504
@@ -146,7 +130,7 @@ def test_abort_action_ends_a_stuck_request_with_504_and_the_outcome(scripted_ups
 
 
 def test_abort_on_lists_kinds_that_abort_while_others_only_observe(scripted_upstream, start_proxy):
-    proxy, sink = _proxy(start_proxy, scripted_upstream(_silent_after_request()).url,
+    proxy, sink = _proxy(start_proxy, scripted_upstream(never_answers).url,
                          **{"stall.abort_on": ["stream_gap"]})
     client = RawClient(proxy.port)
     client.request("GET", "/")

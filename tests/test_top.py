@@ -18,7 +18,7 @@ import pytest
 
 from traceproxy import top
 
-from .support import RawClient, wait_until
+from .support import RawClient, never_answers, wait_until
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 RED = "\x1b[1;31m"
@@ -160,9 +160,6 @@ def test_admin_address_accepts_host_port_and_urls_only():
 # --- the command, end to end ---
 
 
-async def _never_answers(reader, writer, upstream):
-    await reader.read_request()
-    await reader.read(1)  # until the proxy closes
 
 
 def _inflight(proxy) -> list[dict]:
@@ -183,7 +180,7 @@ def _refused_port():
 
 
 def test_once_shows_the_stuck_request_as_an_engine_first_byte_stall(scripted_upstream, start_proxy):
-    proxy = start_proxy(scripted_upstream(_never_answers).url, **{"stall.first_byte": 0.3})
+    proxy = start_proxy(scripted_upstream(never_answers).url, **{"stall.first_byte": 0.3})
     client = RawClient(proxy.port)
     client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "top-stuck-1")], body=b"{}")
     assert wait_until(lambda: any((e["verdict"] or {}).get("stalled") for e in _inflight(proxy)), timeout=5)

@@ -8,7 +8,7 @@ import json
 import socket
 import time
 
-from .support import RawClient, header_value, wait_until
+from .support import RawClient, header_value, never_answers, wait_until
 
 
 def _closed_port() -> int:
@@ -33,11 +33,7 @@ def test_connect_refused_is_502_uf(start_proxy):
 
 
 def test_no_response_headers_in_time_is_504_ut(scripted_upstream, start_proxy):
-    async def silent(reader, writer, upstream):
-        await reader.read_request()
-        await reader.read(1)  # returns b"" once the proxy gives up on us
-
-    up = scripted_upstream(silent)
+    up = scripted_upstream(never_answers)
     proxy = start_proxy(up.url, **{"timeouts.upstream_headers": 0.3})
     client = RawClient(proxy.port)
     resp = client.roundtrip("GET", "/")
@@ -147,11 +143,7 @@ def test_client_disconnect_mid_stream_closes_upstream_at_once(scripted_upstream,
 
 
 def test_client_disconnect_while_waiting_for_headers_closes_upstream(scripted_upstream, start_proxy):
-    async def prefill_forever(reader, writer, upstream):
-        await reader.read_request()
-        await reader.read(1)  # returns b"" when the proxy closes its side
-
-    up = scripted_upstream(prefill_forever)
+    up = scripted_upstream(never_answers)
     proxy = start_proxy(up.url)
     client = RawClient(proxy.port)
     client.request("POST", "/generate", body=b"{}")
