@@ -13,24 +13,25 @@ never waits for it); such drops are counted in ``traceproxy_spans_dropped_total`
 
 from __future__ import annotations
 
-import json
-import json.encoder
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import TextIO
+
+import orjson
 
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import Mark
 from .spans import DOWNSTREAM_ORDER, UPSTREAM_ORDER, RequestSummary
 
-_quote = json.encoder.encode_basestring_ascii  # the C string encoder json.dumps uses
 _D = {mark: DOWNSTREAM_ORDER.index(mark) for mark in DOWNSTREAM_ORDER}
 _U = {mark: UPSTREAM_ORDER.index(mark) for mark in UPSTREAM_ORDER}
 
 
-def _text(value: str) -> str:
-    return _quote(value) if value else "null"
+@lru_cache(maxsize=8)  # a batch of lines mostly falls within the same few seconds
+def _utc_second(second: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
 def _seconds(later: int, earlier: int) -> float | None:
@@ -47,7 +48,7 @@ def access_entry(s: RequestSummary) -> dict:
     outcome = BY_CODE[s.outcome]
     wall = (start + s.clock_offset_ns) / 1e9
     return {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + ".%03dZ" % (wall * 1000 % 1000),
+        "time": _utc_second(int(wall)) + ".%03dZ" % (wall * 1000 % 1000),
         "request_id": s.request_id or None,
         "trace_id": "%032x" % s.trace_id if s.trace_id else None,
         "client": s.client_peer,
@@ -83,7 +84,7 @@ def access_entry(s: RequestSummary) -> dict:
 
 
 def access_line(summary: RequestSummary) -> str:
-    return json.dumps(access_entry(summary), separators=(",", ":"))
+    return orjson.dumps(access_entry(summary)).decode()
 
 
 class AccessLogWriter:

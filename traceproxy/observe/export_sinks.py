@@ -9,14 +9,22 @@ insecure, compression, certificates) keep their documented meaning.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
+from traceproxy import __version__
+
 from .export_wire import ExportConfig
+from .otlp_proto import OtlpEncoder
 from .spandata import SpanData
 
+DEFAULT_SERVICE_NAME = SCOPE_NAME = "traceproxy"
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 HTTP_TRACES_PATH = "/v1/traces"
 _TIMEOUT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 _KIND_NAMES = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
@@ -26,45 +34,110 @@ _STATUS_NAMES = {0: "UNSET", 1: "OK", 2: "ERROR"}
 def make_sink(config: ExportConfig):
     if config.exporter == "console":
         return ConsoleSink()
-    from .export_convert import SpanConverter, build_resource
-
-    converter = SpanConverter(build_resource(config))
+    encoder = OtlpEncoder(resource_attributes(config), SCOPE_NAME, __version__)
     if config.exporter == "file":
-        return FileSink(Path(config.file_path), converter)
+        return FileSink(Path(config.file_path), encoder)
     if config.exporter == "otlp":
-        return OtlpSink(otlp_exporter(config), converter)
+        return OtlpSink(otlp_transport(config), encoder)
     raise ValueError(f"no exporter process for exporter={config.exporter!r}")
 
 
-class OtlpSink:
-    def __init__(self, exporter, converter) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
+def resource_attributes(config: ExportConfig) -> dict:
+    """The SDK's resource detection (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME,
+    telemetry.sdk.*) < the config's attributes < the config's service name."""
+    from opentelemetry.sdk.resources import Resource
 
-        self._exporter, self._converter = exporter, converter
-        self._success = SpanExportResult.SUCCESS
+    attributes = dict(config.resource_attributes)
+    attributes["service.name"] = config.service_name or DEFAULT_SERVICE_NAME
+    return dict(Resource.create(attributes).attributes)
+
+
+class EncodedBatch(NamedTuple):
+    payload: bytes  # a serialized ExportTraceServiceRequest
+    spans: int
+
+
+class OtlpSink:
+    def __init__(self, transport, encoder: OtlpEncoder) -> None:
+        self._transport, self._encoder = transport, encoder
 
     def export(self, spans: list[SpanData]) -> bool:
-        return self._exporter.export(self._converter.readable_spans(spans)) is self._success
+        return self._transport.send(EncodedBatch(self._encoder.encode(spans), len(spans)))
+
+    def shutdown(self) -> None:
+        self._transport.shutdown()
+
+
+def otlp_transport(config: ExportConfig):
+    """The OTel SDK's OTLP exporter, fed bytes we encoded (``otlp_proto.py``).
+
+    The SDK exporter is kept for what it does well: the ``OTEL_EXPORTER_OTLP_*``
+    settings, TLS, compression, retries with backoff, the export timeout. Only its
+    encoding step is bypassed, through the hooks named in ``GrpcTransport`` and
+    ``HttpTransport``; pyproject pins the exporter's minor version for them."""
+    kwargs = {}
+    if not any(os.environ.get(name) for name in _TIMEOUT_VARIABLES):
+        kwargs["timeout"] = config.export_timeout
+    if config.otlp_protocol == "grpc":
+        if config.otlp_endpoint:
+            kwargs["endpoint"] = config.otlp_endpoint
+        return GrpcTransport(**kwargs)
+    if config.otlp_endpoint:
+        kwargs["endpoint"] = http_traces_url(config.otlp_endpoint)
+    return HttpTransport(**kwargs)
+
+
+class HttpTransport:
+    """OTLP http/protobuf: the SDK exporter's HTTP client posts our payload."""
+
+    def __init__(self, **kwargs) -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        self._exporter = OTLPSpanExporter(**kwargs)
+        client = getattr(self._exporter, "_client", None)
+        if not callable(getattr(client, "export", None)):
+            raise RuntimeError("this opentelemetry-exporter-otlp-proto-http has no _client.export(bytes); "
+                               "install the version pinned in traceproxy's pyproject.toml")
+        self._client = client
+
+    def send(self, batch: EncodedBatch) -> bool:
+        return bool(self._client.export(batch.payload).success)
 
     def shutdown(self) -> None:
         self._exporter.shutdown()
 
 
-def otlp_exporter(config: ExportConfig):
-    kwargs = {}
-    if not any(os.environ.get(name) for name in _TIMEOUT_VARIABLES):
-        kwargs["timeout"] = config.export_timeout
-    if config.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+def _grpc_exporter_class():
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-        if config.otlp_endpoint:
-            kwargs["endpoint"] = config.otlp_endpoint
-        return OTLPSpanExporter(**kwargs)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    class EncodedGrpcExporter(OTLPSpanExporter):
+        """Exports ``EncodedBatch``es: the OTLP mixin's ``_translate_data`` and
+        ``_count_data`` hooks take the batch instead of SDK spans. The payload is
+        parsed back into the request message (in C, a few µs a batch) because the
+        gRPC stub serializes messages itself."""
 
-    if config.otlp_endpoint:
-        kwargs["endpoint"] = http_traces_url(config.otlp_endpoint)
-    return OTLPSpanExporter(**kwargs)
+        def _translate_data(self, data: EncodedBatch) -> ExportTraceServiceRequest:
+            return ExportTraceServiceRequest.FromString(data.payload)
+
+        def _count_data(self, data: EncodedBatch) -> int:
+            return data.spans
+
+    return EncodedGrpcExporter
+
+
+class GrpcTransport:
+    def __init__(self, **kwargs) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self._exporter = _grpc_exporter_class()(**kwargs)
+        self._success = SpanExportResult.SUCCESS
+
+    def send(self, batch: EncodedBatch) -> bool:
+        return self._exporter._export(batch) is self._success
+
+    def shutdown(self) -> None:
+        self._exporter.shutdown()
 
 
 def http_traces_url(base: str) -> str:
@@ -78,20 +151,44 @@ def http_traces_url(base: str) -> str:
 class FileSink:
     """One OTLP/JSON ``ExportTraceServiceRequest`` per line, like the Collector's file exporter."""
 
-    def __init__(self, path: Path, converter) -> None:
-        from .export_convert import otlp_json_line
-
+    def __init__(self, path: Path, encoder: OtlpEncoder) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
-        self._converter, self._line = converter, otlp_json_line
+        self._encoder = encoder
 
     def export(self, spans: list[SpanData]) -> bool:
-        self._file.write(self._line(self._converter.readable_spans(spans)) + "\n")
+        self._file.write(otlp_json_line(self._encoder.encode(spans)) + "\n")
         self._file.flush()
         return True
 
     def shutdown(self) -> None:
         self._file.close()
+
+
+def otlp_json_line(payload: bytes) -> str:
+    """A serialized ``ExportTraceServiceRequest`` as a compact OTLP/JSON line (no newline).
+
+    OTLP/JSON is protobuf's canonical JSON mapping with the OTLP exceptions that the
+    Collector's file exporter writes and its otlpjson receiver reads: camelCase
+    names, int64 as decimal strings, enums as integers, and trace/span ids as
+    lowercase hex (protobuf's own mapping would make them base64)."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    document = MessageToDict(ExportTraceServiceRequest.FromString(payload), use_integers_for_enums=True)
+    for span in _spans_and_links(document):
+        for key in _ID_FIELDS:
+            if key in span:
+                span[key] = base64.b64decode(span[key]).hex()
+    return json.dumps(document, separators=(",", ":"))
+
+
+def _spans_and_links(document: dict):
+    for resource_spans in document.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                yield span
+                yield from span.get("links", ())
 
 
 class ConsoleSink:
