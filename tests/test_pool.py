@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+
+import pytest
+import uvloop
 
 from .support import RawClient, wait_until
 
@@ -121,3 +125,88 @@ def test_connections_the_pool_expires_are_not_counted_as_closed_by_the_upstream(
     RawClient(proxy.port).roundtrip("GET", "/health")
     assert wait_until(lambda: proxy.ctx.pool.open_count == 0, timeout=3)
     assert proxy.ctx.pool.stats["closed_by_upstream_while_idle"] == 0
+
+
+class _User:
+    """The three calls the pool makes on a request while connecting for it."""
+
+    finished = False
+
+    def __init__(self):
+        self.ready, self.failed = [], []
+
+    def upstream_ready(self, conn, reused):
+        self.ready.append((conn, reused, conn.transport is not None))
+
+    def upstream_connect_failed(self, error):
+        self.failed.append(error)
+
+
+def _pool(port: int, connect_timeout: float = 5.0):
+    from traceproxy.proxy.upstream import UpstreamPool
+
+    return UpstreamPool("127.0.0.1", port, idle_timeout=4.0, max_connections=0, connect_timeout=connect_timeout)
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_a_new_connection_is_handed_over_as_soon_as_it_is_connected(run):
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool, user = _pool(server.sockets[0].getsockname()[1]), _User()
+        task = pool.acquire(user)
+        # Handed over from connection_made, before the connect coroutine has returned.
+        for _ in range(100):
+            if user.ready:
+                break
+            await asyncio.sleep(0)
+        assert user.ready and not task.done()
+        conn, reused, connected = user.ready[0]
+        assert not reused and connected and pool.stats["opened"] == 1 and pool.open_count == 1
+        await task
+        assert not pool.connecting and user.failed == []
+        pool.release(conn)
+        assert pool.idle == [conn]
+        pool.close_all()
+        server.close()
+
+    run(main())
+
+
+def test_connect_timeout_and_refusal_reach_the_request_once_and_free_the_slot(monkeypatch):
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        async def never_connects(*args, **kwargs):
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(loop, "create_connection", never_connects)
+        pool, user = _pool(9, connect_timeout=0.05), _User()
+        pool.acquire(user)
+        await asyncio.sleep(0.2)
+        assert user.failed == ["connect timed out after 0.05 s"] and user.ready == []
+        assert pool.open_count == 0 and not pool.connecting and pool.stats["connect_failed"] == 1
+
+        monkeypatch.undo()
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))  # bound, never listening: connecting is refused
+        pool, user = _pool(probe.getsockname()[1]), _User()
+        await asyncio.wait([pool.acquire(user)])
+        probe.close()
+        assert len(user.failed) == 1 and user.failed[0].startswith("connect failed")
+        assert pool.open_count == 0 and not pool.connecting
+
+    asyncio.run(main())
+
+
+def test_a_connect_the_request_gave_up_on_is_not_reported():
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool, user = _pool(server.sockets[0].getsockname()[1]), _User()
+        task = pool.acquire(user)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert user.ready == [] and user.failed == []
+        assert pool.open_count == 0 and not pool.connecting and pool.stats["connect_failed"] == 0
+        server.close()
+
+    asyncio.run(main())

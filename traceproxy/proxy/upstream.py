@@ -46,10 +46,17 @@ class UpstreamConnection(asyncio.Protocol):
         self.discarded_by_pool = False  # closed by us, not by the upstream
         self._parser: httptools.HttpResponseParser | None = None
         self._reset_response(head_only=False)
+        # While connecting: the request this connection is being opened for, and the
+        # connect timeout. The connection is handed over from connection_made.
+        self.opening_for: Exchange | None = None
+        self.connect_timer: asyncio.TimerHandle | None = None
+        self.timed_out = False
 
     # -- asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.opening_for is not None:
+            self.pool._opened(self)
 
     def data_received(self, data: bytes) -> None:
         user = self.user
@@ -74,6 +81,10 @@ class UpstreamConnection(asyncio.Protocol):
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
             user.flush_client()
+
+    def connect_timed_out(self, task: asyncio.Task) -> None:
+        self.timed_out = True
+        task.cancel()
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -260,7 +271,7 @@ class UpstreamPool:
         self.idle: list[UpstreamConnection] = []
         self.waiters: collections.deque[Exchange] = collections.deque()
         self.open_count = 0
-        self.connecting: set[asyncio.Task] = set()
+        self.connecting: dict[asyncio.Task, UpstreamConnection] = {}
         self._sweeper: asyncio.TimerHandle | None = None
         self.stats = collections.Counter()
         # Response headers the proxy sets itself (request id, traceresponse).
@@ -304,29 +315,48 @@ class UpstreamPool:
         return None
 
     def _connect(self, user: "Exchange") -> asyncio.Task:
+        """Start opening a connection for ``user``.
+
+        The connection is handed to ``user`` from its ``connection_made`` callback,
+        not when the connect coroutine returns: under load every callback hop costs a
+        full pass over the ready I/O events, and the coroutine's return reaches the
+        caller several hops after the socket is connected. The task only reports
+        failures; a timer (not ``wait_for``, which adds its own task) bounds the wait.
+        """
         self.open_count += 1
-        task = asyncio.get_running_loop().create_task(self._open(user))
-        self.connecting.add(task)
-        task.add_done_callback(self.connecting.discard)
+        loop = asyncio.get_running_loop()
+        conn = UpstreamConnection(self)
+        conn.opening_for = user
+        task = loop.create_task(loop.create_connection(lambda: conn, self.host, self.port))
+        conn.connect_timer = loop.call_later(self.connect_timeout, conn.connect_timed_out, task)
+        self.connecting[task] = conn
+        task.add_done_callback(self._connect_done)
         return task
 
-    async def _open(self, user: "Exchange") -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
-                self.connect_timeout,
-            )
-        except asyncio.CancelledError:
-            self._connection_gone()
-            raise
-        except (OSError, asyncio.TimeoutError) as exc:
-            self._connection_gone()
-            self.stats["connect_failed"] += 1
-            user.upstream_connect_failed(_connect_error(exc, self.connect_timeout))
-            return
+    def _opened(self, conn: UpstreamConnection) -> None:
+        user, conn.opening_for = conn.opening_for, None
+        conn.connect_timer.cancel()
         self.stats["opened"] += 1
         user.upstream_ready(conn, reused=False)
+
+    def _connect_done(self, task: asyncio.Task) -> None:
+        conn = self.connecting.pop(task)
+        if conn.opening_for is None:
+            return  # handed over from connection_made
+        if not task.cancelled() and task.exception() is None and conn.transport is not None:
+            self._opened(conn)  # connected without a connection_made call: hand over now
+            return
+        user, conn.opening_for = conn.opening_for, None
+        conn.connect_timer.cancel()
+        self._connection_gone()
+        if task.cancelled():
+            if not conn.timed_out:
+                return  # the request gave up (or shutdown)
+            exc: BaseException = asyncio.TimeoutError()
+        else:
+            exc = task.exception()
+        self.stats["connect_failed"] += 1
+        user.upstream_connect_failed(_connect_error(exc, self.connect_timeout))
 
     # -- returning ---------------------------------------------------------------
     def release(self, conn: UpstreamConnection) -> None:
@@ -386,8 +416,9 @@ class UpstreamPool:
             self._arm_sweeper()
 
     def close_all(self) -> None:
-        for task in list(self.connecting):
-            task.cancel()
+        for task, conn in list(self.connecting.items()):
+            if conn.opening_for is not None:  # handed-over connections are in use
+                task.cancel()
         for conn in list(self.idle):
             self.discard(conn, "shutdown")
 
