@@ -23,7 +23,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 import traceproxy
 from traceproxy.observe.export import ExportConfig, SpanExportPipe
 from traceproxy.observe.export_sinks import http_traces_url
-from traceproxy.observe.export_wire import encode_frame, parse_stats_line
+from traceproxy.observe.export_wire import FRAME_HEADER, decode_frame, encode_frame, parse_stats_line
+from traceproxy.observe.spans import AttemptSummary, RequestSummary
 from traceproxy.observe.spandata import (
     KIND_CLIENT,
     KIND_SERVER,
@@ -283,7 +284,7 @@ def test_off_starts_nothing(start_pipe, loop_thread):
 EXPORT_TIMEOUT = 5.0
 LAG_BOUND = 0.5  # a correctness bound far below EXPORT_TIMEOUT, not a performance number
 FLOOD_CONFIG = dict(queue_spans=512, batch_spans=64, export_timeout=EXPORT_TIMEOUT)
-MAX_PICKLED_SPAN = 4096  # generous: the sample spans pickle to a few hundred bytes
+MAX_ENCODED_SPAN = 4096  # generous: the sample spans encode to a few hundred bytes
 
 
 async def flood(pipe: SpanExportPipe, seconds: float) -> dict:
@@ -337,7 +338,7 @@ def test_collector_trouble_costs_only_dropped_spans(protocol, trouble, loop_thre
     assert worst["lag"] < LAG_BOUND and worst["submit"] < LAG_BOUND, worst
     assert stats["spans_dropped"] > 0 and stats["exporter_alive"], stats
     assert worst["queued"] <= FLOOD_CONFIG["queue_spans"] + FLOOD_CONFIG["batch_spans"] + 2, worst
-    assert worst["buffered_bytes"] <= FLOOD_CONFIG["queue_spans"] * MAX_PICKLED_SPAN, worst
+    assert worst["buffered_bytes"] <= FLOOD_CONFIG["queue_spans"] * MAX_ENCODED_SPAN, worst
     assert stop_took < 2.0 + 0.5, stop_took
     assert not stats_of(loop_thread, pipe)["exporter_alive"]
 
@@ -399,7 +400,7 @@ def test_killing_a_backed_up_exporter_loses_nothing_but_spans(loop_thread):
     assert after["spans_queued"] <= before["spans_queued"]
 
 
-def test_an_unpicklable_span_is_dropped_not_raised(start_pipe, loop_thread, tmp_path):
+def test_a_span_that_cannot_be_encoded_is_dropped_not_raised(start_pipe, loop_thread, tmp_path):
     pipe = start_pipe(make_config("file", file_path=str(tmp_path / "spans.jsonl")))
     poisoned = sample_trace()[0]._replace(attributes={"callback": lambda: None})
     loop_thread.call(pipe.submit_now, [poisoned])
@@ -407,6 +408,24 @@ def test_an_unpicklable_span_is_dropped_not_raised(start_pipe, loop_thread, tmp_
     loop_thread.run(pipe.stop())
     stats = stats_of(loop_thread, pipe)
     assert (stats["spans_dropped"], stats["spans_exported"]) == (1, 2)
+
+
+def test_frames_carry_spans_and_request_summaries_unchanged():
+    summary = RequestSummary(
+        trace_id=TRACE_ID, span_id=7, parent_span_id=0, sampled=True, tracestate="a=1", rejected_traceparent="",
+        request_id="rid", method="POST", target="/generate", http_version="1.1", status=200, outcome="OK",
+        error="", start_ns=1, end_ns=9, clock_offset_ns=10**18, marks=(1, 2, 3, 0, 5, 9), client_peer="127.0.0.1:5",
+        client_connection_id=3, sequence=2, idle_gap_ns=-1, user_agent="ua", server=("127.0.0.1", 80),
+        upstream=("127.0.0.1", 81), request_body_bytes=4, response_body_bytes=5, chunks=1, max_chunk_gap_ns=0,
+        request_body_head=b'{"x":1}', response_tail=b"\x00\xff", stalls=(("FBS", "first_byte", 1, 2, 0),),
+        attempts=(AttemptSummary(11, 0, 4, True, 100, 3, (0, 2, 2, 2, 3, 4, 5, 6), "", ""),), keep_spans=False,
+    )
+    items = [summary, *sample_trace()]
+    payload = encode_frame(items)[FRAME_HEADER.size:]
+    decoded = decode_frame(payload)
+    assert decoded == items
+    assert [type(item) for item in decoded] == [RequestSummary, SpanData, SpanData]
+    assert type(decoded[0].attempts[0]) is AttemptSummary
 
 
 # ---------------------------------------------------------------- the child alone

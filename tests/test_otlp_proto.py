@@ -104,7 +104,7 @@ def test_the_string_cache_stays_bounded(monkeypatch):
     for n in range(400):
         span = CLIENT._replace(name=f"GET /path/{n}", attributes={"url.path": f"/path/{n}"})
         encoder.encode([span])
-        assert len(encoder._values[str]) <= 50 and len(encoder._names) <= 50
+        assert len(encoder._values) <= 50 and len(encoder._names) <= 50
     assert decoded(encoder, [span]).resource_spans[0].scope_spans[0].spans[0].name == "GET /path/399"
 
 

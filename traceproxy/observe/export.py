@@ -1,7 +1,7 @@
 """Parent side of span export: hand spans to a separate exporter process, never block.
 
 The proxy's event loop cannot afford OTLP encoding (the SDK encoder costs about twice
-what proxying a request does), so spans leave as pickled batches of ``SpanData``
+what proxying a request does), so spans leave as marshalled batches of ``SpanData``
 over a pipe to ``python -m traceproxy.observe.exporter_main``, which encodes and
 exports them.
 
@@ -10,13 +10,13 @@ Theory of operation:
   child turns into spans); the parent counts and bounds items, calling them spans.
 - ``submit`` appends to the current batch (O(1)). A full batch (``batch_spans``), a
   timer (``flush_interval`` after the batch's first span) or ``submit_now`` sends
-  it: pickle, length prefix, one ``transport.write`` on a non-blocking pipe.
+  it: marshal, length prefix, one ``transport.write`` on a non-blocking pipe.
 - The one bounded queue is the pipe transport's user-space buffer. It is bounded in
   spans, not bytes: every frame written is remembered as (end offset in the stream,
   span count), and ``get_write_buffer_size()`` tells how much of the stream has not
   reached the kernel yet, hence which frames still wait. A batch that would push the
   waiting spans past ``queue_spans`` is dropped and counted. (A byte high-water mark
-  would only be a guess: a span's pickled size depends on its attributes.) On top of
+  would only be a guess: a span's encoded size depends on its attributes.) On top of
   that queue: at most one partial batch, and the kernel's pipe buffer (64 KiB).
 - The child exports one batch at a time and buffers nothing else, so a slow, down
   or black-holing collector fills the pipe and then this queue; only drops follow.
@@ -165,8 +165,8 @@ class SpanExportPipe:
             return
         try:
             frame = encode_frame(batch)
-        except Exception:  # an unpicklable attribute value must not reach the proxy's caller
-            log.exception("dropping %d spans that cannot be pickled", len(batch))
+        except Exception:  # an odd attribute type must not reach the proxy's caller
+            log.exception("dropping %d spans that cannot be encoded", len(batch))
             self._dropped += len(batch)
             return
         self._writer.write(frame)

@@ -1,24 +1,34 @@
 """What the proxy process and its exporter process agree on: settings, framing, stats.
 
 Parent -> child, on the child's stdin: frames of a 4-byte big-endian length followed
-by a pickle (protocol 5) of a list of ``SpanData``. EOF on stdin means "drain what
-you have, flush, exit".
+by a ``marshal`` dump of a list of items, each a ``SpanData`` or a request summary
+(``spans.RequestSummary``) flattened to plain tuples. EOF on stdin means "drain
+what you have, flush, exit".
+
+Why marshal and not pickle: it is 2.5 times faster both ways for these tuples of
+ints, strings and bytes, and the parent pays for the dump on its event loop. Its
+format is specific to the Python version, which is safe here: the child is always
+started with the parent's own interpreter (``sys.executable``).
 
 Child -> parent, on an inherited file descriptor: JSON lines of cumulative counters,
 ``{"exported": n, "failed": n}``. Counters only grow, so a late or repeated line is
 harmless; each line is far below PIPE_BUF, so one ``os.write`` never interleaves.
 
-Standard library only: the exporter process imports this before anything heavy, and
-the parent never unpickles anything the child sends.
+Standard library and our own plain types only: the exporter process imports this
+before anything heavy, and the parent never decodes anything the child sends but
+the stats lines.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
+import marshal
 import struct
 from dataclasses import asdict, dataclass, field
 from typing import BinaryIO
+
+from .spandata import SpanData, SpanEvent
+from .spans import AttemptSummary, RequestSummary
 
 FRAME_HEADER = struct.Struct("!I")
 # A frame is one batch of a few hundred spans; anything near this is a broken stream.
@@ -66,9 +76,30 @@ class ExportConfig:
         return cls(**json.loads(text))
 
 
-def encode_frame(spans: list) -> bytes:
-    payload = pickle.dumps(spans, protocol=5)
+# Flattened items: a kind, then the fields in order, the nested tuples made plain.
+_SPAN, _SUMMARY = 0, 1
+_EVENTS = SpanData._fields.index("events")
+_ATTEMPTS = RequestSummary._fields.index("attempts")
+
+
+def encode_frame(items: list) -> bytes:
+    """Raises ValueError for a value marshal cannot write (an odd attribute type)."""
+    payload = marshal.dumps([_flatten(item) for item in items])
     return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def _flatten(item) -> tuple:
+    if isinstance(item, SpanData):
+        return (_SPAN, *item[:_EVENTS], tuple(map(tuple, item.events)), *item[_EVENTS + 1:])
+    return (_SUMMARY, *item[:_ATTEMPTS], tuple(map(tuple, item.attempts)), *item[_ATTEMPTS + 1:])
+
+
+def _restore(flat: tuple):
+    if flat[0] == _SPAN:
+        events = tuple(SpanEvent(*event) for event in flat[_EVENTS + 1])
+        return SpanData(*flat[1:_EVENTS + 1], events, *flat[_EVENTS + 2:])
+    attempts = tuple(AttemptSummary(*attempt) for attempt in flat[_ATTEMPTS + 1])
+    return RequestSummary(*flat[1:_ATTEMPTS + 1], attempts, *flat[_ATTEMPTS + 2:])
 
 
 def read_frame(stream: BinaryIO) -> bytes | None:
@@ -86,7 +117,7 @@ def read_frame(stream: BinaryIO) -> bytes | None:
 
 
 def decode_frame(payload: bytes) -> list:
-    return pickle.loads(payload)
+    return [_restore(flat) for flat in marshal.loads(payload)]
 
 
 def stats_line(exported: int, failed: int) -> bytes:

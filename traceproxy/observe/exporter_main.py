@@ -83,7 +83,7 @@ def pump(stream, sink, counters: Counters, access_log=None) -> None:
         try:
             items = decode_frame(payload)
         except Exception:  # the frame boundary is known, so the next frame is still good
-            log.exception("skipping a span frame that does not unpickle")
+            log.exception("skipping a span frame that does not decode")
             continue
         if access_log is not None:
             access_log.write_summaries(items)
@@ -117,7 +117,7 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
 
 
 def spans_for_summary(summary) -> list[SpanData]:
-    from .spans import spans_for  # already imported: unpickling the summary loaded it
+    from .spans import spans_for  # already imported: decoding the frame loaded it
 
     return spans_for(summary)
 

@@ -19,11 +19,11 @@ Hazards:
 - Attribute values: ``bool`` is tested before ``int`` (a bool is an int in Python).
   Other types (None, bytes, lists) are not produced by ``spans.py`` and are written
   as their ``str()``, never dropped silently.
-- The caches of encoded attributes are keyed by (key, value), one per value type,
-  and bounded: high-cardinality keys (request ids, error messages) bypass them, and
-  each is emptied when it reaches ``CACHE_LIMIT`` entries, so memory stays bounded
-  whatever arrives. Values that change every request (ids, sizes, times) churn
-  through them; a cache miss costs little more than encoding without a cache.
+- The cache of encoded str and int attributes is keyed by (key, value) and bounded:
+  high-cardinality keys (request ids, error messages) bypass it, and it is emptied
+  when it reaches ``CACHE_LIMIT`` entries, so memory stays bounded whatever arrives.
+  Values that change every request (ids, sizes) churn through it; a miss costs
+  little more than encoding without a cache.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class OtlpEncoder:
             + length_delimited(T_SCOPE_VERSION, scope_version.encode()))
         self._resource_field = resource
         self._scope_field = scope
-        self._values: dict[type, dict[tuple[str, object], bytes]] = {str: {}, int: {}, float: {}, bool: {}}
+        self._values: dict[tuple[str, str | int], bytes] = {}
         self._key_fields: dict[str, bytes] = {}  # keys are ours: a fixed, small set
         self._names: dict[str, bytes] = {}
         self._events: dict[str, tuple[bytes, bytes]] = {}
@@ -161,18 +161,19 @@ class OtlpEncoder:
         return b"".join(parts)
 
     def _span_attributes(self, attrs: Mapping, parts: list) -> None:
-        # One cache per value type: True == 1 and 1.0 == 1 as dict keys.
-        caches = self._values
+        cache = self._values
         for key, value in attrs.items():
-            cache = caches.get(type(value))
-            if cache is None or key in UNCACHED_KEYS:
-                encoded = _key_value(self._key_field(key), value)
-            else:
+            kind = type(value)
+            # str and int values share one cache: no str equals an int. Not bools or
+            # floats: True == 1 and 1.0 == 1 would find an int's encoding.
+            if (kind is str or kind is int) and key not in UNCACHED_KEYS:
                 encoded = cache.get((key, value))
                 if encoded is None:
                     if len(cache) >= CACHE_LIMIT:
                         cache.clear()
                     encoded = cache[key, value] = _key_value(self._key_field(key), value)
+            else:
+                encoded = _key_value(self._key_field(key), value)
             parts += (T_SPAN_ATTRIBUTE, encoded)
 
     def _key_field(self, key: str) -> bytes:

@@ -2,7 +2,7 @@
 
 The proxy's event loop must not pay for OTLP encoding (the SDK's protobuf encoder
 costs more per request than proxying it), so spans cross a pipe to a separate
-exporter process as these small tuples, pickled in batches. Only the standard
+exporter process as these small tuples, marshalled in batches. Only the standard
 library is needed to build them; the exporter process turns them into OTLP.
 """
 

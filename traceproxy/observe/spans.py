@@ -27,6 +27,8 @@ DOWNSTREAM_ORDER = tuple(m for m in Mark if m not in UPSTREAM_MARKS)
 UPSTREAM_ORDER = tuple(m for m in Mark if m in UPSTREAM_MARKS)
 DOWNSTREAM_LABELS = tuple(m.label for m in DOWNSTREAM_ORDER)
 UPSTREAM_LABELS = tuple(m.label for m in UPSTREAM_ORDER)
+# map(marks.get, ORDER, ZEROS): each mark's time, or 0 when not reached.
+_DOWNSTREAM_ZEROS, _UPSTREAM_ZEROS = (0,) * len(DOWNSTREAM_ORDER), (0,) * len(UPSTREAM_ORDER)
 _LAST_UPSTREAM_RX = UPSTREAM_ORDER.index(Mark.LAST_UPSTREAM_RX_BYTE)
 _FIRST_DOWNSTREAM_TX_BODY = DOWNSTREAM_ORDER.index(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE)
 TAIL_BYTES = 4096
@@ -99,7 +101,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.tracestate.decode("latin-1"), (record.rejected_traceparent or b"").decode("latin-1"),
         record.request_id, record.method, record.target, record.http_version, record.status or 0,
         record.outcome.code, record.error or "", marks.get(Mark.FIRST_DOWNSTREAM_RX_BYTE) or record.end_ns,
-        record.end_ns, clock_offset_ns, tuple(marks.get(m, 0) for m in DOWNSTREAM_ORDER),
+        record.end_ns, clock_offset_ns, tuple(map(marks.get, DOWNSTREAM_ORDER, _DOWNSTREAM_ZEROS)),
         record.connection.peer, record.connection.id, record.sequence,
         -1 if record.idle_gap_ns is None else record.idle_gap_ns, record.user_agent, server, upstream,
         record.downstream_rx_body_bytes, record.downstream_tx_body_bytes, record.upstream_rx_chunks,
@@ -114,7 +116,7 @@ def _summarize_attempt(attempt) -> AttemptSummary:
     conn = attempt.connection
     return AttemptSummary(
         attempt.span_id, attempt.index, conn.id if conn else 0, attempt.reused, attempt.idle_age_ns,
-        attempt.connection_request_number, tuple(attempt.marks.get(m, 0) for m in UPSTREAM_ORDER),
+        attempt.connection_request_number, tuple(map(attempt.marks.get, UPSTREAM_ORDER, _UPSTREAM_ZEROS)),
         attempt.outcome.code if attempt.outcome else "", attempt.error or "",
     )
 
