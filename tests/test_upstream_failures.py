@@ -45,6 +45,29 @@ def test_no_response_headers_in_time_is_504_ut(scripted_upstream, start_proxy):
     assert client.roundtrip("GET", "/").status == 504
 
 
+def test_a_later_request_on_a_keep_alive_connection_gets_its_own_full_timeout(scripted_upstream, start_proxy):
+    """The deadline timer outlives a request and is re-aimed for the next one: the
+    second request times out a full upstream_headers after its own start."""
+
+    async def answers_first_only(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read_request()
+        await reader.read(1)
+
+    up = scripted_upstream(answers_first_only)
+    proxy = start_proxy(up.url, **{"timeouts.upstream_headers": 0.6})
+    client = RawClient(proxy.port)
+    assert client.roundtrip("GET", "/1").status == 200
+    time.sleep(0.4)  # the first request's deadline falls during the second one
+    started = time.monotonic()
+    resp = client.roundtrip("GET", "/2")
+    waited = time.monotonic() - started
+    assert resp.status == 504 and _error(resp)["code"] == "UT"
+    assert 0.55 <= waited < 3
+
+
 def test_malformed_upstream_response_is_502_upe(scripted_upstream, start_proxy):
     async def garbage(reader, writer, upstream):
         await reader.read_request()

@@ -63,6 +63,10 @@ class ClientConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
         self._on_deadline = None
+        # The active exchange's deadline timer (see Exchange._aim_timer), kept across
+        # requests so keep-alive requests do not each create and cancel one.
+        self._exchange_timer: asyncio.TimerHandle | None = None
+        self._exchange_timer_due = 0
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -87,6 +91,9 @@ class ClientConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._exchange_timer is not None:
+            self._exchange_timer.cancel()
+            self._exchange_timer = None
         self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
         if self.active is not None:
@@ -342,6 +349,26 @@ class ClientConnection(asyncio.Protocol):
             return
         self._on_deadline = None
         callback()
+
+    def aim_exchange_timer(self, due_ns: int, now_ns: int) -> None:
+        """Make the exchange timer fire no later than ``due_ns`` (monotonic ns)."""
+        timer = self._exchange_timer
+        if timer is not None:
+            if self._exchange_timer_due <= due_ns:
+                return  # the armed timer fires first and the active exchange re-aims it
+            timer.cancel()
+        self._exchange_timer_due = due_ns
+        self._exchange_timer = asyncio.get_running_loop().call_later(
+            max(due_ns - now_ns, 0) / 1e9, self._exchange_timer_fired)
+
+    def exchange_timer_due_after(self, due_ns: int) -> bool:
+        """True when the exchange timer would not fire by ``due_ns`` (or is not armed)."""
+        return self._exchange_timer is None or self._exchange_timer_due > due_ns
+
+    def _exchange_timer_fired(self) -> None:
+        self._exchange_timer = None
+        if self.active is not None:
+            self.active.timer_fired()
 
     def _on_idle_timeout(self) -> None:
         if self.active is None and self.parsing is None:

@@ -95,8 +95,6 @@ class Exchange:
         self._lingered_bytes = 0
         self._client_out: list[bytes] = []
         self._upstream_paused_by_client = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_due = 0
         self._linger_timer: asyncio.TimerHandle | None = None
         self._started_ns = 0
         self._expects_body = bool(head.framing.chunked or head.framing.content_length)
@@ -287,7 +285,7 @@ class Exchange:
         self._stamp(Mark.FIRST_DOWNSTREAM_TX_BYTE, now)
         record.last_upstream_rx_ns = now
         upstream_read = self.ctx.timeouts.upstream_read
-        if upstream_read and (self._timer is None or self._timer_due > now + int(upstream_read * 1e9)):
+        if upstream_read and self.client.exchange_timer_due_after(now + int(upstream_read * 1e9)):
             self._aim_timer(now)
 
     # ---------------------------------------------------------------------------
@@ -496,17 +494,17 @@ class Exchange:
 
     def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True) -> None:
         self.finished = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._upstream_out.clear()
         self.ctx.end_request(self.record, outcome, error)
         if hand_back:
             self.client.exchange_finished(self, self.keep_client_alive)
 
     # ---------------------------------------------------------------------------
-    # Deadlines: one timer per exchange, aimed at the nearest deadline and re-aimed
-    # when it fires, instead of being reset on every chunk.
+    # Deadlines: one timer, aimed at the nearest deadline and re-aimed when it fires,
+    # instead of being reset on every chunk. The handle belongs to the client
+    # connection and outlives the exchange: the next request on a keep-alive
+    # connection adopts it (its deadlines are later, so the old handle fires first
+    # and re-aims), instead of every request creating and cancelling a timer.
     # ---------------------------------------------------------------------------
     def _deadlines(self, now: int) -> list[tuple[int, Outcome]]:
         """(deadline ns, outcome) for every limit that still applies."""
@@ -527,16 +525,10 @@ class Exchange:
         deadlines = self._deadlines(now)
         if not deadlines:
             return
-        due = min(d for d, _ in deadlines)
-        if self._timer is not None and self._timer_due <= due:
-            return  # the armed timer fires first and re-aims itself
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_due = due
-        self._timer = asyncio.get_running_loop().call_later(max(due - now, 0) / 1e9, self._timer_fired)
+        self.client.aim_exchange_timer(min(d for d, _ in deadlines), now)
 
-    def _timer_fired(self) -> None:
-        self._timer = None
+    def timer_fired(self) -> None:
+        """The client connection's exchange timer fired while this exchange is its active one."""
         if self.finished:
             return
         now = time.monotonic_ns()
