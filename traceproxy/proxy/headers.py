@@ -72,6 +72,7 @@ _NOT_NAMES = HOP_BY_HOP | {b"close"}
 _TRACE = frozenset({b"traceparent", b"tracestate"})
 _REQUEST_SPECIAL = HOP_BY_HOP | _FRAMING | _FORWARDED | _TRACE | {b"host", b"expect"}
 DEFAULT_REQUEST_ID_NAMES = (b"x-request-id",)
+_NONE: list = []  # shared "none seen" sentinel, compared by identity, never appended to
 
 
 def parse_request_headers(
@@ -83,49 +84,61 @@ def parse_request_headers(
     conflicting lengths, any coding but a lone ``chunked``, and chunked from an
     HTTP/1.0 sender are all refused. Exactly one Host is required in HTTP/1.1.
     """
+    # Runs for every request: the lists for rare headers are shared empty
+    # sentinels until one is seen (only the framing ones; the rest are returned).
     kept: Headers = []
-    lengths: list[bytes] = []
-    codings: list[bytes] = []
+    lengths: list[bytes] = _NONE
+    codings: list[bytes] = _NONE
     hosts: list[bytes] = []
-    listed: set[bytes] = set()
+    listed: set[bytes] | None = None
     forwarded: Headers = []
     traceparents: list[bytes] = []
     tracestates: list[bytes] = []
-    request_ids: dict[bytes, bytes] = {}
+    request_ids: dict[bytes, bytes] | None = None
     expect = user_agent = None
     for name, value in headers:
         lname = name.lower()
         if lname not in _REQUEST_SPECIAL:
             kept.append((name, value))
             if lname in request_id_names:
+                if request_ids is None:
+                    request_ids = {}
                 request_ids.setdefault(lname, value)
             elif lname == b"user-agent":
                 user_agent = value
+        elif lname == b"host":
+            hosts.append(value)
+            kept.append((name, value))
+        elif lname == b"content-length":
+            if lengths is _NONE:
+                lengths = []
+            lengths.extend(v.strip() for v in value.split(b","))
         elif lname == b"traceparent":
             traceparents.append(value)
         elif lname == b"tracestate":
             tracestates.append(value)
-        elif lname == b"content-length":
-            lengths.extend(v.strip() for v in value.split(b","))
         elif lname == b"transfer-encoding":
+            if codings is _NONE:
+                codings = []
             codings.extend(_tokens(value))
-        elif lname == b"host":
-            hosts.append(value)
-            kept.append((name, value))
         elif lname == b"connection":
+            if listed is None:
+                listed = set()
             listed.update(_tokens(value))
         elif lname == b"expect":
             expect = value
         elif lname in _FORWARDED:
             forwarded.append((name, value))
-    if listed - _NOT_NAMES:
+    if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
     if len(hosts) > 1:
         raise BadRequest(400, "more than one Host header")
     if not hosts and http_version == "1.1":
         raise BadRequest(400, "missing Host header")
     framing = _framing(lengths, codings, http_version)
-    request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
+    request_id = None
+    if request_ids is not None:
+        request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
     return RequestParts(framing, hosts[0] if hosts else None, expect, kept, forwarded,
                         traceparents, tracestates, request_id, user_agent)
 
@@ -142,10 +155,13 @@ def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> R
             raise BadRequest(400, f"unsupported Transfer-Encoding {shown!r}: only 'chunked' is accepted")
         return RequestFraming(chunked=True, content_length=None)
     if not lengths:
-        return RequestFraming(chunked=False, content_length=0)
-    if len(set(lengths)) != 1 or not lengths[0].isdigit():
+        return _NO_BODY
+    if (len(lengths) != 1 and len(set(lengths)) != 1) or not lengths[0].isdigit():
         raise BadRequest(400, "invalid or conflicting Content-Length values")
     return RequestFraming(chunked=False, content_length=int(lengths[0]))
+
+
+_NO_BODY = RequestFraming(chunked=False, content_length=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +185,12 @@ def upstream_request_head(
     if not ctx.preserve_host or parts.host is None:
         out = [(b"Host", ctx.upstream_authority)] + [(n, v) for n, v in out if n.lower() != b"host"]
     lines = [b"%s %s HTTP/1.1\r\n" % (method.encode("ascii"), target)]
-    lines.extend(b"%s: %s\r\n" % pair for pair in out)
+    lines += [b"%s: %s\r\n" % pair for pair in out]
     if ctx.x_forwarded:
-        lines.extend(_forwarded_lines(parts, ctx))
+        lines += _forwarded_lines(parts, ctx)
     else:
-        lines.extend(b"%s: %s\r\n" % pair for pair in parts.forwarded)
-    lines.extend(b"%s: %s\r\n" % pair for pair in extra)
+        lines += [b"%s: %s\r\n" % pair for pair in parts.forwarded]
+    lines += [b"%s: %s\r\n" % pair for pair in extra]
     framing = parts.framing
     if framing.chunked:
         lines.append(b"Transfer-Encoding: chunked\r\n")
@@ -186,6 +202,12 @@ def upstream_request_head(
 
 def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> list[bytes]:
     """Append to X-Forwarded-* (comma-joined, like nginx's $proxy_add_x_forwarded_for)."""
+    if not parts.forwarded:  # the common case: the client sent none of its own
+        lines = [b"X-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\n"
+                 % (ctx.client_ip.encode("ascii"), ctx.scheme.encode("ascii"))]
+        if parts.host is not None:
+            lines.append(b"X-Forwarded-Host: %s\r\n" % parts.host)
+        return lines
     existing: dict[bytes, list[bytes]] = {}
     for name, value in parts.forwarded:
         existing.setdefault(name.lower(), []).append(value)
@@ -216,7 +238,7 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
     kept: Headers = []
     chunked = event_stream = False
     length = None
-    listed: set[bytes] = set()
+    listed: set[bytes] | None = None
     for name, value in headers:
         lname = name.lower()
         if lname not in HOP_BY_HOP and lname != b"content-length":
@@ -230,8 +252,10 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
         elif lname == b"transfer-encoding":
             chunked = True
         elif lname == b"connection":
+            if listed is None:
+                listed = set()
             listed.update(_tokens(value))
-    if listed - _NOT_NAMES:
+    if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
     return ResponseParts(chunked, length, kept, event_stream)
 
@@ -270,8 +294,8 @@ def client_response_head(
 ) -> bytes:
     version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
     lines = [b"%s %d %s\r\n" % (version, status, reason)]
-    lines.extend(b"%s: %s\r\n" % pair for pair in end_to_end_headers)
-    lines.extend(b"%s: %s\r\n" % pair for pair in extra)
+    lines += [b"%s: %s\r\n" % pair for pair in end_to_end_headers]
+    lines += [b"%s: %s\r\n" % pair for pair in extra]
     if content_length is not None:
         lines.append(b"Content-Length: %s\r\n" % content_length)
     if framing == ResponseFraming.CHUNKED:
