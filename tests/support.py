@@ -285,3 +285,25 @@ def answers_in_parts(*parts: bytes, pause: float = 0.0) -> Callable:
         await reader.read(1)
 
     return handler
+
+
+class ListSink:
+    """Stands in for the span export pipe: keeps what the tracing observer submits.
+    ``backlog``: what ``backlogged()`` answers (the exporter is behind)."""
+
+    def __init__(self, backlog: bool = False) -> None:
+        self.items, self.now_items = [], []
+        self.backlog = backlog
+        self.shed = 0
+
+    def submit(self, items) -> None:
+        self.items.extend(items)
+
+    def submit_now(self, items) -> None:
+        self.now_items.extend(items)
+
+    def backlogged(self) -> bool:
+        return self.backlog
+
+    def count_shed(self) -> None:
+        self.shed += 1

@@ -123,6 +123,11 @@ def stats_of(loop_thread, pipe: SpanExportPipe) -> dict:
     return loop_thread.call(lambda: pipe.stats)
 
 
+def niceness(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[16])
+
+
 def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -146,8 +151,10 @@ def test_otlp_delivers_every_field(protocol, endpoint_from, start_pipe, loop_thr
 
         assert_sample_trace(receiver.wait_for_spans(2))
         assert wait_until(lambda: stats_of(loop_thread, pipe)["spans_exported"] == 2)
+        assert not loop_thread.call(pipe.backlogged)
+        assert niceness(pipe.pid) == min(19, niceness(os.getpid()) + pipe.config.nice)
         assert stats_of(loop_thread, pipe) == {
-            "spans_submitted": 2, "spans_dropped": 0, "spans_queued": 0,
+            "spans_submitted": 2, "spans_dropped": 0, "spans_shed": 0, "spans_queued": 0,
             "spans_exported": 2, "spans_failed": 0, "exporter_alive": True,
         }
 
@@ -290,7 +297,7 @@ MAX_ENCODED_SPAN = 4096  # generous: the sample spans encode to a few hundred by
 async def flood(pipe: SpanExportPipe, seconds: float) -> dict:
     """Submit as fast as a busy proxy would while a ticker measures the loop's lag."""
     loop = asyncio.get_running_loop()
-    worst = {"lag": 0.0, "submit": 0.0, "queued": 0, "buffered_bytes": 0}
+    worst = {"lag": 0.0, "submit": 0.0, "queued": 0, "buffered_bytes": 0, "backlogged": False}
 
     async def tick() -> None:
         while True:
@@ -306,6 +313,7 @@ async def flood(pipe: SpanExportPipe, seconds: float) -> dict:
             pipe.submit(sample_trace())
             worst["submit"] = max(worst["submit"], time.perf_counter() - started)
         worst["queued"] = max(worst["queued"], pipe.stats["spans_queued"])
+        worst["backlogged"] = worst["backlogged"] or pipe.backlogged()
         worst["buffered_bytes"] = max(worst["buffered_bytes"], pipe._writer.get_write_buffer_size())
         await asyncio.sleep(0.002)
     ticker.cancel()
@@ -337,6 +345,7 @@ def test_collector_trouble_costs_only_dropped_spans(protocol, trouble, loop_thre
 
     assert worst["lag"] < LAG_BOUND and worst["submit"] < LAG_BOUND, worst
     assert stats["spans_dropped"] > 0 and stats["exporter_alive"], stats
+    assert worst["backlogged"], "a collector in trouble must make healthy spans shed"
     assert worst["queued"] <= FLOOD_CONFIG["queue_spans"] + FLOOD_CONFIG["batch_spans"] + 2, worst
     assert worst["buffered_bytes"] <= FLOOD_CONFIG["queue_spans"] * MAX_ENCODED_SPAN, worst
     assert stop_took < 2.0 + 0.5, stop_took

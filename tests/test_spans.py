@@ -12,15 +12,7 @@ from traceproxy.observe.spans import spans_for
 from traceproxy.observe.tracing import TracingObserver, healthy_ratio_from_environment
 from traceproxy.proxy import tracecontext as tc
 
-from .support import RawClient, header_value, wait_until
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.items = []
-
-    def submit(self, items) -> None:
-        self.items.extend(items)
+from .support import ListSink, RawClient, header_value, wait_until
 
 
 def _traced_proxy(start_proxy, upstream_url, ratio=1.0, **overrides):
@@ -117,6 +109,33 @@ def test_healthy_requests_sampled_by_ratio_errors_always_kept(fast_upstream, sta
         assert header_value(sock.recv(65536), b"x-traceproxy-outcome") == b"DPE"
     assert wait_until(lambda: len(sink.items) == 1)
     assert sink.items[0].outcome == "DPE"
+
+
+def test_a_backlogged_exporter_sheds_healthy_spans_but_never_failed_ones(fast_upstream, start_proxy):
+    sink = ListSink(backlog=True)
+    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0)
+    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    client = RawClient(proxy.port)
+    for _ in range(3):
+        client.roundtrip("GET", "/v1/models")
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\nBad\r\n\r\n")
+        assert header_value(sock.recv(65536), b"x-traceproxy-outcome") == b"DPE"
+    assert wait_until(lambda: len(sink.items) == 1)
+    assert sink.items[0].outcome == "DPE" and sink.items[0].keep_spans
+    assert sink.shed == 3 and observer.sampled_out == 0
+    sink.backlog = False  # caught up: healthy spans flow again
+    client.roundtrip("GET", "/v1/models")
+    assert wait_until(lambda: len(sink.items) == 2) and sink.items[1].outcome == "OK"
+
+
+def test_shed_requests_still_send_their_access_log_line(fast_upstream, start_proxy):
+    sink = ListSink(backlog=True)
+    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0, access_log=True)
+    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    RawClient(proxy.port).roundtrip("GET", "/v1/models")
+    assert wait_until(lambda: len(sink.items) == 1)
+    assert not sink.items[0].keep_spans and sink.shed == 1
 
 
 def test_sample_ratio_from_otel_environment():

@@ -15,21 +15,10 @@ import urllib.request
 from traceproxy.observe.spandata import KIND_INTERNAL
 from traceproxy.observe.tracing import TracingObserver
 
-from .support import RawClient, answers_in_parts, never_answers, wait_until
+from .support import ListSink, RawClient, answers_in_parts, never_answers, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.items, self.now_items = [], []
-
-    def submit(self, items) -> None:
-        self.items.extend(items)
-
-    def submit_now(self, items) -> None:
-        self.now_items.extend(items)
 
 
 def _proxy(start_proxy, upstream_url, **overrides):

@@ -60,6 +60,7 @@ def tracing_export_config(settings: Settings, environ=os.environ):
         service_name=tracing.service_name or environ.get("OTEL_SERVICE_NAME") or "traceproxy",
         resource_attributes=_resource_attributes(environ.get("OTEL_RESOURCE_ATTRIBUTES", "")),
         queue_spans=tracing.queue_spans,
+        nice=tracing.exporter_nice,
         access_log_path=access_log,
     )
 

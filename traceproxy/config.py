@@ -102,6 +102,7 @@ class Tracing:
     service_name: str
     healthy_sample_ratio: float | None  # None: from OTEL_TRACES_SAMPLER, else 1.0
     queue_spans: int
+    exporter_nice: int
 
 
 @dataclass(frozen=True)
@@ -456,7 +457,12 @@ SCHEMA: tuple[Setting, ...] = (
             "Fraction of healthy requests whose trace is kept; requests that errored or stalled are "
             "always kept. Decided when the request ends."),
     Setting("tracing", "queue_spans", integer(64), 8192,
-            "Spans waiting for the exporter process; beyond this new spans are dropped and counted."),
+            "Spans waiting for the exporter process; beyond this new spans are dropped and counted. "
+            "Past half of it the exporter is behind: healthy requests' spans are shed (counted), "
+            "errored and stalled ones still queue."),
+    Setting("tracing", "exporter_nice", integer(0, 19), 10,
+            "Added to the exporter process's CPU niceness, so that on saturated cores proxying gets "
+            "the CPU first and the span queue absorbs the lag (0 = same priority as the proxy)."),
     Setting("stall", "client_headers", seconds(zero="off"), 10.0,
             "A request head started and not finished for this long is a stall (blame client)."),
     Setting("stall", "client_body", seconds(zero="off"), 30.0,

@@ -249,6 +249,9 @@ def tracing_evidence(tracing: dict) -> list[str]:
     if metrics.get("spans_dropped_total") is not None:
         line += (f"; its spans_dropped_total: {metrics['spans_dropped_total']:,.0f} "
                  "(span items, one per request or stall, dropped with the export queue full)")
+    if metrics.get("spans_shed_total"):
+        line += (f"; spans_shed_total: {metrics['spans_shed_total']:,.0f} (healthy requests whose spans were "
+                 "shed while the exporter was behind)")
     out.append(line)
     log = tracing.get("access_log")
     if log:

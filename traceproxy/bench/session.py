@@ -222,7 +222,7 @@ class Session:
             return {"error": str(exc)}
         totals = prometheus_totals(text)
         return {key: totals.get(f"traceproxy_{key}") for key in
-                ("requests_total", "spans_dropped_total", "spans_exported_total")}
+                ("requests_total", "spans_dropped_total", "spans_shed_total", "spans_exported_total")}
 
     def sink_stats(self) -> dict | None:
         if "sink" not in self.ports:

@@ -8,6 +8,12 @@ exports them.
 Theory of operation:
 - Items are ``SpanData`` or request summaries (``spans.RequestSummary``, which the
   child turns into spans); the parent counts and bounds items, calling them spans.
+- ``backlogged`` says the queue is past ``shed_mark`` (half of ``queue_spans``): the
+  tracing observer then sheds healthy requests' spans before building anything
+  (``count_shed``), so only errored and stalled ones compete for the rest.
+- The child runs at a lower CPU priority (``nice``, 10 by default): when the cores
+  are saturated, proxying wins and the queue fills; shedding and the bounded queue
+  take it from there, never the event loop.
 - ``submit`` appends to the current batch (O(1)). A full batch (``batch_spans``), a
   timer (``flush_interval`` after the batch's first span) or ``submit_now`` sends
   it: marshal, length prefix, one ``transport.write`` on a non-blocking pipe.
@@ -78,6 +84,8 @@ class SpanExportPipe:
         self._stopping = False
         self._submitted = 0
         self._dropped = 0
+        self._shed = 0
+        self._shed_mark = max(1, self.config.queue_spans // 2)
 
     # ------------------------------------------------------------------ start
     async def start(self) -> None:
@@ -141,6 +149,14 @@ class SpanExportPipe:
         elif self._flush_timer is None:
             self._flush_timer = self._loop.call_later(self.config.flush_interval, self._flush)
 
+    def backlogged(self) -> bool:
+        """The exporter is behind: what waits for it is past the shedding mark."""
+        self._settle_waiting()
+        return len(self._batch) + self._waiting.spans >= self._shed_mark
+
+    def count_shed(self) -> None:
+        self._shed += 1
+
     def submit_now(self, spans: Iterable[SpanData]) -> None:
         """Like ``submit``, then send at once: for spans that must be seen while a request still hangs."""
         self.submit(spans)
@@ -199,6 +215,7 @@ class SpanExportPipe:
         return {
             "spans_submitted": self._submitted,
             "spans_dropped": self._dropped,
+            "spans_shed": self._shed,
             "spans_queued": len(self._batch) + self._waiting.spans,
             "spans_exported": child["exported"],
             "spans_failed": child["failed"],

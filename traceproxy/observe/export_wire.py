@@ -51,6 +51,7 @@ class ExportConfig:
     flush_interval: float = 0.2  # seconds before a partial batch is sent
     export_timeout: float = 5.0  # per export call in the child
     access_log_path: str = ""  # "" off, "-" the child's stdout (the proxy's), else a file
+    nice: int = 10  # added to the child's CPU niceness: proxying wins when the cores are busy
 
     @property
     def needs_process(self) -> bool:
@@ -65,6 +66,8 @@ class ExportConfig:
             raise ValueError("the file exporter needs file_path")
         if self.batch_spans < 1 or self.queue_spans < 1:
             raise ValueError("batch_spans and queue_spans must be at least 1")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("nice must be from 0 to 19")
         if self.flush_interval <= 0 or self.export_timeout <= 0:
             raise ValueError("flush_interval and export_timeout must be positive")
 

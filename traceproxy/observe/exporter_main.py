@@ -22,6 +22,8 @@ Theory of operation:
 - A thread sends cumulative ``{"exported", "failed"}`` counts once a second when
   they changed; SIGTERM sends them once more and exits at once (the parent uses it
   when draining overran its deadline).
+- It lowers its own CPU priority (``ExportConfig.nice``) before anything else, so
+  that when the cores are saturated the proxy's event loop gets them first.
 - SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and the
   parent's orderly stop, not the signal, should end this process.
 """
@@ -130,6 +132,16 @@ def export_batch(sink, batch: list) -> bool:
         return False
 
 
+def lower_priority(increment: int) -> None:
+    """Under CPU contention the proxy's event loop goes first; a lagging exporter only
+    fills the queue, which the parent sheds and bounds."""
+    if increment:
+        try:
+            os.nice(increment)
+        except OSError as exc:  # a container may forbid it; exporting still works
+            log.warning("could not lower the exporter's CPU priority: %s", exc)
+
+
 def terminate_on_sigterm(reporter: StatsReporter) -> None:
     def on_sigterm(signum, frame):
         reporter.send()
@@ -151,6 +163,7 @@ def main(argv: list[str]) -> int:
     sink = access_log = None
     try:
         config = ExportConfig.from_json(config_json)
+        lower_priority(config.nice)
         if config.exporter != "off":
             from .export_sinks import make_sink
 

@@ -10,6 +10,14 @@ under ``healthy_sample_ratio`` (the same test as OpenTelemetry's TraceIdRatioBas
 sampler, so every service sampling by ratio agrees on a trace) and the client did
 not ask for it not to be sampled. The span work itself happens in the exporter
 process (see ``spans``); here we only copy the record into a tuple.
+
+Shedding, tail-biased too: when the exporter process is behind (its queue past the
+shedding mark, ``SpanExportPipe.backlogged``), a healthy request's spans are shed
+before anything is copied, and counted (``spans_shed``). A request that errored or
+stalled is never shed; it is dropped only when the queue is full. So a burst the
+exporter cannot follow costs the event loop almost nothing, and the traces that
+explain a failure still get through. The access log line is not shed: with the
+access log on, a shed request still sends its summary, marked spans-not-wanted.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ _RATIO_BOUND = 1 << 64
 class SummarySink(Protocol):
     def submit(self, items) -> None: ...
 
+    def backlogged(self) -> bool: ...  # the exporter is behind: shed healthy spans
+
+    def count_shed(self) -> None: ...
+
 
 class TracingObserver:
     # Set by the composition root when the engine scraper runs: () -> "running=1 ...".
@@ -46,18 +58,32 @@ class TracingObserver:
         self.sampled_out = 0
 
     def keep(self, record: RequestRecord) -> bool:
-        if record.outcome is not Flag.OK or (record.status or 0) >= 500 or record.stalls:
-            return True
+        return self.failed(record) or self.sampled_in(record)
+
+    @staticmethod
+    def failed(record: RequestRecord) -> bool:
+        return record.outcome is not Flag.OK or (record.status or 0) >= 500 or bool(record.stalls)
+
+    def sampled_in(self, record: RequestRecord) -> bool:
         return record.sampled and (record.trace_id & (_RATIO_BOUND - 1)) < self.threshold
 
     def on_done(self, record: RequestRecord) -> None:
-        keep = self.spans and self.keep(record)
-        if not keep:
-            self.sampled_out += self.spans
-            if not self.access_log:
-                return
+        keep = self.spans and self._keep_spans(record)
+        if not keep and not self.access_log:
+            return
         summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream, keep)
         self.sink.submit((summary,))
+
+    def _keep_spans(self, record: RequestRecord) -> bool:
+        if self.failed(record):
+            return True
+        if not self.sampled_in(record):
+            self.sampled_out += 1
+            return False
+        if self.sink.backlogged():
+            self.sink.count_shed()
+            return False
+        return True
 
 
     # -- stall listener: the stall span goes out at once, not when the request ends
