@@ -112,7 +112,10 @@ def parse_request_headers(
         elif lname == b"content-length":
             if lengths is _NONE:
                 lengths = []
-            lengths.extend(v.strip() for v in value.split(b","))
+            if b"," in value:
+                lengths.extend(v.strip() for v in value.split(b","))
+            else:
+                lengths.append(value.strip())
         elif lname == b"traceparent":
             traceparents.append(value)
         elif lname == b"tracestate":
@@ -158,10 +161,16 @@ def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> R
         return _NO_BODY
     if (len(lengths) != 1 and len(set(lengths)) != 1) or not lengths[0].isdigit():
         raise BadRequest(400, "invalid or conflicting Content-Length values")
-    return RequestFraming(chunked=False, content_length=int(lengths[0]))
+    framing = _LENGTH_FRAMINGS.get(lengths[0])
+    if framing is None:
+        framing = RequestFraming(chunked=False, content_length=int(lengths[0]))
+        if len(_LENGTH_FRAMINGS) < 4096:  # immutable, so shared; bounded
+            _LENGTH_FRAMINGS[lengths[0]] = framing
+    return framing
 
 
 _NO_BODY = RequestFraming(chunked=False, content_length=0)
+_LENGTH_FRAMINGS: dict[bytes, RequestFraming] = {}
 
 
 @dataclass(frozen=True, slots=True)
