@@ -9,6 +9,7 @@ accepting, close idle client connections, let in-flight requests finish within
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -106,6 +107,11 @@ class ProxyServer:
             self.tracing.server = (listen.host, self.port)
         if self.settings.admin is not None:
             await self._start_admin()
+        # Everything allocated so far (modules, config, the app itself) lives as long
+        # as the process: move it out of the collector's reach, so that a full
+        # collection (one landed ~11 ms into the first burst of 256 streams) only
+        # walks what requests allocate.
+        gc.freeze()
 
     async def _start_tracing(self) -> None:
         config = tracing_export_config(self.settings)
