@@ -14,9 +14,10 @@ Theory of operation:
 - The child runs at a lower CPU priority (``nice``, 10 by default): when the cores
   are saturated, proxying wins and the queue fills; shedding and the bounded queue
   take it from there, never the event loop.
-- ``submit`` appends to the current batch (O(1)). A full batch (``batch_spans``), a
+- ``submit`` encodes the item (``export_wire.encode_item``) and appends it to the
+  current batch. A full batch (``batch_spans``), a
   timer (``flush_interval`` after the batch's first span) or ``submit_now`` sends
-  it: marshal, length prefix, one ``transport.write`` on a non-blocking pipe.
+  it: length prefix, one ``transport.write`` on a non-blocking pipe.
 - The one bounded queue is the pipe transport's user-space buffer. It is bounded in
   spans, not bytes: every frame written is remembered as (end offset in the stream,
   span count), and ``get_write_buffer_size()`` tells how much of the stream has not
@@ -53,7 +54,7 @@ from pathlib import Path
 
 import traceproxy
 
-from .export_wire import ExportConfig, encode_frame, parse_stats_line
+from .export_wire import ExportConfig, encode_item, frame, parse_stats_line
 from .spandata import SpanData
 
 __all__ = ["ExportConfig", "SpanExportPipe"]
@@ -141,9 +142,13 @@ class SpanExportPipe:
         if not self._accepting:
             self._drop_uncollected(spans)
             return
-        before = len(self._batch)
-        self._batch.extend(spans)
-        self._submitted += len(self._batch) - before
+        for item in spans:
+            self._submitted += 1
+            try:
+                self._batch.append(encode_item(item))
+            except Exception:  # an odd attribute type must not reach the proxy's caller
+                log.exception("dropping a %s that cannot be encoded", type(item).__name__)
+                self._dropped += 1
         if len(self._batch) >= self._batch_spans:
             self._flush()
         elif self._flush_timer is None:
@@ -179,14 +184,9 @@ class SpanExportPipe:
         if not self._accepting or self._writer_lost or not self._has_room_for(len(batch)):
             self._dropped += len(batch)
             return
-        try:
-            frame = encode_frame(batch)
-        except Exception:  # an odd attribute type must not reach the proxy's caller
-            log.exception("dropping %d spans that cannot be encoded", len(batch))
-            self._dropped += len(batch)
-            return
-        self._writer.write(frame)
-        self._waiting.add(len(frame), len(batch))
+        data = frame(batch)
+        self._writer.write(data)
+        self._waiting.add(len(data), len(batch))
         self._settle_waiting()  # most writes reach the kernel at once
 
     def _has_room_for(self, count: int) -> bool:
