@@ -10,7 +10,11 @@ import re
 import time
 import urllib.request
 
+from traceproxy.proxy.upstream import KeepAliveLearner
+
 from .support import RawClient
+
+SECOND_NS = 1_000_000_000
 
 
 def wait_until(predicate, timeout: float = 8.0, interval: float = 0.05) -> bool:
@@ -61,6 +65,19 @@ def test_idle_closes_are_learned_and_a_misaligned_pool_is_reported(fast_upstream
     assert health["upstream_keepalive_misaligned"] is True
     assert 0.45 <= health["upstream_keepalive_timeout_s"] <= 0.7
     assert health["client_keepalive_timeout_s"] == 75.0
+
+
+def test_an_upstream_restart_closing_every_pooled_connection_teaches_nothing():
+    learner = KeepAliveLearner(idle_timeout=4.0)
+    restart_ns = 50 * SECOND_NS
+    for idle_age_s in (0.3, 1.1, 2.0, 2.9, 3.7):  # all closed by one restart, within a millisecond
+        learner.saw_idle_close(int(idle_age_s * SECOND_NS), restart_ns + int(idle_age_s * 1e5))
+    assert learner.learned is None and not learner.misaligned
+    # A real idle timeout repeats at the same age, on separate events.
+    learner.saw_idle_close(int(2.5 * SECOND_NS), 60 * SECOND_NS)
+    assert learner.learned is None
+    learner.saw_idle_close(int(2.52 * SECOND_NS), 61 * SECOND_NS)
+    assert learner.learned == 2.5 and learner.misaligned
 
 
 def test_a_pool_idle_timeout_below_the_upstreams_is_aligned(fast_upstream, start_proxy):

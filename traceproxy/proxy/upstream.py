@@ -100,7 +100,8 @@ class UpstreamConnection(asyncio.Protocol):
                 # already let go of (discard() with a deferred connection_lost, as
                 # uvloop's abort() does) was closed by the proxy.
                 if self in self.pool.idle and self.record.idle_since_ns is not None:
-                    self.pool.keepalive.saw_idle_close(self.record.idle_age_ns(self.record.closed_ns))
+                    self.pool.keepalive.saw_idle_close(self.record.idle_age_ns(self.record.closed_ns),
+                                                       self.record.closed_ns)
             self.pool.forget(self)
             return
         self.user = None
@@ -202,21 +203,33 @@ class KeepAliveLearner:
     ``pool.idle_timeout`` is safely below it.
 
     Two sources: a ``Keep-Alive: timeout=N`` response header, and the idle age at
-    which the upstream closed pooled connections (the smallest of the last
-    ``WINDOW``). The learned value is the smaller of the two known ones. The pool
-    is misaligned when its idle timeout is not below the learned value by at least
-    ``MARGIN_S``, or 10 % of the learned value when that is smaller (short
-    timeouts). The first misalignment is logged once, as a WARN.
+    which the upstream closed pooled connections. The learned value is the smaller
+    of the two known ones. The pool is misaligned when its idle timeout is not
+    below the learned value by at least ``MARGIN_S``, or 10 % of the learned value
+    when that is smaller (short timeouts). The first misalignment is logged once,
+    as a WARN.
+
+    Hazard: an upstream that restarts or shuts down closes every pooled connection
+    at once, at whatever idle ages they had; taken as timeouts, those ages would
+    raise a false alarm with bad advice (lower the pool timeout to near zero). So
+    an idle age counts only once confirmed: a second close, from a separate event
+    (at least ``DISTINCT_EVENTS_S`` later or earlier), at an idle age that agrees
+    (within 10 %, or ``AGREE_S``). A real idle timeout repeats at the same age;
+    a restart's ages are one event. The observed value is the smallest confirmed
+    age among the last ``WINDOW`` closes.
     """
 
     WINDOW = 32
     MARGIN_S = 0.5
+    AGREE_S = 0.05
+    DISTINCT_EVENTS_S = 0.25
 
     def __init__(self, idle_timeout: float, upstream: str = "") -> None:
         self.idle_timeout = idle_timeout
         self.upstream = upstream
         self.header_timeout: float | None = None
-        self.observed: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.observed: collections.deque[tuple[float, int]] = collections.deque(maxlen=self.WINDOW)  # (age s, at ns)
+        self.confirmed: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self.learned: float | None = None
         self.misaligned = False
         self.warned = False
@@ -234,14 +247,20 @@ class KeepAliveLearner:
                     self._update()
                 return
 
-    def saw_idle_close(self, idle_age_ns: int) -> None:
+    def saw_idle_close(self, idle_age_ns: int, closed_ns: int) -> None:
         if idle_age_ns <= 0:
             return
-        self.observed.append(idle_age_ns / 1e9)
+        age = idle_age_ns / 1e9
+        for other_age, other_closed_ns in self.observed:
+            separate = abs(closed_ns - other_closed_ns) >= self.DISTINCT_EVENTS_S * 1e9
+            if separate and abs(age - other_age) <= max(self.AGREE_S, 0.1 * other_age):
+                self.confirmed.append(min(age, other_age))
+                break
+        self.observed.append((age, closed_ns))
         self._update()
 
     def _update(self) -> None:
-        known = [v for v in (self.header_timeout, min(self.observed, default=None)) if v is not None]
+        known = [v for v in (self.header_timeout, min(self.confirmed, default=None)) if v is not None]
         self.learned = min(known) if known else None
         if self.learned is None:
             self.misaligned = False
