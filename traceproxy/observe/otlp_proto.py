@@ -37,7 +37,7 @@ from .spandata import SpanData, SpanEvent
 CACHE_LIMIT = 8192
 # Keys whose values are (nearly) unique per request: caching them would only churn.
 UNCACHED_KEYS = frozenset({
-    sc.REQUEST_ID, sc.GEN_AI_RESPONSE_ID, sc.ERROR_MESSAGE, sc.REJECTED_TRACEPARENT, sc.URL_QUERY,
+    sc.REQUEST_ID, sc.GEN_AI_RESPONSE_ID, sc.ERROR_MESSAGE, sc.REJECTED_TRACEPARENT, sc.URL_QUERY, sc.URL_FULL,
 })
 
 # Span.flags (fixed32): bits 0-7 are the W3C trace flags; bit 8 says whether bit 9
