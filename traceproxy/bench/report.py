@@ -213,13 +213,15 @@ def regressed(direct: dict, proxy: dict) -> bool:
 def tracing_cost(summary: dict[str, dict], memory: dict[str, dict]) -> list[str]:
     """What tracing (and the access log) cost: proxy-traced against proxy. Empty unless both ran."""
     out = []
-    s1, s2 = summary.get("S1") or {}, summary.get("S2") or {}
+    s1, s2, s5 = summary.get("S1") or {}, summary.get("S2") or {}, summary.get("S5") or {}
     plain, traced = s1.get("proxy") or {}, s1.get("proxy-traced") or {}
     if plain.get("req_s") and traced.get("req_s") is not None:
         drop = 100 * (plain["req_s"] - traced["req_s"]) / plain["req_s"]
         verdict = f"a {drop:.1f} % drop" if drop >= 0 else f"{-drop:.1f} % higher (no cost measurable)"
         out.append(f"S1 throughput: {_num(plain['req_s'])} -> {_num(traced['req_s'])} req/s, {verdict}")
-    for label, entry, key in (("S1 request latency p50", s1, "latency_p50"), ("S2 TTFT p50", s2, "ttft_p50")):
+    # S1 is saturated (its latency is mostly queueing); S5 is paced, far from it.
+    for label, entry, key in (("S1 request latency p50", s1, "latency_p50"), ("S2 TTFT p50", s2, "ttft_p50"),
+                              ("S5 (paced) TTFB p50", s5, "ttfb_p50")):
         a, b = (entry.get("proxy") or {}).get(key), (entry.get("proxy-traced") or {}).get(key)
         if a is not None and b is not None:
             verdict = f"{b - a:+.2f} ms added" if b >= a else f"{b - a:+.2f} ms (lower: no cost measurable)"

@@ -107,7 +107,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              duration=5.0, timeout=10.0, metrics=("upload_mb_s", "failures", "cpu")),
     Scenario("S5", "multi-round keep-alive, SSE and JSON alternating", connections=32,
              requests=(_ROUND_SSE, _ROUND_JSON), rounds=20, think_ms=10, timeout=10.0,
-             metrics=("ok", "reconnects", "cpu")),
+             metrics=("ok", "reconnects", "ttfb_p50", "cpu")),
 )
 
 BY_NAME = {s.name: s for s in SCENARIOS}
