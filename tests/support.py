@@ -271,6 +271,24 @@ async def never_answers(reader: RecordingReader, writer: asyncio.StreamWriter, u
     await reader.read(1)
 
 
+SMALL_OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+def answers_then_drops_next_request(drop_after: int = 1) -> Callable:
+    """Answers ``drop_after`` requests on each connection, then closes on the next one
+    without a byte of response: the keep-alive race as the proxy sees it."""
+
+    async def handler(reader, writer, upstream) -> None:
+        for _ in range(drop_after):
+            await reader.read_request()
+            writer.write(SMALL_OK)
+            await writer.drain()
+        await reader.read_request()
+        writer.transport.abort()
+
+    return handler
+
+
 def answers_in_parts(*parts: bytes, pause: float = 0.0) -> Callable:
     """Reads one request, writes ``parts`` with ``pause`` seconds between them, then
     holds the connection open until the proxy closes it."""

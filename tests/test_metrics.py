@@ -12,7 +12,7 @@ import urllib.request
 from traceproxy.lifecycle.machine import Phase
 from traceproxy.observe.metrics import Histogram, format_labels
 
-from .support import RawClient, answers_in_parts, never_answers, wait_until
+from .support import RawClient, answers_in_parts, answers_then_drops_next_request, never_answers, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -287,14 +287,7 @@ def test_pool_counters_reflect_reuse(fast_upstream, start_proxy):
 
 
 def test_stale_reused_connection_counts_a_retry_and_a_stale_connection(scripted_upstream, start_proxy):
-    async def answers_once_then_drops(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(OK)
-        await writer.drain()
-        await reader.read_request()
-        writer.transport.abort()
-
-    proxy = start_proxy(scripted_upstream(answers_once_then_drops).url)
+    proxy = start_proxy(scripted_upstream(answers_then_drops_next_request()).url)
     client = RawClient(proxy.port)
     assert client.roundtrip("POST", "/", body=b'{"turn": 1}').status == 200
     assert client.roundtrip("POST", "/", body=b'{"turn": 2}').status == 200

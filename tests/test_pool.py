@@ -10,28 +10,13 @@ import socket
 import pytest
 import uvloop
 
-from .support import RawClient, wait_until
+from .support import SMALL_OK, RawClient, answers_then_drops_next_request, wait_until
 
-OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-
-
-def _answers_then_drops_next_request(drop_after: int):
-    """Answers ``drop_after`` requests on a connection, then closes on the next one
-    without a byte of response: the keep-alive race as the proxy sees it."""
-
-    async def handler(reader, writer, upstream):
-        for _ in range(drop_after):
-            await reader.read_request()
-            writer.write(OK)
-            await writer.drain()
-        await reader.read_request()
-        writer.transport.abort()
-
-    return handler
+OK = SMALL_OK
 
 
 def test_request_that_hits_a_stale_reused_connection_is_resent_once(scripted_upstream, start_proxy):
-    up = scripted_upstream(_answers_then_drops_next_request(1))
+    up = scripted_upstream(answers_then_drops_next_request(1))
     proxy = start_proxy(up.url)
     client = RawClient(proxy.port)
     assert client.roundtrip("POST", "/v1/chat/completions", body=b'{"turn": 1}').body == b"ok"
@@ -44,7 +29,7 @@ def test_request_that_hits_a_stale_reused_connection_is_resent_once(scripted_ups
 
 
 def test_stale_connection_and_request_too_big_to_resend_is_explicit_502(scripted_upstream, start_proxy):
-    up = scripted_upstream(_answers_then_drops_next_request(1))
+    up = scripted_upstream(answers_then_drops_next_request(1))
     proxy = start_proxy(up.url, **{"pool.retry_buffer_bytes": 1024})
     client = RawClient(proxy.port)
     client.roundtrip("POST", "/", body=b"small")

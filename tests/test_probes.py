@@ -12,18 +12,9 @@ import urllib.request
 
 from traceproxy.proxy.upstream import KeepAliveLearner
 
-from .support import RawClient
+from .support import RawClient, wait_until
 
 SECOND_NS = 1_000_000_000
-
-
-def wait_until(predicate, timeout: float = 8.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def admin_get(proxy, path: str) -> str:

@@ -12,7 +12,7 @@ from traceproxy.observe.spans import spans_for
 from traceproxy.observe.tracing import TracingObserver, healthy_ratio_from_environment
 from traceproxy.proxy import tracecontext as tc
 
-from .support import ListSink, RawClient, header_value, wait_until
+from .support import ListSink, RawClient, answers_then_drops_next_request, header_value, wait_until
 
 
 def _traced_proxy(start_proxy, upstream_url, ratio=1.0, **overrides):
@@ -72,20 +72,7 @@ def test_failed_request_span_is_an_error_with_the_outcome(start_proxy):
 
 
 def test_a_resend_is_a_second_client_span_with_resend_count(scripted_upstream, start_proxy):
-    async def drops_second(reader, writer, upstream):
-        if upstream.connections == 1:
-            await reader.read_request()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-            await writer.drain()
-            await reader.read_request()
-            writer.transport.abort()
-            return
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-        await writer.drain()
-        await reader.read(1)
-
-    proxy, sink = _traced_proxy(start_proxy, scripted_upstream(drops_second).url)
+    proxy, sink = _traced_proxy(start_proxy, scripted_upstream(answers_then_drops_next_request()).url)
     client = RawClient(proxy.port)
     client.roundtrip("GET", "/v1/models")
     client.roundtrip("GET", "/v1/models")

@@ -9,7 +9,7 @@ import pytest
 
 from traceproxy.proxy import tracecontext as tc
 
-from .support import RawClient, header_value, raw_exchange
+from .support import RawClient, answers_then_drops_next_request, header_value, raw_exchange
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -118,20 +118,7 @@ def test_proxy_errors_carry_the_ids(start_proxy):
 
 
 def test_a_resend_is_a_new_client_span_in_the_same_trace(scripted_upstream, start_proxy):
-    async def drops_second(reader, writer, upstream):
-        if upstream.connections == 1:
-            await reader.read_request()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-            await writer.drain()
-            await reader.read_request()
-            writer.transport.abort()
-            return
-        while True:
-            await reader.read_request()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-            await writer.drain()
-
-    up = scripted_upstream(drops_second)
+    up = scripted_upstream(answers_then_drops_next_request())
     proxy = start_proxy(up.url)
     client = RawClient(proxy.port)
     client.roundtrip("GET", "/first")
