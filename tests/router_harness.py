@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from traceproxy.sim.aioserve import quiet_logger, start_app
 from traceproxy.sim.launch import RouterProcess, RouterUnavailable, free_port, router_importable
 
 STARTUP_TIMEOUT = 60.0  # router start + worker registration, bounded
@@ -82,16 +82,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class _DropProtocolProbes(logging.Filter):
-    """The router's gRPC probe (HTTP/2 bytes) makes aiohttp log a 400 traceback; drop it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (exc is not None and type(exc).__name__ == "BadHttpMessage")
-
-
-_worker_log = logging.getLogger("tests.router_harness.worker")
-_worker_log.addFilter(_DropProtocolProbes())
+_worker_log = quiet_logger("tests.router_harness.worker")
 
 
 # ----------------------------------------------------------------------------------
@@ -138,11 +129,7 @@ class FakeWorker:
         for path in INFERENCE_PATHS:
             app.router.add_post(path, self._inference)
         app.middlewares.append(self._record_probe)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=_worker_log)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_app(app, "127.0.0.1", 0, logger=_worker_log)
         return self
 
     async def stop(self) -> None:

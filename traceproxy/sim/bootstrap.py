@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from .aioserve import start_app
+
 MAX_ROOMS = 4096
 POLL_WAIT = 2.0  # seconds one long poll may wait on the prefill side
 RETRY_PAUSE = 0.2  # after a failed poll (prefill restarting, refused)
@@ -208,11 +210,7 @@ class BootstrapServer:
         app = web.Application()
         app.router.add_get("/bootstrap/{room}", poll_handler(self.rooms))
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_app(app, self.host, self.port)
         return self
 
     async def stop(self) -> None:

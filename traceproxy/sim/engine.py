@@ -38,6 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from . import gauges as g
+from .aioserve import quiet_logger, start_app
 from .bootstrap import BootstrapServer, Rooms, poll_handler, register_local, unregister_local
 from .faults import FaultError, applies, parse_faults, request_fault_specs
 from .generation import Job, serve
@@ -62,16 +63,7 @@ class SeenRequest(NamedTuple):
     received_at: float  # time.monotonic()
 
 
-class _DropProtocolProbes(logging.Filter):
-    """The router's gRPC probe (HTTP/2 bytes) makes aiohttp log a 400 traceback; drop it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (exc is not None and type(exc).__name__ == "BadHttpMessage")
-
-
-_server_log = logging.getLogger("traceproxy.sim.aiohttp")
-_server_log.addFilter(_DropProtocolProbes())
+_server_log = quiet_logger("traceproxy.sim.aiohttp")
 
 
 def trace_id_of(traceparent: str) -> str:
@@ -122,12 +114,8 @@ class SimWorker:
         if self.model_path is None:
             self.model_path, self._own_model_path = tempfile.mkdtemp(prefix="sim-sglang-model-"), True
         self.tracing = make_tracing(self.role, self.otlp_endpoint)
-        self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                     shutdown_timeout=1.0, logger=_server_log)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await start_app(self._app(), self.host, self.port, handler_cancellation=True,
+                                                  shutdown_timeout=1.0, logger=_server_log)
         if self.role == "prefill":
             self._bootstrap = await BootstrapServer(self.rooms, self.host, self.bootstrap_port).start()
             self.bootstrap_port = self._bootstrap.port
