@@ -96,9 +96,8 @@ async def _serve_prefill(job: Job) -> web.StreamResponse:
         rooms.update(room, prefill_arrived=True)
         job.stage.enter(g.PREFILL_PREALLOC)
         if not await rooms.wait_for(room, lambda r: r.attached, timeout):
-            rooms.update(room, failed=room.failed or "bootstrap timeout")
-            job.worker.metrics.count("sglang:num_bootstrap_failed_reqs")
-            return await _fail(job, None, f"no decode peer attached to room {job.room} within {timeout:g} s")
+            return await _room_failed(job, room, "bootstrap timeout", "sglang:num_bootstrap_failed_reqs",
+                                      f"no decode peer attached to room {job.room} within {timeout:g} s")
     held = await _prefill_compute(job)
     if held is not None:
         return held
@@ -106,9 +105,8 @@ async def _serve_prefill(job: Job) -> web.StreamResponse:
         rooms.update(room, ready=True)
         job.stage.enter(g.PREFILL_INFLIGHT)
         if not await rooms.wait_for(room, lambda r: r.taken, timeout):
-            rooms.update(room, failed=room.failed or "transfer timeout")
-            job.worker.metrics.count("sglang:num_transfer_failed_reqs")
-            return await _fail(job, None, f"KV cache of room {job.room} not taken within {timeout:g} s")
+            return await _room_failed(job, room, "transfer timeout", "sglang:num_transfer_failed_reqs",
+                                      f"KV cache of room {job.room} not taken within {timeout:g} s")
     _maybe_pin(job)
     if job.stream:
         resp = await _open_stream(job)
@@ -117,6 +115,14 @@ async def _serve_prefill(job: Job) -> web.StreamResponse:
         await resp.write_eof()
         return resp
     return web.json_response(job.reply.complete(0))
+
+
+async def _room_failed(job: Job, room, why: str, counter: str, message: str) -> web.StreamResponse:
+    """The decode peer never came (or never took the KV cache): mark the room, count it
+    as SGLang does, and fail the request."""
+    job.worker.rooms.update(room, failed=room.failed or why)
+    job.worker.metrics.count(counter)
+    return await _fail(job, None, message)
 
 
 async def _prefill_compute(job: Job) -> web.StreamResponse | None:
