@@ -57,9 +57,6 @@ class TracingObserver:
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.sampled_out = 0
 
-    def keep(self, record: RequestRecord) -> bool:
-        return self.failed(record) or self.sampled_in(record)
-
     @staticmethod
     def failed(record: RequestRecord) -> bool:
         return record.outcome is not Flag.OK or (record.status or 0) >= 500 or bool(record.stalls)
