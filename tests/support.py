@@ -312,7 +312,7 @@ class ListSink:
     def __init__(self, backlog: bool = False) -> None:
         self.items, self.now_items = [], []
         self.backlog = backlog
-        self.shed = 0
+        self.shed: dict[str, int] = {}
 
     def submit(self, items) -> None:
         self.items.extend(items)
@@ -323,5 +323,5 @@ class ListSink:
     def backlogged(self) -> bool:
         return self.backlog
 
-    def count_shed(self) -> None:
-        self.shed += 1
+    def count_shed(self, reason: str) -> None:
+        self.shed[reason] = self.shed.get(reason, 0) + 1

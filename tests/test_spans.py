@@ -9,7 +9,7 @@ import socket
 from traceproxy.observe import semconv as sc
 from traceproxy.observe.spandata import KIND_CLIENT, KIND_SERVER, STATUS_ERROR
 from traceproxy.observe.spans import spans_for
-from traceproxy.observe.tracing import TracingObserver, healthy_ratio_from_environment
+from traceproxy.observe.tracing import RateCeiling, TracingObserver, healthy_ratio_from_environment
 from traceproxy.proxy import tracecontext as tc
 
 from .support import ListSink, RawClient, answers_then_drops_next_request, header_value, wait_until
@@ -110,7 +110,7 @@ def test_a_backlogged_exporter_sheds_healthy_spans_but_never_failed_ones(fast_up
         assert header_value(sock.recv(65536), b"x-traceproxy-outcome") == b"DPE"
     assert wait_until(lambda: len(sink.items) == 1)
     assert sink.items[0].outcome == "DPE" and sink.items[0].keep_spans
-    assert sink.shed == 3 and observer.sampled_out == 0
+    assert sink.shed == {"backlog": 3} and observer.sampled_out == 0
     sink.backlog = False  # caught up: healthy spans flow again
     client.roundtrip("GET", "/v1/models")
     assert wait_until(lambda: len(sink.items) == 2) and sink.items[1].outcome == "OK"
@@ -122,7 +122,32 @@ def test_shed_requests_still_send_their_access_log_line(fast_upstream, start_pro
     proxy = start_proxy(fast_upstream().url, observers=[observer])
     RawClient(proxy.port).roundtrip("GET", "/v1/models")
     assert wait_until(lambda: len(sink.items) == 1)
-    assert not sink.items[0].keep_spans and sink.shed == 1
+    assert not sink.items[0].keep_spans and sink.shed == {"backlog": 1}
+
+
+def test_healthy_traces_past_the_rate_ceiling_are_shed_failed_ones_never(fast_upstream, start_proxy):
+    sink = ListSink()
+    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0, healthy_max_per_second=2)
+    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    client = RawClient(proxy.port)
+    for _ in range(5):  # well within one second: a burst of two is kept
+        client.roundtrip("GET", "/v1/models")
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\nBad\r\n\r\n")
+        assert header_value(sock.recv(65536), b"x-traceproxy-outcome") == b"DPE"
+    assert wait_until(lambda: len(sink.items) == 3)
+    assert [item.outcome for item in sink.items] == ["OK", "OK", "DPE"]
+    assert sink.shed == {"rate": 3}
+
+
+def test_rate_ceiling_is_a_token_bucket_on_the_callers_clock():
+    second = 1_000_000_000
+    ceiling = RateCeiling(4)
+    assert [ceiling.take(0) for _ in range(5)] == [True] * 4 + [False]  # a burst of one second's worth
+    assert ceiling.take(second // 4) and not ceiling.take(second // 4)  # refills at 4 a second
+    assert not ceiling.take(second // 8)  # an earlier end than the last adds nothing
+    assert [ceiling.take(10 * second) for _ in range(5)] == [True] * 4 + [False]  # never beyond one burst
+    assert all(RateCeiling(0).take(0) for _ in range(1000))  # 0: no ceiling
 
 
 def test_sample_ratio_from_otel_environment():

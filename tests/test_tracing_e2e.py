@@ -95,7 +95,8 @@ def test_a_collector_in_trouble_never_slows_or_breaks_proxying(mode, fast_upstre
         assert wait_until(lambda: proxy.span_export.stats["spans_shed"] > 0, timeout=10)
         with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/metrics", timeout=5) as scrape:
             metrics = scrape.read().decode()
-        shed = next(line for line in metrics.splitlines() if line.startswith("traceproxy_spans_shed_total"))
+        shed = next(line for line in metrics.splitlines()
+                    if line.startswith('traceproxy_spans_shed_total{reason="backlog"}'))
         assert float(shed.split()[-1]) > 0
     finally:
         receiver.stop()

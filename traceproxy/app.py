@@ -130,6 +130,7 @@ class ProxyServer:
             healthy_sample_ratio=healthy_ratio_from_environment(settings.tracing.healthy_sample_ratio),
             spans=config.exporter != "off",
             access_log=bool(config.access_log_path),
+            healthy_max_per_second=settings.tracing.healthy_max_per_second,
         )
 
     def _start_watchdog(self) -> None:

@@ -101,6 +101,7 @@ class Tracing:
     file_path: str
     service_name: str
     healthy_sample_ratio: float | None  # None: from OTEL_TRACES_SAMPLER, else 1.0
+    healthy_max_per_second: int  # 0: no ceiling
     queue_spans: int
     exporter_nice: int
 
@@ -456,6 +457,11 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("tracing", "healthy_sample_ratio", ratio(empty="from OTEL_TRACES_SAMPLER, else 1"), "",
             "Fraction of healthy requests whose trace is kept; requests that errored or stalled are "
             "always kept. Decided when the request ends."),
+    Setting("tracing", "healthy_max_per_second", integer(0, zero="no ceiling"), 1000,
+            "At most this many healthy requests' traces kept per second (per worker), in bursts of up "
+            "to one second's worth; beyond it they are shed (counted). Bounds what tracing costs under a "
+            "flood; far above LLM request rates, where every trace is kept. Errored and stalled "
+            "requests are always kept."),
     Setting("tracing", "queue_spans", integer(64), 8192,
             "Spans waiting for the exporter process; beyond this new spans are dropped and counted. "
             "Past half of it the exporter is behind: healthy requests' spans are shed (counted), "

@@ -10,8 +10,9 @@ Theory of operation:
 - Items are ``SpanData`` or request summaries (``spans.RequestSummary``, which the
   child turns into spans); the parent counts and bounds items, calling them spans.
 - ``backlogged`` says the queue is past ``shed_mark`` (half of ``queue_spans``): the
-  tracing observer then sheds healthy requests' spans before building anything
-  (``count_shed``), so only errored and stalled ones compete for the rest.
+  tracing observer then sheds healthy requests' spans before building anything,
+  so only errored and stalled ones compete for the rest. ``count_shed(reason)``
+  counts what it shed, for that reason or its rate ceiling (``tracing.SHED_REASONS``).
 - The child runs at a lower CPU priority (``nice``, 10 by default): when the cores
   are saturated, proxying wins and the queue fills; shedding and the bounded queue
   take it from there, never the event loop.
@@ -86,7 +87,7 @@ class SpanExportPipe:
         self._stopping = False
         self._submitted = 0
         self._dropped = 0
-        self._shed = 0
+        self._shed = {"rate": 0, "backlog": 0}  # tracing.SHED_REASONS
         self._shed_mark = max(1, self.config.queue_spans // 2)
 
     # ------------------------------------------------------------------ start
@@ -160,8 +161,8 @@ class SpanExportPipe:
         self._settle_waiting()
         return len(self._batch) + self._waiting.spans >= self._shed_mark
 
-    def count_shed(self) -> None:
-        self._shed += 1
+    def count_shed(self, reason: str) -> None:
+        self._shed[reason] += 1
 
     def submit_now(self, spans: Iterable[SpanData]) -> None:
         """Like ``submit``, then send at once: for spans that must be seen while a request still hangs."""
@@ -216,7 +217,8 @@ class SpanExportPipe:
         return {
             "spans_submitted": self._submitted,
             "spans_dropped": self._dropped,
-            "spans_shed": self._shed,
+            "spans_shed": sum(self._shed.values()),
+            "spans_shed_by_reason": dict(self._shed),
             "spans_queued": len(self._batch) + self._waiting.spans,
             "spans_exported": child["exported"],
             "spans_failed": child["failed"],

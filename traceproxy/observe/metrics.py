@@ -226,9 +226,11 @@ class ProxyMetrics:
         out.counter("spans_dropped_total", "Span items (a finished request's spans, or one stall span) dropped because the export queue "
                     "was full or the exporter process was gone.",
                     [((), spans.get("spans_dropped", 0))])
-        out.counter("spans_shed_total", "Healthy requests whose spans were not exported because the exporter was "
-                    "behind (its queue past half full); errored and stalled requests are never shed.",
-                    [((), spans.get("spans_shed", 0))])
+        shed = spans.get("spans_shed_by_reason") or {"rate": 0, "backlog": 0}
+        out.counter("spans_shed_total", "Healthy requests whose spans were not exported: past "
+                    "tracing.healthy_max_per_second (reason=rate) or while the exporter was behind, its queue "
+                    "past half full (reason=backlog); errored and stalled requests are never shed.",
+                    [((("reason", reason),), count) for reason, count in shed.items()])
         out.counter("spans_exported_total", "Spans the exporter process delivered.",
                     [((), spans.get("spans_exported", 0))])
         out.counter("observer_errors_total", "Exceptions raised by lifecycle observers (caught; proxying went on).",

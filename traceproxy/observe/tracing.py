@@ -11,13 +11,22 @@ sampler, so every service sampling by ratio agrees on a trace) and the client di
 not ask for it not to be sampled. The span work itself happens in the exporter
 process (see ``spans``); here we only copy the record into a tuple.
 
-Shedding, tail-biased too: when the exporter process is behind (its queue past the
-shedding mark, ``SpanExportPipe.backlogged``), a healthy request's spans are shed
-before anything is copied, and counted (``spans_shed``). A request that errored or
-stalled is never shed; it is dropped only when the queue is full. So a burst the
-exporter cannot follow costs the event loop almost nothing, and the traces that
-explain a failure still get through. The access log line is not shed: with the
-access log on, a shed request still sends its summary, marked spans-not-wanted.
+Shedding, tail-biased too, for two reasons (``SHED_REASONS``), both counted:
+
+* ``rate``: healthy traces beyond ``healthy_max_per_second`` (a token bucket, bursts
+  of up to one second's worth). This is what bounds tracing's CPU: the exporter's
+  work per trace is several times the proxy's own per request, so on a saturated
+  machine an unbounded exporter takes the cores proxying needs even when niced.
+  The default ceiling sits far above LLM request rates, where every trace is kept.
+* ``backlog``: the exporter process is behind (its queue past the shedding mark,
+  ``SpanExportPipe.backlogged``): a slow collector or a lower ceiling's worth of CPU
+  missing.
+
+Either way a healthy request's spans are shed before anything is copied. A request
+that errored or stalled is never shed; it is dropped only when the queue is full.
+So a flood costs the event loop almost nothing, and the traces that explain a
+failure still get through. The access log line is not shed: with the access log
+on, a shed request still sends its summary, marked spans-not-wanted.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from ..lifecycle.timeline import RequestRecord
 from .spans import RequestSummary, stall_span, summarize
 
 _RATIO_BOUND = 1 << 64
+SHED_REASONS = ("rate", "backlog")
 
 
 class SummarySink(Protocol):
@@ -39,7 +49,7 @@ class SummarySink(Protocol):
 
     def backlogged(self) -> bool: ...  # the exporter is behind: shed healthy spans
 
-    def count_shed(self) -> None: ...
+    def count_shed(self, reason: str) -> None: ...  # one of SHED_REASONS
 
 
 class TracingObserver:
@@ -47,7 +57,8 @@ class TracingObserver:
     engine_summary = None
 
     def __init__(self, sink: SummarySink, server: tuple[str, int], upstream: tuple[str, int],
-                 healthy_sample_ratio: float, spans: bool = True, access_log: bool = False) -> None:
+                 healthy_sample_ratio: float, spans: bool = True, access_log: bool = False,
+                 healthy_max_per_second: int = 0) -> None:
         self.sink = sink
         self.spans = spans  # tracing is on
         self.access_log = access_log  # every request's summary is wanted for its log line
@@ -56,6 +67,7 @@ class TracingObserver:
         self.threshold = int(healthy_sample_ratio * _RATIO_BOUND)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.sampled_out = 0
+        self.healthy_ceiling = RateCeiling(healthy_max_per_second)
 
     @staticmethod
     def failed(record: RequestRecord) -> bool:
@@ -77,11 +89,13 @@ class TracingObserver:
         if not self.sampled_in(record):
             self.sampled_out += 1
             return False
+        if not self.healthy_ceiling.take(record.end_ns):
+            self.sink.count_shed("rate")
+            return False
         if self.sink.backlogged():
-            self.sink.count_shed()
+            self.sink.count_shed("backlog")
             return False
         return True
-
 
     # -- stall listener: the stall span goes out at once, not when the request ends
     def on_stall(self, record: RequestRecord, judgement, entry) -> None:
@@ -94,6 +108,32 @@ class TracingObserver:
 
     def on_stall_resolved(self, record: RequestRecord, entry) -> None:
         pass  # recorded on the request (entry.resolved_ns) and exported with its span
+
+
+class RateCeiling:
+    """At most ``per_second`` takes a second, in bursts of up to one second's worth:
+    a token bucket. 0 means no ceiling. Time is the caller's monotonic nanoseconds
+    (a request's end mark), so it never reads a clock; a time earlier than the last
+    one seen (ends are not stamped in exact order) adds nothing."""
+
+    def __init__(self, per_second: int) -> None:
+        self.per_second = per_second
+        self._tokens = float(per_second)
+        self._last_ns: int | None = None
+
+    def take(self, now_ns: int) -> bool:
+        if not self.per_second:
+            return True
+        if self._last_ns is None:
+            self._last_ns = now_ns
+        elif now_ns > self._last_ns:
+            refill = (now_ns - self._last_ns) * self.per_second / 1e9
+            self._tokens = min(float(self.per_second), self._tokens + refill)
+            self._last_ns = now_ns
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
 
 def healthy_ratio_from_environment(configured: float | None, environ=os.environ) -> float:
