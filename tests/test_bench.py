@@ -24,7 +24,7 @@ import pytest
 from traceproxy.bench import report
 from traceproxy.bench.client import Conn, Recorder
 from traceproxy.bench.procs import Children, python_module, wait_port_file
-from traceproxy.bench.proxy_proc import build_settings, minimal_overrides, traced_overrides
+from traceproxy.bench.proxy_proc import build_settings, logged_overrides, minimal_overrides, traced_overrides
 from traceproxy.bench.runner import parse_targets, run_order
 from traceproxy.bench.scenarios import BY_NAME, RequestSpec, scaled, select
 from traceproxy.bench.session import prometheus_totals, split
@@ -72,9 +72,10 @@ def test_bench_smoke_run_end_to_end(tmp_path):
     assert summary["S5"]["proxy"]["hangs"] == 0
 
 
-def test_bench_all_three_targets_with_tracing_to_the_sink(tmp_path):
-    """direct, proxy and proxy-traced side by side; spans reach the OTLP sink; stdout is only the report
-    (no access-log line from a child), and nothing is written to the bench's working directory."""
+def test_bench_every_target_with_spans_to_the_sink_and_lines_to_the_log(tmp_path):
+    """direct, proxy, proxy-traced and proxy-logged side by side; spans reach the OTLP sink, lines the
+    access log; stdout is only the report (no access-log line from a child), and nothing is written to
+    the bench's working directory."""
     report_path = tmp_path / "bench.json"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -83,11 +84,12 @@ def test_bench_all_three_targets_with_tracing_to_the_sink(tmp_path):
 
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| scenario"))
-    assert _cells(header)[2:] == ["direct", "proxy", "proxy-traced", "proxy vs direct", "traced vs direct"]
+    assert _cells(header)[2:] == ["direct", "proxy", "proxy-traced", "proxy-logged", "proxy vs direct",
+                                  "traced vs direct", "logged vs direct"]
     for name, label in (("S1", "req/s"), ("S5", "ok / errors / hangs")):
         row = next(_cells(line) for line in lines if line.startswith(f"| {name}") and f"| {label} " in line)
-        assert all(cell not in ("", "–") for cell in row[2:5]), row
-    assert any(line.startswith("- S1 throughput:") for line in lines)
+        assert all(cell not in ("", "–") for cell in row[2:6]), row
+    assert sum(line.startswith("- S1 throughput:") for line in lines) == 2  # tracing's cost, the log's cost
     assert not [line for line in lines if line.lstrip().startswith("{")], "a child wrote to the bench's stdout"
     assert list(cwd.iterdir()) == []
 
@@ -96,13 +98,14 @@ def test_bench_all_three_targets_with_tracing_to_the_sink(tmp_path):
     for name in ("S1", "S5"):
         for target in report.TARGETS:
             assert summary[name][target]["ok"] > 0, (name, target)
-    for target in ("proxy", "proxy-traced"):
+    for target in ("proxy", "proxy-traced", "proxy-logged"):
         assert summary["S5"][target]["errors"] == 0, target
         assert summary["S5"][target]["hangs"] == 0, target
     tracing = doc["tracing"]
     assert tracing["sink"]["spans"] > 0 and tracing["sink"]["undecodable"] == 0
     assert tracing["proxy_metrics_before_stop"]["requests_total"] > 0
-    assert tracing["access_log"]["lines"] > 0
+    access_log = doc["access_log"]
+    assert access_log["file"]["lines"] >= access_log["proxy_metrics_before_stop"]["requests_total"] > 0
     traced_processes = doc["memory"]["proxy-traced"]["processes"]  # the proxy and its exporter process
     assert traced_processes and all(p["vm_hwm_bytes"] > 0 for p in traced_processes)
     assert doc["memory"]["proxy"]["peak_bytes"] > 0
@@ -125,19 +128,22 @@ def test_targets_are_parsed_in_table_order_and_rotated_per_rep():
     with pytest.raises(ValueError):
         parse_targets("proxy,traced")
     targets = report.TARGETS
-    assert [run_order(targets, rep) for rep in range(4)] == [
-        ("direct", "proxy", "proxy-traced"), ("proxy", "proxy-traced", "direct"),
-        ("proxy-traced", "direct", "proxy"), ("direct", "proxy", "proxy-traced")]
+    assert [run_order(targets, rep) for rep in range(5)] == [
+        ("direct", "proxy", "proxy-traced", "proxy-logged"), ("proxy", "proxy-traced", "proxy-logged", "direct"),
+        ("proxy-traced", "proxy-logged", "direct", "proxy"), ("proxy-logged", "direct", "proxy", "proxy-traced"),
+        ("direct", "proxy", "proxy-traced", "proxy-logged")]
 
 
 def test_proxy_targets_differ_only_in_observability():
     upstream = "http://127.0.0.1:1"
     plain = build_settings(upstream, minimal_overrides())
-    traced = build_settings(upstream, traced_overrides("http://127.0.0.1:2", "/tmp/access.jsonl"))
+    traced = build_settings(upstream, traced_overrides("http://127.0.0.1:2"))
+    logged = build_settings(upstream, logged_overrides("/tmp/access.jsonl"))
     assert (plain.tracing.exporter, plain.access_log.path, plain.admin) == ("off", "", None)
     assert (traced.tracing.exporter, traced.tracing.otlp_endpoint, traced.tracing.otlp_protocol) == (
         "otlp", "http://127.0.0.1:2", "http/protobuf")
-    assert traced.access_log.path == "/tmp/access.jsonl" and traced.admin.port == 0
+    assert traced.access_log.path == "" and traced.admin.port == 0
+    assert (logged.tracing.exporter, logged.access_log.path, logged.admin.port) == ("off", "/tmp/access.jsonl", 0)
     for section in ("timeouts", "pool", "limits", "stall", "forwarding", "request_id"):
         assert getattr(plain, section) == getattr(traced, section), section
     # --proxy-set comes after the target's keys, so it wins
@@ -156,6 +162,8 @@ def test_report_compares_every_proxy_target_with_direct_and_prices_tracing():
                "proxy-traced": _figures(None, 1.0, 21.5, errors=2)},
     }
     rows = report.scenario_rows("S1", ("req_s", "latency_p50"), summary["S1"])
+    assert rows[0] == ["S1", "req/s", "1,000", "500.0", "400.0", "–", "0.50×", "0.40×", "–"]  # proxy-logged: not run
+    rows = report.scenario_rows("S1", ("req_s", "latency_p50"), summary["S1"], ("direct", "proxy", "proxy-traced"))
     assert rows[0] == ["S1", "req/s", "1,000", "500.0", "400.0", "0.50×", "0.40×"]
     assert rows[1][-2:] == ["+0.30 ms", "+0.40 ms"]
     assert report.header(("proxy", "proxy-traced")) == ["scenario", "metric", "proxy", "proxy-traced"]
@@ -163,14 +171,15 @@ def test_report_compares_every_proxy_target_with_direct_and_prices_tracing():
               "proxy-traced": {"peak_bytes": 90 << 20,
                                "processes": [{"vm_hwm_bytes": 60 << 20}, {"vm_hwm_bytes": 30 << 20}]}}
     assert report.memory_row(memory, report.TARGETS)[2:5] == ["–", "50.0", "90.0 (60.0 + 30.0)"]
-    cost = report.tracing_cost(summary, memory)
+    cost = report.added_cost(summary, memory, "proxy-traced")
     assert cost[0].endswith("a 20.0 % drop")
     assert "+0.10 ms added" in cost[1] and cost[1].startswith("S1 request latency p50")
     assert "+0.50 ms added" in cost[2] and cost[2].startswith("S2 TTFT p50")
     assert "+40.0 MiB" in cost[3]
     assert report.regressed(summary["S2"]["direct"], summary["S2"]["proxy-traced"])
     assert not report.regressed(summary["S2"]["direct"], summary["S2"]["proxy"])
-    assert report.tracing_cost({"S1": {"direct": _figures(1, 1)}}, {}) == []
+    assert report.added_cost({"S1": {"direct": _figures(1, 1)}}, {}, "proxy-traced") == []
+    assert report.added_cost(summary, memory, "proxy-logged") == []  # not run
 
 
 def test_prometheus_totals_sum_over_labels():

@@ -50,7 +50,7 @@ EXPECTED_DEFAULTS = Settings(
     forwarding=Forwarding(preserve_host=True, x_forwarded=True),
     request_id=RequestIds(headers=("x-request-id",), inject_rid=False),
     tracing=Tracing(exporter="auto", otlp_endpoint="", otlp_protocol="", file_path="traceproxy-data/spans.jsonl",
-                    service_name="", healthy_sample_ratio=None, healthy_max_per_second=1000,
+                    service_name="", healthy_sample_ratio=None, healthy_max_per_second=250,
                     queue_spans=8192, exporter_nice=10),
     stall=Stall(client_headers=10.0, client_body=30.0, pool_wait=5.0, first_byte=120.0, stream_gap=30.0,
                 client_drain=30.0, action="observe", abort_on=()),

@@ -457,7 +457,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("tracing", "healthy_sample_ratio", ratio(empty="from OTEL_TRACES_SAMPLER, else 1"), "",
             "Fraction of healthy requests whose trace is kept; requests that errored or stalled are "
             "always kept. Decided when the request ends."),
-    Setting("tracing", "healthy_max_per_second", integer(0, zero="no ceiling"), 1000,
+    Setting("tracing", "healthy_max_per_second", integer(0, zero="no ceiling"), 250,
             "At most this many healthy requests' traces kept per second (per worker), in bursts of up "
             "to one second's worth; beyond it they are shed (counted). Bounds what tracing costs under a "
             "flood; far above LLM request rates, where every trace is kept. Errored and stalled "

@@ -4,14 +4,17 @@
 [--set KEY=VALUE ...]`` writes the port to F and serves until SIGTERM, then shuts down
 with a 1 s grace (and then stops its span exporter, which exports what it still holds).
 
-The bench's two in-tree targets differ only in their observability keys, laid over
+The bench's in-tree targets differ only in their observability keys, laid over
 ``default_settings()`` (``--set`` items come after, so they win):
 
 * ``proxy``: tracing off, access log off (``minimal_overrides``). The watchdog and the
   metrics are always on.
-* ``proxy-traced``: tracing to an OTLP http/protobuf endpoint (the bench's sink), the
-  access log to a file, and the admin listener on an ephemeral port so the bench can
-  read the span counters from ``/metrics`` (``traced_overrides``).
+* ``proxy-traced``: tracing to an OTLP http/protobuf endpoint (the bench's sink), with
+  the access log off, so it measures tracing alone (``traced_overrides``).
+* ``proxy-logged``: the access log to a file, tracing off (``logged_overrides``).
+
+The last two run the admin listener on an ephemeral port, so the bench can read
+their counters from ``/metrics``.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ def minimal_overrides() -> list[str]:
     return ["tracing.exporter=off", "access_log.path="]
 
 
-def traced_overrides(otlp_endpoint: str, access_log_path: str) -> list[str]:
+def traced_overrides(otlp_endpoint: str) -> list[str]:
     return ["tracing.exporter=otlp", f"tracing.otlp_endpoint={otlp_endpoint}",
-            "tracing.otlp_protocol=http/protobuf", f"access_log.path={access_log_path}",
-            "admin=127.0.0.1:0"]
+            "tracing.otlp_protocol=http/protobuf", "access_log.path=", "admin=127.0.0.1:0"]
+
+
+def logged_overrides(access_log_path: str) -> list[str]:
+    return ["tracing.exporter=off", f"access_log.path={access_log_path}", "admin=127.0.0.1:0"]
 
 
 def build_settings(upstream: str, overrides: list[str]):

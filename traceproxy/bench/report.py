@@ -5,8 +5,8 @@ totals over repetitions, so a failure in any repetition shows. Hangs include
 requests never started because the scenario ran out of its time budget.
 
 The table has one value column per target and, when ``direct`` ran, one comparison
-column per proxy target against it. ``tracing_cost`` compares ``proxy-traced`` with
-``proxy``: what turning tracing and the access log on costs.
+column per proxy target against it. ``added_cost`` compares ``proxy-traced`` (or
+``proxy-logged``) with ``proxy``: what turning tracing (or the access log) on costs.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Callable
 
 from .stats import median, merge_lists, percentile
 
-TARGETS = ("direct", "proxy", "proxy-traced")
+TARGETS = ("direct", "proxy", "proxy-traced", "proxy-logged")
 BASELINE = "direct"
-SHORT = {"direct": "direct", "proxy": "proxy", "proxy-traced": "traced"}
+SHORT = {"direct": "direct", "proxy": "proxy", "proxy-traced": "traced", "proxy-logged": "logged"}
 _SUMMED = ("ok", "hangs", "skipped", "reconnects", "server_closes", "bytes_up", "bytes_down", "events", "streams")
 _SAMPLES = ("ttfb", "ttft", "gaps", "delivery", "latency")
 SATURATED = 90  # CPU % of one core at which a helper process, not the proxy, sets the pace
@@ -210,11 +210,11 @@ def regressed(direct: dict, proxy: dict) -> bool:
     return bool(proxy["errors"] + proxy["hangs"]) and not (direct and direct["errors"] + direct["hangs"])
 
 
-def tracing_cost(summary: dict[str, dict], memory: dict[str, dict]) -> list[str]:
-    """What tracing (and the access log) cost: proxy-traced against proxy. Empty unless both ran."""
+def added_cost(summary: dict[str, dict], memory: dict[str, dict], target: str) -> list[str]:
+    """What a feature costs: ``target`` (proxy-traced, proxy-logged) against proxy. Empty unless both ran."""
     out = []
     s1, s2, s5 = summary.get("S1") or {}, summary.get("S2") or {}, summary.get("S5") or {}
-    plain, traced = s1.get("proxy") or {}, s1.get("proxy-traced") or {}
+    plain, traced = s1.get("proxy") or {}, s1.get(target) or {}
     if plain.get("req_s") and traced.get("req_s") is not None:
         drop = 100 * (plain["req_s"] - traced["req_s"]) / plain["req_s"]
         verdict = f"a {drop:.1f} % drop" if drop >= 0 else f"{-drop:.1f} % higher (no cost measurable)"
@@ -222,14 +222,14 @@ def tracing_cost(summary: dict[str, dict], memory: dict[str, dict]) -> list[str]
     # S1 is saturated (its latency is mostly queueing); S5 is paced, far from it.
     for label, entry, key in (("S1 request latency p50", s1, "latency_p50"), ("S2 TTFT p50", s2, "ttft_p50"),
                               ("S5 (paced) TTFB p50", s5, "ttfb_p50")):
-        a, b = (entry.get("proxy") or {}).get(key), (entry.get("proxy-traced") or {}).get(key)
+        a, b = (entry.get("proxy") or {}).get(key), (entry.get(target) or {}).get(key)
         if a is not None and b is not None:
             verdict = f"{b - a:+.2f} ms added" if b >= a else f"{b - a:+.2f} ms (lower: no cost measurable)"
             out.append(f"{label}: {_num(a, 2)} -> {_num(b, 2)} ms, {verdict}")
-    peaks = {t: (memory.get(t) or {}).get("peak_bytes") for t in ("proxy", "proxy-traced")}
+    peaks = {t: (memory.get(t) or {}).get("peak_bytes") for t in ("proxy", target)}
     if all(peaks.values()):
-        out.append(f"peak RSS: {peaks['proxy'] / 2**20:.1f} -> {peaks['proxy-traced'] / 2**20:.1f} MiB "
-                   f"({(peaks['proxy-traced'] - peaks['proxy']) / 2**20:+.1f} MiB, exporter process included)")
+        out.append(f"peak RSS: {peaks['proxy'] / 2**20:.1f} -> {peaks[target] / 2**20:.1f} MiB "
+                   f"({(peaks[target] - peaks['proxy']) / 2**20:+.1f} MiB, exporter process included)")
     return out
 
 
@@ -253,13 +253,24 @@ def tracing_evidence(tracing: dict) -> list[str]:
                  "(span items, one per request or stall, dropped with the export queue full)")
     if metrics.get("spans_shed_total"):
         line += (f"; spans_shed_total: {metrics['spans_shed_total']:,.0f} (healthy requests whose spans were "
-                 "shed while the exporter was behind)")
+                 "shed: past tracing.healthy_max_per_second, or while the exporter was behind)")
     out.append(line)
-    log = tracing.get("access_log")
-    if log:
-        out.append(f"proxy-traced access log: {log['lines']:,} lines ({log['bytes'] / 2**20:.1f} MiB) "
-                   "written to the run's temp directory")
     return out
+
+
+def access_log_evidence(access_log: dict) -> list[str]:
+    """That the access log really ran: its lines against the requests proxy-logged counted."""
+    if not access_log:
+        return []
+    log = access_log.get("file") or {}
+    metrics = access_log.get("proxy_metrics_before_stop") or {}
+    line = f"proxy-logged wrote {log.get('lines', 0):,} lines ({log.get('bytes', 0) / 2**20:.1f} MiB)"
+    requests = metrics.get("requests_total")
+    if requests:
+        line += f" for {requests:,.0f} requests (warm-up included)"
+    if metrics.get("spans_dropped_total"):
+        line += f"; {metrics['spans_dropped_total']:,.0f} lines dropped with the export queue full"
+    return [line + "; the file was in the run's temp directory"]
 
 
 def notes(summary: dict[str, dict]) -> list[str]:

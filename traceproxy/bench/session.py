@@ -1,15 +1,17 @@
 """One benchmark session: the upstream, the proxies, the OTLP sink, and measured runs of the load generator.
 
 Targets: ``direct`` (the upstream itself), ``proxy`` (traceproxy with tracing and
-the access log off, or any ``--proxy-cmd``) and ``proxy-traced`` (traceproxy
-exporting spans over OTLP http/protobuf to the sink, access log to a file in the
-run's temp directory). Each is its own process tree, all started up front, so runs
-of different targets can be interleaved.
+the access log off, or any ``--proxy-cmd``), ``proxy-traced`` (traceproxy
+exporting spans over OTLP http/protobuf to the sink) and ``proxy-logged``
+(traceproxy writing its access log to a file in the run's temp directory). Each is
+its own process tree, all started up front, so runs of different targets can be
+interleaved.
 
 The session owns its children through ``procs.Children``; leaving the ``with``
 block (normally, on an exception or on Ctrl-C) stops each by its process group.
-``finish`` reads memory and the span counters and stops ``proxy-traced`` in order
-(the leader first, so its exporter drains into the sink) before the sink reports.
+``finish`` reads memory and the counters, and stops ``proxy-traced`` and
+``proxy-logged`` in order (the leader first, so its exporter process drains into the
+sink or the log file) before the sink reports.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from . import report
 from .monitor import CpuWindow, RssSampler, busy_percent, tree_hwm
 from .procs import (Child, ChildError, Children, child_environment, free_port, python_module, wait_listening,
                     wait_port_file)
-from .proxy_proc import minimal_overrides, traced_overrides
+from .proxy_proc import logged_overrides, minimal_overrides, traced_overrides
 from .scenarios import Scenario
 
 READY_TIMEOUT = 30.0  # load processes opening their connections
 EXIT_SLACK = 15.0  # beyond the scenario budget before a load process is killed
-TRACED_STOP_GRACE = 10.0  # proxy-traced: 1 s request grace, then its exporter drains (up to 5 s)
+DRAIN_STOP_GRACE = 10.0  # traced/logged: 1 s request grace, then the exporter process drains (up to 5 s)
 SETTLE_WINDOW, SETTLE_BUSY, SETTLE_MAX = 0.2, 10.0, 15.0  # quiet: < SETTLE_BUSY % CPU over a window
 HTTP_TIMEOUT = 5.0
 
@@ -95,8 +97,9 @@ class Session:
             elif target == "proxy-traced":
                 if "sink" not in self.ports:
                     self.start_sink()
-                keys = traced_overrides(f"http://127.0.0.1:{self.ports['sink']}",
-                                        str(self.access_log_path))
+                keys = traced_overrides(f"http://127.0.0.1:{self.ports['sink']}")
+            elif target == "proxy-logged":
+                keys = logged_overrides(str(self.access_log_path))
             else:
                 raise ValueError(f"not a proxy target: {target}")
             port_file, admin_file = self.workdir / f"{target}.port", self.workdir / f"{target}.admin-port"
@@ -116,7 +119,7 @@ class Session:
 
     @property
     def access_log_path(self) -> Path:
-        return self.workdir / "proxy-traced.access.jsonl"
+        return self.workdir / "proxy-logged.access.jsonl"
 
     def proxy_alive(self, target: str = "proxy") -> bool:
         proxy = self.proxies.get(target)
@@ -190,20 +193,26 @@ class Session:
 
     # -- the end of the session ------------------------------------------------------------------
     def finish(self) -> dict:
-        """Memory of each proxy, then (for proxy-traced) its span counters, an orderly stop so its
-        exporter drains into the sink, and the sink's final counts. Call once, after the runs."""
-        self.settle()  # a traced proxy's exporter may still be sending the last run's spans
+        """Memory of each proxy; then for proxy-traced and proxy-logged their counters and an
+        orderly stop, so the exporter process drains into the sink or the log file; then the
+        sink's final counts and the log's lines. Call once, after the runs."""
+        self.settle()  # an exporter process may still be sending the last run's spans or lines
         memory = {target: self._memory(proxy) for target, proxy in self.proxies.items()}
-        tracing: dict = {}
-        traced = self.proxies.get("proxy-traced")
-        if traced is not None:
-            tracing["proxy_metrics_before_stop"] = self._span_metrics(traced)
-            self.children.stop(traced.child, leader_grace=TRACED_STOP_GRACE)
-            tracing["proxy_exit_code"] = traced.child.proc.returncode
-            tracing["access_log"] = _file_lines(self.access_log_path)
+        tracing, access_log = self._drain("proxy-traced"), self._drain("proxy-logged")
         if self.sink is not None:
             tracing["sink"] = self._stop_sink()
-        return {"memory": memory, "tracing": tracing}
+        if "proxy-logged" in self.proxies:
+            access_log["file"] = _file_lines(self.access_log_path)
+        return {"memory": memory, "tracing": tracing, "access_log": access_log}
+
+    def _drain(self, target: str) -> dict:
+        proxy = self.proxies.get(target)
+        if proxy is None:
+            return {}
+        counters = {"proxy_metrics_before_stop": self._span_metrics(proxy)}
+        self.children.stop(proxy.child, leader_grace=DRAIN_STOP_GRACE)
+        counters["proxy_exit_code"] = proxy.child.proc.returncode
+        return counters
 
     def _memory(self, proxy: ProxyProcess) -> dict:
         """Peak RSS of a proxy's process tree: sampled (tree sum) and each process's VmHWM."""

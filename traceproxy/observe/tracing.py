@@ -111,28 +111,26 @@ class TracingObserver:
 
 
 class RateCeiling:
-    """At most ``per_second`` takes a second, in bursts of up to one second's worth:
-    a token bucket. 0 means no ceiling. Time is the caller's monotonic nanoseconds
-    (a request's end mark), so it never reads a clock; a time earlier than the last
-    one seen (ends are not stamped in exact order) adds nothing."""
+    """At most ``per_second`` takes a second, in bursts of up to one second's worth;
+    0 means no ceiling. The generic cell rate algorithm: a token bucket kept as one
+    time, when the bucket is full again, so a refused take (the common case under a
+    flood) is one comparison. Time is the caller's monotonic nanoseconds (a
+    request's end mark), never a clock read here; a time earlier than the last one
+    seen (ends are not stamped in exact order) only makes a take likelier refused."""
 
     def __init__(self, per_second: int) -> None:
         self.per_second = per_second
-        self._tokens = float(per_second)
-        self._last_ns: int | None = None
+        self._interval_ns = 1_000_000_000 // per_second if per_second else 0
+        self._burst_ns = (per_second - 1) * self._interval_ns if per_second else 0
+        self._full_at_ns = -(1 << 62)  # long ago: the bucket starts full
 
     def take(self, now_ns: int) -> bool:
         if not self.per_second:
             return True
-        if self._last_ns is None:
-            self._last_ns = now_ns
-        elif now_ns > self._last_ns:
-            refill = (now_ns - self._last_ns) * self.per_second / 1e9
-            self._tokens = min(float(self.per_second), self._tokens + refill)
-            self._last_ns = now_ns
-        if self._tokens < 1.0:
+        full_at = self._full_at_ns
+        if full_at - self._burst_ns > now_ns:
             return False
-        self._tokens -= 1.0
+        self._full_at_ns = (full_at if full_at > now_ns else now_ns) + self._interval_ns
         return True
 
 
