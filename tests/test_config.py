@@ -45,7 +45,7 @@ EXPECTED_DEFAULTS = Settings(
         client_keepalive=75.0,
         shutdown_grace=30.0,
     ),
-    pool=Pool(idle_timeout=4.0, max_connections=1024, retry_buffer_bytes=1048576),
+    pool=Pool(idle_timeout=4.0, keep_warm=60.0, max_connections=1024, retry_buffer_bytes=1048576),
     limits=Limits(max_client_connections=10000, max_header_bytes=65536, max_target_bytes=8192),
     forwarding=Forwarding(preserve_host=True, x_forwarded=True),
     request_id=RequestIds(headers=("x-request-id",), inject_rid=False),

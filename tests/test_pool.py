@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import pytest
 import uvloop
@@ -75,7 +76,7 @@ def test_idle_connection_closed_by_upstream_is_dropped_before_use(fast_upstream,
 
 def test_pool_idle_timeout_closes_connections_before_the_engine_would(fast_upstream, start_proxy):
     up = fast_upstream()
-    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.2})
+    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.2, "pool.keep_warm": 0})
     RawClient(proxy.port).roundtrip("GET", "/health")
     assert len(proxy.ctx.pool.idle) == 1
     assert wait_until(lambda: not proxy.ctx.pool.idle and not up.connections, timeout=3)
@@ -106,7 +107,7 @@ def test_requests_wait_for_a_free_upstream_connection_at_the_cap(scripted_upstre
 
 def test_connections_the_pool_expires_are_not_counted_as_closed_by_the_upstream(fast_upstream, start_proxy):
     up = fast_upstream()
-    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.2})
+    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.2, "pool.keep_warm": 0})
     RawClient(proxy.port).roundtrip("GET", "/health")
     assert wait_until(lambda: proxy.ctx.pool.open_count == 0, timeout=3)
     assert proxy.ctx.pool.stats["closed_by_upstream_while_idle"] == 0
@@ -127,10 +128,86 @@ class _User:
         self.failed.append(error)
 
 
-def _pool(port: int, connect_timeout: float = 5.0):
+def _pool(port: int, connect_timeout: float = 5.0, idle_timeout: float = 4.0, keep_warm: float = 0.0):
     from traceproxy.proxy.upstream import UpstreamPool
 
-    return UpstreamPool("127.0.0.1", port, idle_timeout=4.0, max_connections=0, connect_timeout=connect_timeout)
+    return UpstreamPool("127.0.0.1", port, idle_timeout=idle_timeout, max_connections=0,
+                        connect_timeout=connect_timeout, keep_warm=keep_warm)
+
+
+async def _until(condition, timeout: float = 3.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def _burst(pool, count: int) -> list:
+    """``count`` requests at once; each gets its connection, then all are released."""
+    users = [_User() for _ in range(count)]
+    for user in users:
+        pool.acquire(user)
+    assert await _until(lambda: all(user.ready for user in users))
+    for user in users:
+        pool.release(user.ready[0][0])
+    return users
+
+
+def test_keep_warm_renews_idle_connections_so_a_burst_after_a_pause_finds_them_ready():
+    async def main():
+        accepted = []
+        server = await asyncio.start_server(lambda r, w: accepted.append(w), "127.0.0.1", 0)
+        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
+        await _burst(pool, 5)
+        first = set(pool.idle)
+        await asyncio.sleep(1.2)  # three idle timeouts: without renewing, the pool would be empty
+        assert await _until(lambda: len(pool.idle) == 5)
+        assert not first & set(pool.idle), "every connection was replaced"
+        now = time.monotonic_ns()
+        assert all(conn.record.idle_age_ns(now) < pool.idle_timeout_ns for conn in pool.idle)
+        assert pool.stats["opened_ahead"] >= 5 and len(accepted) >= 10
+        opened = pool.stats["opened"]
+        users = await _burst(pool, 5)
+        assert all(reused for (_, reused, _) in (user.ready[0] for user in users))
+        assert pool.stats["opened"] == opened, "the burst opened nothing on demand"
+        pool.close_all()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_keep_warm_lets_the_pool_drain_after_the_window_and_never_opens_after_shutdown():
+    async def main():
+        accepted = []
+        server = await asyncio.start_server(lambda r, w: accepted.append(w), "127.0.0.1", 0)
+        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.2, keep_warm=0.5)
+        await _burst(pool, 3)
+        assert await _until(lambda: pool.open_count == 0, timeout=3)  # no demand for keep_warm: drained
+
+        await _burst(pool, 3)
+        pool.close_all()
+        count = len(accepted)
+        await asyncio.sleep(0.5)
+        assert pool.open_count == 0 and len(accepted) == count
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_keep_warm_does_not_renew_for_an_upstream_that_closes_idle_connections_first():
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
+        pool.keepalive.saw_header(b"timeout=0.2")  # below our idle timeout: misaligned
+        await _burst(pool, 3)
+        assert await _until(lambda: pool.open_count == 0, timeout=3)
+        assert pool.stats["opened_ahead"] == 0
+        pool.close_all()
+        server.close()
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])

@@ -70,6 +70,7 @@ class Timeouts:
 @dataclass(frozen=True)
 class Pool:
     idle_timeout: float
+    keep_warm: float  # 0: off
     max_connections: int
     retry_buffer_bytes: int
 
@@ -422,6 +423,10 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("pool", "idle_timeout", seconds(), 4.0,
             "An idle upstream keep-alive connection is closed after this; kept below the 5 s idle "
             "timeout of uvicorn-based engines so a connection the engine is closing is not reused."),
+    Setting("pool", "keep_warm", seconds(zero="off"), 60.0,
+            "The pool keeps as many connections open as were in use at once during the last this many "
+            "seconds, replacing each idle one with a fresh one before idle_timeout, so a burst after a "
+            "pause finds them ready instead of opening them all at once."),
     Setting("pool", "max_connections", integer(0, zero="unlimited"), 1024,
             "Upstream connections open at once; further requests wait."),
     Setting("pool", "retry_buffer_bytes", integer(0, zero="never retry"), 1048576,

@@ -192,6 +192,12 @@ class ProxyMetrics:
         out.gauge("upstream_connections_idle", "Upstream connections idle in the pool.", [((), len(pool.idle))])
         out.counter("upstream_connections_opened_total", "Upstream connections opened.",
                     [((), stats["opened"])])
+        out.counter("upstream_connections_opened_ahead_total",
+                    "Upstream connections opened ahead of demand to keep the pool warm (pool.keep_warm); "
+                    "included in upstream_connections_opened_total.", [((), stats["opened_ahead"])])
+        out.gauge("upstream_pool_warm_target",
+                  "Connections the pool keeps open: the most in use at once during the last pool.keep_warm "
+                  "seconds (0 when off or unused).", [((), getattr(pool, "warm_target", 0))])
         out.counter("upstream_connections_reused_total", "Requests sent on a pooled (reused) upstream connection.",
                     [((), stats["reused"])])
         out.counter("upstream_stale_connections_total",

@@ -78,6 +78,7 @@ class ServerContext:
             idle_timeout=settings.pool.idle_timeout,
             max_connections=settings.pool.max_connections,
             connect_timeout=settings.timeouts.connect,
+            keep_warm=settings.pool.keep_warm,
         )
         self.connections: set[ClientConnection] = set()
         # Idle keep-alive connections, oldest first (dicts keep insertion order).

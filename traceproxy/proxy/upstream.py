@@ -10,6 +10,14 @@ Hazards this module exists for
   (``UpstreamConnection.eof_received`` / ``connection_lost``); and a request that
   fails on a *reused* connection before any response byte is resent once on a fresh
   connection by ``forward.Exchange`` (never for fresh connections).
+* Bursts after a pause. An idle timeout below the engine's means a pool emptied by
+  every pause longer than 4 s, and a burst of N requests after it waits for N new
+  connections (on a busy engine or router, accepting them is slow). With
+  ``pool.keep_warm`` the pool remembers its peak use over that many seconds and
+  keeps that many connections open, replacing each idle one with a fresh one
+  before it reaches the idle timeout (so none ever outlives it). A connection
+  opened ahead of demand waits idle like any other: handed out, it counts as
+  reused (it can go stale like one, and a request on it is resent the same way).
 * Parsers are per response. httptools (llhttp) cannot be told "this was a HEAD",
   so every response gets a fresh parser, and a response is only declared complete
   after ``feed_data`` returns: releasing the connection from inside a parser
@@ -49,6 +57,7 @@ class UpstreamConnection(asyncio.Protocol):
         # While connecting: the request this connection is being opened for, and the
         # connect timeout. The connection is handed over from connection_made.
         self.opening_for: Exchange | None = None
+        self.spare = False  # being opened ahead of demand (keep_warm): goes idle when connected
         self.connect_timer: asyncio.TimerHandle | None = None
         self.timed_out = False
 
@@ -57,6 +66,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         if self.opening_for is not None:
             self.pool._opened(self)
+        elif self.spare:
+            self.pool._spare_opened(self)
 
     def data_received(self, data: bytes) -> None:
         user = self.user
@@ -281,10 +292,24 @@ class KeepAliveLearner:
 class UpstreamPool:
     """Keep-alive connections to one upstream, most recently used first."""
 
-    def __init__(self, host: str, port: int, idle_timeout: float, max_connections: int, connect_timeout: float):
+    # Connections opened ahead of demand per loop turn: a top-up of hundreds is spread
+    # over several turns so that no turn stalls the streams in flight.
+    SPARES_PER_TURN = 32
+
+    def __init__(self, host: str, port: int, idle_timeout: float, max_connections: int, connect_timeout: float,
+                 keep_warm: float = 0.0):
         self.host = host
         self.port = port
         self.idle_timeout_ns = int(idle_timeout * 1e9)
+        # The sweeper's period. With keep_warm, a connection that would pass the idle
+        # timeout before the next sweep is replaced at this one.
+        self.sweep_interval_ns = max(self.idle_timeout_ns // 4, 50_000_000)
+        self.keep_warm_ns = int(keep_warm * 1e9)
+        self.demand_peak = 0  # most connections in use since the last sweep
+        self.recent_peaks: collections.deque[tuple[int, int]] = collections.deque()  # (sweep ns, peak)
+        self.warm_target = 0  # connections to keep open, from the peaks within keep_warm
+        self.spares_connecting = 0
+        self.shut = False
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
         self.idle: list[UpstreamConnection] = []
@@ -307,6 +332,7 @@ class UpstreamPool:
             conn = self._pop_usable()
             if conn is not None:
                 self.stats["reused"] += 1
+                self._note_demand()
                 user.upstream_ready(conn, reused=True)
                 return None
         if self.max_connections and self.open_count >= self.max_connections:
@@ -316,7 +342,14 @@ class UpstreamPool:
                 self.waiters.append(user)
                 user.upstream_queued()
                 return None
-        return self._connect(user)
+        task = self._connect(user)
+        self._note_demand()
+        return task
+
+    def _note_demand(self) -> None:
+        in_use = self.open_count - len(self.idle) - self.spares_connecting
+        if in_use > self.demand_peak:
+            self.demand_peak = in_use
 
     def cancel_wait(self, user: "Exchange") -> None:
         try:
@@ -352,6 +385,26 @@ class UpstreamPool:
         task.add_done_callback(self._connect_done)
         return task
 
+    def _open_spare(self) -> None:
+        """Open a connection ahead of demand; it joins the idle list once connected."""
+        self.open_count += 1
+        self.spares_connecting += 1
+        loop = asyncio.get_running_loop()
+        conn = UpstreamConnection(self)
+        conn.spare = True
+        task = loop.create_task(loop.create_connection(lambda: conn, self.host, self.port))
+        conn.connect_timer = loop.call_later(self.connect_timeout, conn.connect_timed_out, task)
+        self.connecting[task] = conn
+        task.add_done_callback(self._connect_done)
+
+    def _spare_opened(self, conn: UpstreamConnection) -> None:
+        conn.spare = False
+        self.spares_connecting -= 1
+        conn.connect_timer.cancel()
+        self.stats["opened"] += 1
+        self.stats["opened_ahead"] += 1
+        self.release(conn)  # to a waiter, or idle
+
     def _opened(self, conn: UpstreamConnection) -> None:
         user, conn.opening_for = conn.opening_for, None
         conn.connect_timer.cancel()
@@ -360,6 +413,9 @@ class UpstreamPool:
 
     def _connect_done(self, task: asyncio.Task) -> None:
         conn = self.connecting.pop(task)
+        if conn.spare:
+            self._spare_done(task, conn)
+            return
         if conn.opening_for is None:
             return  # handed over from connection_made
         if not task.cancelled() and task.exception() is None and conn.transport is not None:
@@ -376,6 +432,17 @@ class UpstreamPool:
             exc = task.exception()
         self.stats["connect_failed"] += 1
         user.upstream_connect_failed(_connect_error(exc, self.connect_timeout))
+
+    def _spare_done(self, task: asyncio.Task, conn: UpstreamConnection) -> None:
+        if not task.cancelled() and task.exception() is None and conn.transport is not None:
+            self._spare_opened(conn)  # connected without a connection_made call
+            return
+        conn.spare = False
+        self.spares_connecting -= 1
+        conn.connect_timer.cancel()
+        if not task.cancelled() or conn.timed_out:
+            self.stats["connect_failed"] += 1  # the next sweep tries again; no request waits on it
+        self._connection_gone()
 
     # -- returning ---------------------------------------------------------------
     def release(self, conn: UpstreamConnection) -> None:
@@ -420,23 +487,55 @@ class UpstreamPool:
             if not waiter.finished:
                 waiter.upstream_connecting(self._connect(waiter))
 
-    # -- idle expiry ---------------------------------------------------------------
+    # -- idle expiry and keeping warm -------------------------------------------------
     def _arm_sweeper(self) -> None:
-        if self._sweeper is None:
-            delay = max(self.idle_timeout_ns / 2e9, 0.05)
-            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+        if self._sweeper is None and not self.shut:
+            self._sweeper = asyncio.get_running_loop().call_later(self.sweep_interval_ns / 1e9, self._sweep)
 
     def _sweep(self) -> None:
         self._sweeper = None
         now = time.monotonic_ns()
-        for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= self.idle_timeout_ns]:
-            self.discard(conn, "idle timeout")
-        if self.idle:
+        self.warm_target = self._warm_target(now)
+        # Renewing is pointless when the upstream closes idle connections before our
+        # idle timeout (misaligned): the replacements would be closed the same way.
+        renew = self.warm_target > 0 and not self.keepalive.misaligned
+        expire_at = self.idle_timeout_ns - (self.sweep_interval_ns if renew else 0)
+        for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= expire_at]:
+            self.discard(conn, "renewed before the idle timeout" if renew else "idle timeout")
+        if renew:
+            self._top_up()
+        if self.idle or self.warm_target:
             self._arm_sweeper()
 
+    def _warm_target(self, now: int) -> int:
+        """The most connections in use at once within the last ``keep_warm`` (0: off)."""
+        if not self.keep_warm_ns:
+            return 0
+        peaks = self.recent_peaks
+        peaks.append((now, self.demand_peak))
+        self.demand_peak = self.open_count - len(self.idle) - self.spares_connecting  # in use now
+        while peaks and now - peaks[0][0] > self.keep_warm_ns:
+            peaks.popleft()
+        target = max(peak for _, peak in peaks) if peaks else 0
+        return min(target, self.max_connections) if self.max_connections else target
+
+    def _top_up(self) -> None:
+        """Open connections up to the warm target, ``SPARES_PER_TURN`` per loop turn."""
+        if self.shut:
+            return
+        missing = self.warm_target - self.open_count
+        for _ in range(min(missing, self.SPARES_PER_TURN)):
+            self._open_spare()
+        if missing > self.SPARES_PER_TURN:
+            asyncio.get_running_loop().call_soon(self._top_up)
+
     def close_all(self) -> None:
+        self.shut = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for task, conn in list(self.connecting.items()):
-            if conn.opening_for is not None:  # handed-over connections are in use
+            if conn.opening_for is not None or conn.spare:  # handed-over connections are in use
                 task.cancel()
         for conn in list(self.idle):
             self.discard(conn, "shutdown")
