@@ -196,6 +196,27 @@ def test_keep_warm_lets_the_pool_drain_after_the_window_and_never_opens_after_sh
     asyncio.run(main())
 
 
+def test_keep_warm_probes_a_down_upstream_with_one_connect_a_sweep():
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = _pool(port, idle_timeout=0.4, keep_warm=30)
+        await _burst(pool, 8)
+        server.close()
+        await server.wait_closed()
+        for conn in list(pool.idle):
+            pool.discard(conn, "test: the upstream went away")
+        assert await _until(lambda: pool.spares_failing)  # the first top-up (all 8) was refused
+        failed = pool.stats["connect_failed"]
+        assert failed <= 8
+        await asyncio.sleep(0.5)  # five sweeps: one probe each, not 8
+        assert failed + 2 <= pool.stats["connect_failed"] <= failed + 6
+        assert pool.open_count <= 1
+        pool.close_all()
+
+    asyncio.run(main())
+
+
 def test_keep_warm_does_not_renew_for_an_upstream_that_closes_idle_connections_first():
     async def main():
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)

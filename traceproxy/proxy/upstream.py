@@ -309,6 +309,7 @@ class UpstreamPool:
         self.recent_peaks: collections.deque[tuple[int, int]] = collections.deque()  # (sweep ns, peak)
         self.warm_target = 0  # connections to keep open, from the peaks within keep_warm
         self.spares_connecting = 0
+        self.spares_failing = False  # the last connect ahead of demand failed: probe with one a sweep
         self.shut = False
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
@@ -399,6 +400,7 @@ class UpstreamPool:
 
     def _spare_opened(self, conn: UpstreamConnection) -> None:
         conn.spare = False
+        self.spares_failing = False
         self.spares_connecting -= 1
         conn.connect_timer.cancel()
         self.stats["opened"] += 1
@@ -409,6 +411,7 @@ class UpstreamPool:
         user, conn.opening_for = conn.opening_for, None
         conn.connect_timer.cancel()
         self.stats["opened"] += 1
+        self.spares_failing = False
         user.upstream_ready(conn, reused=False)
 
     def _connect_done(self, task: asyncio.Task) -> None:
@@ -441,7 +444,8 @@ class UpstreamPool:
         self.spares_connecting -= 1
         conn.connect_timer.cancel()
         if not task.cancelled() or conn.timed_out:
-            self.stats["connect_failed"] += 1  # the next sweep tries again; no request waits on it
+            self.stats["connect_failed"] += 1  # no request waits on it; the next sweep probes again
+            self.spares_failing = True
         self._connection_gone()
 
     # -- returning ---------------------------------------------------------------
@@ -520,13 +524,15 @@ class UpstreamPool:
         return min(target, self.max_connections) if self.max_connections else target
 
     def _top_up(self) -> None:
-        """Open connections up to the warm target, ``SPARES_PER_TURN`` per loop turn."""
+        """Open connections up to the warm target, ``SPARES_PER_TURN`` per loop turn; while
+        connecting fails (the upstream is down), one a sweep, as a probe."""
         if self.shut:
             return
         missing = self.warm_target - self.open_count
-        for _ in range(min(missing, self.SPARES_PER_TURN)):
+        per_turn = 1 if self.spares_failing else self.SPARES_PER_TURN
+        for _ in range(min(missing, per_turn)):
             self._open_spare()
-        if missing > self.SPARES_PER_TURN:
+        if missing > per_turn and not self.spares_failing:
             asyncio.get_running_loop().call_soon(self._top_up)
 
     def close_all(self) -> None:
