@@ -169,6 +169,7 @@ class ServerContext:
 
     def begin_shutdown(self) -> None:
         self.shutting_down = True
+        self.pool.stop_keeping_warm()
         for conn in list(self.idle_connections):
             conn.close()
         self.idle_connections.clear()

@@ -535,6 +535,11 @@ class UpstreamPool:
         if missing > per_turn and not self.spares_failing:
             asyncio.get_running_loop().call_soon(self._top_up)
 
+    def stop_keeping_warm(self) -> None:
+        """Shutting down: idle connections expire as if keep_warm were off."""
+        self.keep_warm_ns = 0
+        self.warm_target = 0
+
     def close_all(self) -> None:
         self.shut = True
         if self._sweeper is not None:
