@@ -206,7 +206,7 @@ def test_keep_warm_probes_a_down_upstream_with_one_connect_a_sweep():
         await server.wait_closed()
         for conn in list(pool.idle):
             pool.discard(conn, "test: the upstream went away")
-        assert await _until(lambda: pool.spares_failing)  # the first top-up (all 8) was refused
+        assert await _until(lambda: pool.spares_failing)  # the first of the top-up were refused
         failed = pool.stats["connect_failed"]
         assert failed <= 8
         await asyncio.sleep(0.5)  # five sweeps: one probe each, not 8

@@ -15,7 +15,11 @@ Hazards this module exists for
   connections (on a busy engine or router, accepting them is slow). With
   ``pool.keep_warm`` the pool remembers its peak use over that many seconds and
   keeps that many connections open, replacing each idle one with a fresh one
-  before it reaches the idle timeout (so none ever outlives it). A connection
+  before it reaches the idle timeout (so none ever outlives it). Replacing is
+  make-before-break and spread out: the new connections open over half a sweep
+  interval, and each one connected retires the oldest idle one, so neither the
+  proxy nor the upstream ever sees hundreds of connects at once (a burst landing
+  on a mass renewal waited for the upstream to accept them all). A connection
   opened ahead of demand waits idle like any other: handed out, it counts as
   reused (it can go stale like one, and a request on it is resent the same way).
 * Parsers are per response. httptools (llhttp) cannot be told "this was a HEAD",
@@ -292,9 +296,7 @@ class KeepAliveLearner:
 class UpstreamPool:
     """Keep-alive connections to one upstream, most recently used first."""
 
-    # Connections opened ahead of demand per loop turn: a top-up of hundreds is spread
-    # over several turns so that no turn stalls the streams in flight.
-    SPARES_PER_TURN = 32
+    SPARE_TICK_S = 0.01  # connections opened ahead of demand go out on ticks this far apart
 
     def __init__(self, host: str, port: int, idle_timeout: float, max_connections: int, connect_timeout: float,
                  keep_warm: float = 0.0):
@@ -310,6 +312,9 @@ class UpstreamPool:
         self.warm_target = 0  # connections to keep open, from the peaks within keep_warm
         self.spares_connecting = 0
         self.spares_failing = False  # the last connect ahead of demand failed: probe with one a sweep
+        self.spares_to_open = 0
+        self.spares_per_tick = 1
+        self._spare_timer: asyncio.TimerHandle | None = None
         self.shut = False
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
@@ -406,6 +411,13 @@ class UpstreamPool:
         self.stats["opened"] += 1
         self.stats["opened_ahead"] += 1
         self.release(conn)  # to a waiter, or idle
+        self._retire_oldest_due()
+
+    def _retire_oldest_due(self) -> None:
+        """Make before break: a connection opened ahead retires the oldest idle one, if it is due."""
+        oldest = self.idle[0] if len(self.idle) > 1 else None
+        if oldest is not None and oldest.record.idle_age_ns(time.monotonic_ns()) >= self._due_age_ns:
+            self.discard(oldest, "renewed before the idle timeout")
 
     def _opened(self, conn: UpstreamConnection) -> None:
         user, conn.opening_for = conn.opening_for, None
@@ -446,6 +458,7 @@ class UpstreamPool:
         if not task.cancelled() or conn.timed_out:
             self.stats["connect_failed"] += 1  # no request waits on it; the next sweep probes again
             self.spares_failing = True
+            self.spares_to_open = 0
         self._connection_gone()
 
     # -- returning ---------------------------------------------------------------
@@ -500,16 +513,20 @@ class UpstreamPool:
         self._sweeper = None
         now = time.monotonic_ns()
         self.warm_target = self._warm_target(now)
+        for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= self.idle_timeout_ns]:
+            self.discard(conn, "idle timeout")
         # Renewing is pointless when the upstream closes idle connections before our
         # idle timeout (misaligned): the replacements would be closed the same way.
-        renew = self.warm_target > 0 and not self.keepalive.misaligned
-        expire_at = self.idle_timeout_ns - (self.sweep_interval_ns if renew else 0)
-        for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= expire_at]:
-            self.discard(conn, "renewed before the idle timeout" if renew else "idle timeout")
-        if renew:
-            self._top_up()
+        if self.warm_target and not self.keepalive.misaligned:
+            due = sum(1 for c in self.idle if c.record.idle_age_ns(now) >= self._due_age_ns)
+            self._schedule_spares(self.warm_target - (self.open_count - due))
         if self.idle or self.warm_target:
             self._arm_sweeper()
+
+    @property
+    def _due_age_ns(self) -> int:
+        """An idle connection this old would pass the idle timeout before the next sweep."""
+        return self.idle_timeout_ns - self.sweep_interval_ns
 
     def _warm_target(self, now: int) -> int:
         """The most connections in use at once within the last ``keep_warm`` (0: off)."""
@@ -523,28 +540,42 @@ class UpstreamPool:
         target = max(peak for _, peak in peaks) if peaks else 0
         return min(target, self.max_connections) if self.max_connections else target
 
-    def _top_up(self) -> None:
-        """Open connections up to the warm target, ``SPARES_PER_TURN`` per loop turn; while
-        connecting fails (the upstream is down), one a sweep, as a probe."""
+    def _schedule_spares(self, count: int) -> None:
+        """Open ``count`` connections ahead of demand, spread over half a sweep interval
+        (replacing what an earlier sweep left to open); while connecting fails (the
+        upstream is down), only one, as a probe."""
+        if count <= 0 or self.shut:
+            self.spares_to_open = 0
+            return
+        ticks = max(1, int(self.sweep_interval_ns / 2e9 / self.SPARE_TICK_S))
+        self.spares_to_open = 1 if self.spares_failing else count
+        self.spares_per_tick = -(-self.spares_to_open // ticks)
+        if self._spare_timer is None:
+            self._open_spares()
+
+    def _open_spares(self) -> None:
+        self._spare_timer = None
         if self.shut:
             return
-        missing = self.warm_target - self.open_count
-        per_turn = 1 if self.spares_failing else self.SPARES_PER_TURN
-        for _ in range(min(missing, per_turn)):
+        batch = min(self.spares_per_tick, self.spares_to_open)
+        for _ in range(batch):
             self._open_spare()
-        if missing > per_turn and not self.spares_failing:
-            asyncio.get_running_loop().call_soon(self._top_up)
+        self.spares_to_open -= batch
+        if self.spares_to_open > 0:
+            self._spare_timer = asyncio.get_running_loop().call_later(self.SPARE_TICK_S, self._open_spares)
 
     def stop_keeping_warm(self) -> None:
         """Shutting down: idle connections expire as if keep_warm were off."""
         self.keep_warm_ns = 0
         self.warm_target = 0
+        self.spares_to_open = 0
 
     def close_all(self) -> None:
         self.shut = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
+        for timer in (self._sweeper, self._spare_timer):
+            if timer is not None:
+                timer.cancel()
+        self._sweeper = self._spare_timer = None
         for task, conn in list(self.connecting.items()):
             if conn.opening_for is not None or conn.spare:  # handed-over connections are in use
                 task.cancel()
