@@ -94,8 +94,12 @@ class RequestSummary(NamedTuple):
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
               upstream: tuple[str, int], keep_spans: bool = True) -> RequestSummary:
     marks = record.marks
-    previous, last = record.response_tail
-    tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if previous else last[-TAIL_BYTES:]
+    if keep_spans:
+        previous, last = record.response_tail
+        head = record.request_body_head
+        tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if previous else last[-TAIL_BYTES:]
+    else:
+        head = tail = b""  # only its access log line is wanted: the GenAI evidence is not copied
     return RequestSummary(
         record.trace_id, record.span_id, record.parent_span_id, record.sampled,
         record.tracestate.decode("latin-1"), (record.rejected_traceparent or b"").decode("latin-1"),
@@ -105,7 +109,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.connection.peer, record.connection.id, record.sequence,
         -1 if record.idle_gap_ns is None else record.idle_gap_ns, record.user_agent, server, upstream,
         record.downstream_rx_body_bytes, record.downstream_tx_body_bytes, record.upstream_rx_chunks,
-        record.max_chunk_gap_ns, record.request_body_head, tail,
+        record.max_chunk_gap_ns, head, tail,
         tuple(_summarize_attempt(a) for a in record.attempts),
         tuple((e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls),
         keep_spans,
