@@ -128,11 +128,27 @@ class _User:
         self.failed.append(error)
 
 
-def _pool(port: int, connect_timeout: float = 5.0, idle_timeout: float = 4.0, keep_warm: float = 0.0):
+def _pool(port: int, connect_timeout: float = 5.0, idle_timeout: float = 4.0, keep_warm: float = 0.0,
+          max_connections: int = 0):
     from traceproxy.proxy.upstream import UpstreamPool
 
-    return UpstreamPool("127.0.0.1", port, idle_timeout=idle_timeout, max_connections=0,
+    return UpstreamPool("127.0.0.1", port, idle_timeout=idle_timeout, max_connections=max_connections,
                         connect_timeout=connect_timeout, keep_warm=keep_warm)
+
+
+def _usable(pool) -> int:
+    now = time.monotonic_ns()
+    return sum(1 for c in pool.idle if not c.closed and c.record.idle_age_ns(now) < pool.idle_timeout_ns)
+
+
+async def _sample(seconds: float, measure) -> list:
+    """``measure()`` every 5 ms for ``seconds``."""
+    values, loop = [], asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        values.append(measure())
+        await asyncio.sleep(0.005)
+    return values
 
 
 async def _until(condition, timeout: float = 3.0) -> bool:
@@ -176,6 +192,95 @@ def test_keep_warm_renews_idle_connections_so_a_burst_after_a_pause_finds_them_r
         server.close()
 
     asyncio.run(main())
+
+
+def test_keep_warm_renews_before_the_idle_timeout_even_for_connections_released_just_after_a_sweep():
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.8, keep_warm=30)
+        await _burst(pool, 5)  # starts the sweeper
+        sweeps = len(pool.recent_peaks)
+        assert await _until(lambda: len(pool.recent_peaks) > sweeps)
+        await _burst(pool, 5)  # released early in a sweep period: the hardest phase to renew in time
+        usable = await _sample(2.4, lambda: _usable(pool))  # three idle timeouts
+        assert min(usable) == 5, "a warm connection lapsed before its replacement was ready"
+        assert pool.stats["opened_ahead"] >= 10
+        pool.close_all()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_keep_warm_renewing_never_opens_past_max_connections(monkeypatch):
+    async def main():
+        loop = asyncio.get_running_loop()
+        connect = loop.create_connection
+
+        async def slow_connect(*args, **kwargs):  # make-before-break holds old and new longer
+            await asyncio.sleep(0.08)
+            return await connect(*args, **kwargs)
+
+        monkeypatch.setattr(loop, "create_connection", slow_connect)
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30, max_connections=4)
+        await _burst(pool, 4)
+        open_counts = await _sample(1.5, lambda: pool.open_count)
+        assert max(open_counts) <= 4 and pool.stats["opened_ahead"] >= 4
+        pool.close_all()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_keep_warm_backs_off_from_an_upstream_that_accepts_and_closes_and_learns_nothing_from_it():
+    async def main():
+        closing = False
+        accepts = []
+
+        def on_connect(reader, writer):
+            accepts.append(writer)
+            if closing:
+                writer.close()  # a load balancer with no healthy backend
+
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
+        await _burst(pool, 8)
+        closing = True
+        before = len(accepts)
+        await asyncio.sleep(1.0)  # ten sweeps
+        assert pool.spares_failing and len(accepts) - before <= 8 + 12, "a connect storm"
+        assert pool.keepalive.learned is None and not pool.keepalive.misaligned
+        closing = False  # the upstream recovers: keeping warm resumes in full
+        assert await _until(lambda: len(pool.idle) == 8, timeout=3)
+        pool.close_all()
+        server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_shutdown_with_connects_ahead_in_flight_leaves_nothing_open(run):
+    async def main():
+        ends = []
+
+        async def watch(reader, writer):
+            ends.append(asyncio.ensure_future(reader.read()))  # b"" once the proxy side closes
+
+        server = await asyncio.start_server(watch, "127.0.0.1", 0)
+        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
+        await _burst(pool, 6)
+        pool.stop_keeping_warm()  # what shutdown does first: idle ones now just expire
+        assert not pool.warm_target and not pool.spares_to_open
+        await _burst(pool, 6)
+        pool.keep_warm_ns = int(30e9)  # warm again, then shut while renewing
+        assert await _until(lambda: pool.spares_connecting > 0 or pool.spares_to_open > 0, timeout=3)
+        pool.close_all()
+        await asyncio.sleep(0.3)
+        assert pool.open_count == 0 and not pool.idle and not pool.connecting
+        assert await _until(lambda: all(end.done() for end in ends), timeout=3)
+        server.close()
+
+    run(main())
 
 
 def test_keep_warm_lets_the_pool_drain_after_the_window_and_never_opens_after_shutdown():

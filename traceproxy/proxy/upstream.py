@@ -16,12 +16,23 @@ Hazards this module exists for
   ``pool.keep_warm`` the pool remembers its peak use over that many seconds and
   keeps that many connections open, replacing each idle one with a fresh one
   before it reaches the idle timeout (so none ever outlives it). Replacing is
-  make-before-break and spread out: the new connections open over half a sweep
-  interval, and each one connected retires the oldest idle one, so neither the
-  proxy nor the upstream ever sees hundreds of connects at once (a burst landing
-  on a mass renewal waited for the upstream to accept them all). A connection
-  opened ahead of demand waits idle like any other: handed out, it counts as
-  reused (it can go stale like one, and a request on it is resent the same way).
+  make-before-break and spread out: a connection is due two sweep intervals before
+  its idle timeout, its replacement opens within half an interval (the other half
+  is the connect's allowance), and each one connected retires the oldest due idle
+  one. So neither the proxy nor the upstream ever sees hundreds of connects at once
+  (a burst landing on a mass renewal waited for the upstream to accept them all),
+  and at ``max_connections`` renewing never opens past the cap. A connection opened
+  ahead of demand waits idle like any other: handed out, it counts as reused (it
+  can go stale like one, and a request on it is resent the same way).
+* An upstream that accepts and at once closes (a load balancer with no healthy
+  backend, a router restarting) must not turn keep-warm into a connect storm, nor
+  teach the keep-alive learner an idle timeout of zero: a connection opened ahead
+  that the upstream closes before it carried a request, within a sweep interval,
+  counts as a failed connect. While connects ahead fail, one a sweep probes; they
+  resume in full once one survives to the next sweep.
+* A connect cancelled (timeout, shutdown) in the loop turn it completed still gets
+  ``connection_made``; such a connection is abandoned: aborted there, never handed
+  over or pooled.
 * Parsers are per response. httptools (llhttp) cannot be told "this was a HEAD",
   so every response gets a fresh parser, and a response is only declared complete
   after ``feed_data`` returns: releasing the connection from inside a parser
@@ -56,19 +67,27 @@ class UpstreamConnection(asyncio.Protocol):
         self.user: Exchange | None = None
         self.closed = False
         self.discarded_by_pool = False  # closed by us, not by the upstream
+        self.counted_closed = False  # its slot in open_count was given back
         self._parser: httptools.HttpResponseParser | None = None
         self._reset_response(head_only=False)
         # While connecting: the request this connection is being opened for, and the
         # connect timeout. The connection is handed over from connection_made.
         self.opening_for: Exchange | None = None
         self.spare = False  # being opened ahead of demand (keep_warm): goes idle when connected
+        self.opened_ahead = False  # it was (the flag above is cleared once connected)
+        self.abandoned = False  # its connect was cancelled: whatever connects is aborted
         self.connect_timer: asyncio.TimerHandle | None = None
         self.timed_out = False
 
     # -- asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        if self.opening_for is not None:
+        if self.abandoned or self.pool.shut:
+            # The connect was cancelled as it completed: the connect task's callback
+            # accounts for the slot, so this close must not count again.
+            self.discarded_by_pool = self.counted_closed = True
+            transport.abort()
+        elif self.opening_for is not None:
             self.pool._opened(self)
         elif self.spare:
             self.pool._spare_opened(self)
@@ -98,7 +117,7 @@ class UpstreamConnection(asyncio.Protocol):
             user.flush_client()
 
     def connect_timed_out(self, task: asyncio.Task) -> None:
-        self.timed_out = True
+        self.timed_out = self.abandoned = True
         task.cancel()
 
     def eof_received(self) -> bool:
@@ -109,7 +128,10 @@ class UpstreamConnection(asyncio.Protocol):
         self.record.closed_ns = time.monotonic_ns()
         user = self.user
         if user is None:
-            if not self.discarded_by_pool:
+            if self.opened_ahead and not self.record.requests and not self.discarded_by_pool and (
+                    self.record.closed_ns - self.record.opened_ns < self.pool.sweep_interval_ns):
+                self.pool._spare_refused()  # accepted, then closed at once: a failed connect
+            elif not self.discarded_by_pool:
                 self.pool.stats["closed_by_upstream_while_idle"] += 1
                 # Learn only from closes of connections still pooled: one the pool
                 # already let go of (discard() with a deferred connection_lost, as
@@ -397,7 +419,7 @@ class UpstreamPool:
         self.spares_connecting += 1
         loop = asyncio.get_running_loop()
         conn = UpstreamConnection(self)
-        conn.spare = True
+        conn.spare = conn.opened_ahead = True
         task = loop.create_task(loop.create_connection(lambda: conn, self.host, self.port))
         conn.connect_timer = loop.call_later(self.connect_timeout, conn.connect_timed_out, task)
         self.connecting[task] = conn
@@ -405,7 +427,6 @@ class UpstreamPool:
 
     def _spare_opened(self, conn: UpstreamConnection) -> None:
         conn.spare = False
-        self.spares_failing = False
         self.spares_connecting -= 1
         conn.connect_timer.cancel()
         self.stats["opened"] += 1
@@ -423,7 +444,6 @@ class UpstreamPool:
         user, conn.opening_for = conn.opening_for, None
         conn.connect_timer.cancel()
         self.stats["opened"] += 1
-        self.spares_failing = False
         user.upstream_ready(conn, reused=False)
 
     def _connect_done(self, task: asyncio.Task) -> None:
@@ -456,10 +476,18 @@ class UpstreamPool:
         self.spares_connecting -= 1
         conn.connect_timer.cancel()
         if not task.cancelled() or conn.timed_out:
-            self.stats["connect_failed"] += 1  # no request waits on it; the next sweep probes again
-            self.spares_failing = True
-            self.spares_to_open = 0
+            self.stats["connect_failed"] += 1  # no request waits on it
+            self._spares_fail()
         self._connection_gone()
+
+    def _spare_refused(self) -> None:
+        self.stats["connect_failed"] += 1
+        self._spares_fail()
+
+    def _spares_fail(self) -> None:
+        """Connects ahead of demand fail: stop this sweep's, probe with one a sweep from now on."""
+        self.spares_failing = True
+        self.spares_to_open = 0
 
     # -- returning ---------------------------------------------------------------
     def release(self, conn: UpstreamConnection) -> None:
@@ -467,10 +495,14 @@ class UpstreamPool:
         if conn.closed or conn.transport.is_closing():
             self.forget(conn)
             return
+        if self.shut:
+            self.discard(conn, "shutdown")
+            return
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.finished:
                 self.stats["reused"] += 1
+                self._note_demand()
                 waiter.upstream_ready(conn, reused=True)
                 return
         conn.record.idle_since_ns = time.monotonic_ns()
@@ -493,8 +525,8 @@ class UpstreamPool:
         if conn in self.idle:
             self.idle.remove(conn)
             self.stats["closed_while_idle"] += 1
-        if not getattr(conn, "_counted_closed", False):
-            conn._counted_closed = True
+        if not conn.counted_closed:
+            conn.counted_closed = True
             self._connection_gone()
 
     def _connection_gone(self) -> None:
@@ -503,6 +535,7 @@ class UpstreamPool:
             waiter = self.waiters.popleft()
             if not waiter.finished:
                 waiter.upstream_connecting(self._connect(waiter))
+                self._note_demand()
 
     # -- idle expiry and keeping warm -------------------------------------------------
     def _arm_sweeper(self) -> None:
@@ -515,18 +548,25 @@ class UpstreamPool:
         self.warm_target = self._warm_target(now)
         for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= self.idle_timeout_ns]:
             self.discard(conn, "idle timeout")
+        if self.spares_failing and any(c.opened_ahead and not c.record.requests for c in self.idle):
+            self.spares_failing = False  # a probe survived a sweep: the upstream keeps connections again
         # Renewing is pointless when the upstream closes idle connections before our
         # idle timeout (misaligned): the replacements would be closed the same way.
-        if self.warm_target and not self.keepalive.misaligned:
+        if self.warm_target and self._due_age_ns > 0 and not self.keepalive.misaligned:
             due = sum(1 for c in self.idle if c.record.idle_age_ns(now) >= self._due_age_ns)
-            self._schedule_spares(self.warm_target - (self.open_count - due))
+            wanted = self.warm_target - (self.open_count - due)
+            if self.max_connections:  # make-before-break stops at the cap; the due then just expire
+                wanted = min(wanted, self.max_connections - self.open_count)
+            self._schedule_spares(wanted)
         if self.idle or self.warm_target:
             self._arm_sweeper()
 
     @property
     def _due_age_ns(self) -> int:
-        """An idle connection this old would pass the idle timeout before the next sweep."""
-        return self.idle_timeout_ns - self.sweep_interval_ns
+        """An idle connection this old is renewed at this sweep: the next comes one interval
+        later, and a replacement needs up to half an interval to open plus its connect.
+        Not positive for an idle timeout of two sweep intervals or less (0.1 s): no renewing."""
+        return self.idle_timeout_ns - 2 * self.sweep_interval_ns
 
     def _warm_target(self, now: int) -> int:
         """The most connections in use at once within the last ``keep_warm`` (0: off)."""
@@ -578,6 +618,7 @@ class UpstreamPool:
         self._sweeper = self._spare_timer = None
         for task, conn in list(self.connecting.items()):
             if conn.opening_for is not None or conn.spare:  # handed-over connections are in use
+                conn.abandoned = True
                 task.cancel()
         for conn in list(self.idle):
             self.discard(conn, "shutdown")
