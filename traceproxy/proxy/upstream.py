@@ -87,10 +87,8 @@ class UpstreamConnection(asyncio.Protocol):
             # accounts for the slot, so this close must not count again.
             self.discarded_by_pool = self.counted_closed = True
             transport.abort()
-        elif self.opening_for is not None:
-            self.pool._opened(self)
-        elif self.spare:
-            self.pool._spare_opened(self)
+        else:
+            self.pool._connected(self)
 
     def data_received(self, data: bytes) -> None:
         user = self.user
@@ -325,9 +323,14 @@ class UpstreamPool:
         self.host = host
         self.port = port
         self.idle_timeout_ns = int(idle_timeout * 1e9)
-        # The sweeper's period. With keep_warm, a connection that would pass the idle
-        # timeout before the next sweep is replaced at this one.
+        # The sweeper's period: idle connections past the idle timeout go, and with
+        # keep_warm, the due ones (below) are replaced.
         self.sweep_interval_ns = max(self.idle_timeout_ns // 4, 50_000_000)
+        # Idle connections this old are renewed at a sweep: the next sweep comes one
+        # interval later, and a replacement needs up to half an interval to open plus
+        # its connect. Not positive for an idle timeout of two intervals or less (0.1 s):
+        # then nothing is renewed.
+        self.due_age_ns = self.idle_timeout_ns - 2 * self.sweep_interval_ns
         self.keep_warm_ns = int(keep_warm * 1e9)
         self.demand_peak = 0  # most connections in use since the last sweep
         self.recent_peaks: collections.deque[tuple[int, int]] = collections.deque()  # (sweep ns, peak)
@@ -403,82 +406,69 @@ class UpstreamPool:
         caller several hops after the socket is connected. The task only reports
         failures; a timer (not ``wait_for``, which adds its own task) bounds the wait.
         """
-        self.open_count += 1
-        loop = asyncio.get_running_loop()
         conn = UpstreamConnection(self)
         conn.opening_for = user
+        return self._start_connect(conn)
+
+    def _open_spare(self) -> None:
+        """Open a connection ahead of demand; it joins the idle list once connected."""
+        conn = UpstreamConnection(self)
+        conn.spare = conn.opened_ahead = True
+        self.spares_connecting += 1
+        self._start_connect(conn)
+
+    def _start_connect(self, conn: UpstreamConnection) -> asyncio.Task:
+        self.open_count += 1
+        loop = asyncio.get_running_loop()
         task = loop.create_task(loop.create_connection(lambda: conn, self.host, self.port))
         conn.connect_timer = loop.call_later(self.connect_timeout, conn.connect_timed_out, task)
         self.connecting[task] = conn
         task.add_done_callback(self._connect_done)
         return task
 
-    def _open_spare(self) -> None:
-        """Open a connection ahead of demand; it joins the idle list once connected."""
-        self.open_count += 1
-        self.spares_connecting += 1
-        loop = asyncio.get_running_loop()
-        conn = UpstreamConnection(self)
-        conn.spare = conn.opened_ahead = True
-        task = loop.create_task(loop.create_connection(lambda: conn, self.host, self.port))
-        conn.connect_timer = loop.call_later(self.connect_timeout, conn.connect_timed_out, task)
-        self.connecting[task] = conn
-        task.add_done_callback(self._connect_done)
-
-    def _spare_opened(self, conn: UpstreamConnection) -> None:
-        conn.spare = False
-        self.spares_connecting -= 1
+    def _connected(self, conn: UpstreamConnection) -> None:
+        """Hand a new connection to the request it was opened for, or (opened ahead) to the pool."""
         conn.connect_timer.cancel()
         self.stats["opened"] += 1
-        self.stats["opened_ahead"] += 1
-        self.release(conn)  # to a waiter, or idle
-        self._retire_oldest_due()
+        if conn.spare:
+            conn.spare = False
+            self.spares_connecting -= 1
+            self.stats["opened_ahead"] += 1
+            self.release(conn)  # to a waiter, or idle
+            self._retire_oldest_due()
+        else:
+            user, conn.opening_for = conn.opening_for, None
+            user.upstream_ready(conn, reused=False)
 
     def _retire_oldest_due(self) -> None:
         """Make before break: a connection opened ahead retires the oldest idle one, if it is due."""
         oldest = self.idle[0] if len(self.idle) > 1 else None
-        if oldest is not None and oldest.record.idle_age_ns(time.monotonic_ns()) >= self._due_age_ns:
+        if oldest is not None and oldest.record.idle_age_ns(time.monotonic_ns()) >= self.due_age_ns:
             self.discard(oldest, "renewed before the idle timeout")
-
-    def _opened(self, conn: UpstreamConnection) -> None:
-        user, conn.opening_for = conn.opening_for, None
-        conn.connect_timer.cancel()
-        self.stats["opened"] += 1
-        user.upstream_ready(conn, reused=False)
 
     def _connect_done(self, task: asyncio.Task) -> None:
         conn = self.connecting.pop(task)
-        if conn.spare:
-            self._spare_done(task, conn)
-            return
-        if conn.opening_for is None:
-            return  # handed over from connection_made
+        if conn.opening_for is None and not conn.spare:
+            return  # handed over from connection_made (or abandoned there)
         if not task.cancelled() and task.exception() is None and conn.transport is not None:
-            self._opened(conn)  # connected without a connection_made call: hand over now
+            self._connected(conn)  # connected without a connection_made call: hand over now
+            return
+        conn.connect_timer.cancel()
+        failed = not task.cancelled() or conn.timed_out  # else: the request gave up, or shutdown
+        if failed:
+            self.stats["connect_failed"] += 1
+        if conn.spare:
+            conn.spare = False
+            self.spares_connecting -= 1
+            self._connection_gone()
+            if failed:
+                self._spares_fail()  # no request waits on it
             return
         user, conn.opening_for = conn.opening_for, None
-        conn.connect_timer.cancel()
         self._connection_gone()
-        if task.cancelled():
-            if not conn.timed_out:
-                return  # the request gave up (or shutdown)
-            exc: BaseException = asyncio.TimeoutError()
-        else:
-            exc = task.exception()
-        self.stats["connect_failed"] += 1
-        user.upstream_connect_failed(_connect_error(exc, self.connect_timeout))
-
-    def _spare_done(self, task: asyncio.Task, conn: UpstreamConnection) -> None:
-        if not task.cancelled() and task.exception() is None and conn.transport is not None:
-            self._spare_opened(conn)  # connected without a connection_made call
-            return
-        conn.spare = False
-        self.spares_connecting -= 1
-        conn.connect_timer.cancel()
-        if not task.cancelled() or conn.timed_out:
-            self.stats["connect_failed"] += 1  # no request waits on it
-            self._spares_fail()
-        self._connection_gone()
+        if failed:
+            exc = asyncio.TimeoutError() if task.cancelled() else task.exception()
+            user.upstream_connect_failed(_connect_error(exc, self.connect_timeout))
 
     def _spare_refused(self) -> None:
         self.stats["connect_failed"] += 1
@@ -545,15 +535,15 @@ class UpstreamPool:
     def _sweep(self) -> None:
         self._sweeper = None
         now = time.monotonic_ns()
-        self.warm_target = self._warm_target(now)
+        self._update_warm_target(now)
         for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= self.idle_timeout_ns]:
             self.discard(conn, "idle timeout")
         if self.spares_failing and any(c.opened_ahead and not c.record.requests for c in self.idle):
             self.spares_failing = False  # a probe survived a sweep: the upstream keeps connections again
         # Renewing is pointless when the upstream closes idle connections before our
         # idle timeout (misaligned): the replacements would be closed the same way.
-        if self.warm_target and self._due_age_ns > 0 and not self.keepalive.misaligned:
-            due = sum(1 for c in self.idle if c.record.idle_age_ns(now) >= self._due_age_ns)
+        if self.warm_target and self.due_age_ns > 0 and not self.keepalive.misaligned:
+            due = sum(1 for c in self.idle if c.record.idle_age_ns(now) >= self.due_age_ns)
             wanted = self.warm_target - (self.open_count - due)
             if self.max_connections:  # make-before-break stops at the cap; the due then just expire
                 wanted = min(wanted, self.max_connections - self.open_count)
@@ -561,24 +551,19 @@ class UpstreamPool:
         if self.idle or self.warm_target:
             self._arm_sweeper()
 
-    @property
-    def _due_age_ns(self) -> int:
-        """An idle connection this old is renewed at this sweep: the next comes one interval
-        later, and a replacement needs up to half an interval to open plus its connect.
-        Not positive for an idle timeout of two sweep intervals or less (0.1 s): no renewing."""
-        return self.idle_timeout_ns - 2 * self.sweep_interval_ns
-
-    def _warm_target(self, now: int) -> int:
-        """The most connections in use at once within the last ``keep_warm`` (0: off)."""
+    def _update_warm_target(self, now: int) -> None:
+        """Close this sweep's period of demand; the target is the most connections in use
+        at once within the last ``keep_warm`` (0: off)."""
         if not self.keep_warm_ns:
-            return 0
+            self.warm_target = 0
+            return
         peaks = self.recent_peaks
         peaks.append((now, self.demand_peak))
         self.demand_peak = self.open_count - len(self.idle) - self.spares_connecting  # in use now
         while peaks and now - peaks[0][0] > self.keep_warm_ns:
             peaks.popleft()
         target = max(peak for _, peak in peaks) if peaks else 0
-        return min(target, self.max_connections) if self.max_connections else target
+        self.warm_target = min(target, self.max_connections) if self.max_connections else target
 
     def _schedule_spares(self, count: int) -> None:
         """Open ``count`` connections ahead of demand, spread over half a sweep interval
