@@ -83,3 +83,4 @@ def test_response_framing_is_always_unambiguous_for_the_client(status, method, h
 
 def test_chunk_encoding():
     assert H.chunk(b"hello world") == b"b\r\nhello world\r\n"
+    assert b"".join(H.chunk_pieces(b"hello world")) == H.chunk(b"hello world")

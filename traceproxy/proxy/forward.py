@@ -306,9 +306,7 @@ class Exchange:
         record.upstream_rx_body_bytes += len(data)
         record.last_upstream_rx_ns = now
         if self.response_framing == H.ResponseFraming.CHUNKED:
-            # Size line, data and CRLF as pieces: flush_client joins them once, so the
-            # data is copied once per read instead of once per chunk and again at the join.
-            self._client_out.extend((b"%x\r\n" % len(data), data, b"\r\n"))
+            self._client_out.extend(H.chunk_pieces(data))  # flush_client joins once per read
         else:
             self._client_out.append(data)
         record.downstream_tx_body_bytes += len(data)
