@@ -4,6 +4,7 @@ errors, the single resend on a fresh connection, and waiting for a free slot."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -136,6 +137,18 @@ def _pool(port: int, connect_timeout: float = 5.0, idle_timeout: float = 4.0, ke
                         connect_timeout=connect_timeout, keep_warm=keep_warm)
 
 
+@contextlib.asynccontextmanager
+async def _pool_on_server(on_connect=lambda reader, writer: None, **pool_options):
+    """A pool against a loopback server running ``on_connect``; both are shut at the end."""
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    pool = _pool(server.sockets[0].getsockname()[1], **pool_options)
+    try:
+        yield pool
+    finally:
+        pool.close_all()
+        server.close()
+
+
 def _usable(pool) -> int:
     now = time.monotonic_ns()
     return sum(1 for c in pool.idle if not c.closed and c.record.idle_age_ns(now) < pool.idle_timeout_ns)
@@ -174,39 +187,33 @@ async def _burst(pool, count: int) -> list:
 def test_keep_warm_renews_idle_connections_so_a_burst_after_a_pause_finds_them_ready():
     async def main():
         accepted = []
-        server = await asyncio.start_server(lambda r, w: accepted.append(w), "127.0.0.1", 0)
-        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
-        await _burst(pool, 5)
-        first = set(pool.idle)
-        await asyncio.sleep(1.2)  # three idle timeouts: without renewing, the pool would be empty
-        assert await _until(lambda: len(pool.idle) == 5)
-        assert not first & set(pool.idle), "every connection was replaced"
-        now = time.monotonic_ns()
-        assert all(conn.record.idle_age_ns(now) < pool.idle_timeout_ns for conn in pool.idle)
-        assert pool.stats["opened_ahead"] >= 5 and len(accepted) >= 10
-        opened = pool.stats["opened"]
-        users = await _burst(pool, 5)
-        assert all(reused for (_, reused, _) in (user.ready[0] for user in users))
-        assert pool.stats["opened"] == opened, "the burst opened nothing on demand"
-        pool.close_all()
-        server.close()
+        async with _pool_on_server(lambda r, w: accepted.append(w), idle_timeout=0.4, keep_warm=30) as pool:
+            await _burst(pool, 5)
+            first = set(pool.idle)
+            await asyncio.sleep(1.2)  # three idle timeouts: without renewing, the pool would be empty
+            assert await _until(lambda: len(pool.idle) == 5)
+            assert not first & set(pool.idle), "every connection was replaced"
+            now = time.monotonic_ns()
+            assert all(conn.record.idle_age_ns(now) < pool.idle_timeout_ns for conn in pool.idle)
+            assert pool.stats["opened_ahead"] >= 5 and len(accepted) >= 10
+            opened = pool.stats["opened"]
+            users = await _burst(pool, 5)
+            assert all(reused for (_, reused, _) in (user.ready[0] for user in users))
+            assert pool.stats["opened"] == opened, "the burst opened nothing on demand"
 
     asyncio.run(main())
 
 
 def test_keep_warm_renews_before_the_idle_timeout_even_for_connections_released_just_after_a_sweep():
     async def main():
-        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.8, keep_warm=30)
-        await _burst(pool, 5)  # starts the sweeper
-        sweeps = len(pool.recent_peaks)
-        assert await _until(lambda: len(pool.recent_peaks) > sweeps)
-        await _burst(pool, 5)  # released early in a sweep period: the hardest phase to renew in time
-        usable = await _sample(2.4, lambda: _usable(pool))  # three idle timeouts
-        assert min(usable) == 5, "a warm connection lapsed before its replacement was ready"
-        assert pool.stats["opened_ahead"] >= 10
-        pool.close_all()
-        server.close()
+        async with _pool_on_server(idle_timeout=0.8, keep_warm=30) as pool:
+            await _burst(pool, 5)  # starts the sweeper
+            sweeps = len(pool.recent_peaks)
+            assert await _until(lambda: len(pool.recent_peaks) > sweeps)
+            await _burst(pool, 5)  # released early in a sweep period: the hardest phase to renew in time
+            usable = await _sample(2.4, lambda: _usable(pool))  # three idle timeouts
+            assert min(usable) == 5, "a warm connection lapsed before its replacement was ready"
+            assert pool.stats["opened_ahead"] >= 10
 
     asyncio.run(main())
 
@@ -221,13 +228,10 @@ def test_keep_warm_renewing_never_opens_past_max_connections(monkeypatch):
             return await connect(*args, **kwargs)
 
         monkeypatch.setattr(loop, "create_connection", slow_connect)
-        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30, max_connections=4)
-        await _burst(pool, 4)
-        open_counts = await _sample(1.5, lambda: pool.open_count)
-        assert max(open_counts) <= 4 and pool.stats["opened_ahead"] >= 4
-        pool.close_all()
-        server.close()
+        async with _pool_on_server(idle_timeout=0.4, keep_warm=30, max_connections=4) as pool:
+            await _burst(pool, 4)
+            open_counts = await _sample(1.5, lambda: pool.open_count)
+            assert max(open_counts) <= 4 and pool.stats["opened_ahead"] >= 4
 
     asyncio.run(main())
 
@@ -242,18 +246,15 @@ def test_keep_warm_backs_off_from_an_upstream_that_accepts_and_closes_and_learns
             if closing:
                 writer.close()  # a load balancer with no healthy backend
 
-        server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
-        await _burst(pool, 8)
-        closing = True
-        before = len(accepts)
-        await asyncio.sleep(1.0)  # ten sweeps
-        assert pool.spares_failing and len(accepts) - before <= 8 + 12, "a connect storm"
-        assert pool.keepalive.learned is None and not pool.keepalive.misaligned
-        closing = False  # the upstream recovers: keeping warm resumes in full
-        assert await _until(lambda: len(pool.idle) == 8, timeout=3)
-        pool.close_all()
-        server.close()
+        async with _pool_on_server(on_connect, idle_timeout=0.4, keep_warm=30) as pool:
+            await _burst(pool, 8)
+            closing = True
+            before = len(accepts)
+            await asyncio.sleep(1.0)  # ten sweeps
+            assert pool.spares_failing and len(accepts) - before <= 8 + 12, "a connect storm"
+            assert pool.keepalive.learned is None and not pool.keepalive.misaligned
+            closing = False  # the upstream recovers: keeping warm resumes in full
+            assert await _until(lambda: len(pool.idle) == 8, timeout=3)
 
     asyncio.run(main())
 
@@ -324,14 +325,11 @@ def test_keep_warm_probes_a_down_upstream_with_one_connect_a_sweep():
 
 def test_keep_warm_does_not_renew_for_an_upstream_that_closes_idle_connections_first():
     async def main():
-        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
-        pool.keepalive.saw_header(b"timeout=0.2")  # below our idle timeout: misaligned
-        await _burst(pool, 3)
-        assert await _until(lambda: pool.open_count == 0, timeout=3)
-        assert pool.stats["opened_ahead"] == 0
-        pool.close_all()
-        server.close()
+        async with _pool_on_server(idle_timeout=0.4, keep_warm=30) as pool:
+            pool.keepalive.saw_header(b"timeout=0.2")  # below our idle timeout: misaligned
+            await _burst(pool, 3)
+            assert await _until(lambda: pool.open_count == 0, timeout=3)
+            assert pool.stats["opened_ahead"] == 0
 
     asyncio.run(main())
 
