@@ -12,7 +12,7 @@ Theory of operation:
 - ``backlogged`` says the queue is past ``shed_mark`` (half of ``queue_spans``): the
   tracing observer then sheds healthy requests' spans before building anything,
   so only errored and stalled ones compete for the rest. ``count_shed(reason)``
-  counts what it shed, for that reason or its rate ceiling (``tracing.SHED_REASONS``).
+  counts what it shed, for that reason or its rate ceiling (``SHED_REASONS``).
 - The child runs at a lower CPU priority (``nice``, 10 by default): when the cores
   are saturated, proxying wins and the queue fills; shedding and the bounded queue
   take it from there, never the event loop.
@@ -59,10 +59,13 @@ import traceproxy
 from .export_wire import ExportConfig, encode_item, frame, parse_stats_line
 from .spandata import SpanData
 
-__all__ = ["ExportConfig", "SpanExportPipe"]
+__all__ = ["ExportConfig", "SHED_REASONS", "SpanExportPipe"]
 
 log = logging.getLogger("traceproxy.export")
 CHILD_MODULE = "traceproxy.observe.exporter_main"
+# Why a healthy request's spans were shed (see tracing.py): past the rate ceiling, or
+# while the exporter was behind.
+SHED_REASONS = ("rate", "backlog")
 # Of stop()'s timeout, the part kept for SIGTERM/SIGKILL after draining overran.
 KILL_RESERVE_SHARE, KILL_RESERVE_MAX = 0.25, 1.0
 
@@ -87,7 +90,7 @@ class SpanExportPipe:
         self._stopping = False
         self._submitted = 0
         self._dropped = 0
-        self._shed = {"rate": 0, "backlog": 0}  # tracing.SHED_REASONS
+        self._shed = dict.fromkeys(SHED_REASONS, 0)
         self._shed_mark = max(1, self.config.queue_spans // 2)
 
     # ------------------------------------------------------------------ start

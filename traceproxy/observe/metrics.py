@@ -40,6 +40,7 @@ from ..lifecycle.machine import Phase, phase_of
 from ..lifecycle.marks import Mark
 from ..lifecycle.stall import Judgement
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord, StallEntry
+from .export import SHED_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "traceproxy_"
@@ -232,7 +233,7 @@ class ProxyMetrics:
         out.counter("spans_dropped_total", "Span items (a finished request's spans, or one stall span) dropped because the export queue "
                     "was full or the exporter process was gone.",
                     [((), spans.get("spans_dropped", 0))])
-        shed = spans.get("spans_shed_by_reason") or {"rate": 0, "backlog": 0}
+        shed = spans.get("spans_shed_by_reason") or dict.fromkeys(SHED_REASONS, 0)
         out.counter("spans_shed_total", "Healthy requests whose spans were not exported: past "
                     "tracing.healthy_max_per_second (reason=rate) or while the exporter was behind, its queue "
                     "past half full (reason=backlog); errored and stalled requests are never shed.",
