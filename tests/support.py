@@ -11,10 +11,13 @@ import asyncio
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 
 import h11
 import uvloop
+
+from traceproxy.observe.metrics import prometheus_totals
 
 STEP_TIMEOUT = 10.0  # every blocking step of a test is bounded by this
 
@@ -325,3 +328,16 @@ class ListSink:
 
     def count_shed(self, reason: str) -> None:
         self.shed[reason] = self.shed.get(reason, 0) + 1
+
+
+def admin_get(proxy, path: str) -> str:
+    """GET ``path`` from a started proxy's admin listener."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}{path}", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def admin_metric(proxy, name: str) -> float:
+    """One metric of the proxy's /metrics, summed over its label sets; it must be there."""
+    totals = prometheus_totals(admin_get(proxy, "/metrics"))
+    assert name in totals, name
+    return totals[name]

@@ -27,7 +27,8 @@ from traceproxy.bench.procs import Children, python_module, wait_port_file
 from traceproxy.bench.proxy_proc import build_settings, logged_overrides, minimal_overrides, traced_overrides
 from traceproxy.bench.runner import parse_targets, run_order
 from traceproxy.bench.scenarios import BY_NAME, RequestSpec, scaled, select
-from traceproxy.bench.session import prometheus_totals, split
+from traceproxy.bench.session import split
+from traceproxy.observe.metrics import prometheus_totals
 from traceproxy.bench.stats import Samples, percentile
 
 ROOT = Path(__file__).resolve().parent.parent

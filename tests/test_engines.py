@@ -14,7 +14,6 @@ import json
 import re
 import socket
 import time
-import urllib.request
 
 import pytest
 
@@ -22,11 +21,11 @@ from traceproxy.lifecycle import correlation
 from traceproxy.lifecycle.correlation import OrphanState, check_orphans, correlate
 from traceproxy.lifecycle.flags import Blame, Flag
 from traceproxy.lifecycle.machine import Phase
-from traceproxy.observe.engines import parse_exposition
+from traceproxy.observe.metrics import prometheus_totals
 from traceproxy.sim.engine import SimWorker
 from traceproxy.sim.launch import SimDeployment
 
-from .support import RawClient, wait_until
+from .support import RawClient, admin_get, admin_metric, wait_until
 
 S = 1_000_000_000
 JSON = [("Content-Type", "application/json")]
@@ -34,18 +33,8 @@ CHAT = json.dumps({"model": "sim-llama", "messages": [{"role": "user", "content"
                    "max_tokens": 3, "stream": True}).encode()
 
 
-def http_get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.read()
-
-
 def inflight(proxy) -> dict:
-    return json.loads(http_get(f"http://127.0.0.1:{proxy.admin_port}/debug/inflight"))
-
-
-def metric(proxy, name: str) -> float:
-    text = http_get(f"http://127.0.0.1:{proxy.admin_port}/metrics").decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return json.loads(admin_get(proxy, "/debug/inflight"))
 
 
 # ----------------------------------------------------------------------------------
@@ -97,15 +86,16 @@ def test_per_request_correlation(phase, since, work, streaming, scraped, expecte
     assert correlate(phase, since, work, streaming, scraped) is expected
 
 
-def test_parse_exposition_keeps_work_gauges_and_router_series_summed_over_labels():
+def test_scraped_exposition_keeps_work_gauges_and_router_series_summed_over_labels():
     text = "\n".join([
         "# HELP sglang:num_running_reqs x", "# TYPE sglang:num_running_reqs gauge",
         'sglang:num_running_reqs{model_name="a"} 2', 'sglang:num_running_reqs{model_name="b}"} 1.0',
         'sglang:num_queue_reqs 4 1700000000', "sglang:prompt_tokens_total 99",
         'smg_router_active_requests{route="x"} 3', "smg_http_errors_total 5", "smg_uptime 1",
         "sglang:num_queue_reqs{broken", ""])
-    assert parse_exposition(text) == {"sglang:num_running_reqs": 3.0, "sglang:num_queue_reqs": 4.0,
-                                      "smg_router_active_requests": 3.0, "smg_http_errors_total": 5.0}
+    assert prometheus_totals(text, correlation.is_kept) == {
+        "sglang:num_running_reqs": 3.0, "sglang:num_queue_reqs": 4.0,
+        "smg_router_active_requests": 3.0, "smg_http_errors_total": 5.0}
 
 
 def test_summary_names_each_reported_gauge():
@@ -138,8 +128,8 @@ def test_pinned_request_is_an_engine_orphan_and_no_client_request_is_blamed(loop
         resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, CHAT)
         assert resp.status == 200 and resp.complete
         dep.prefill.set_faults([])
-        assert wait_until(lambda: metric(proxy, "traceproxy_engine_orphaned_requests") > 0, timeout=5)
-        assert metric(proxy, "traceproxy_engine_orphans_total") == 1
+        assert wait_until(lambda: admin_metric(proxy, "traceproxy_engine_orphaned_requests") > 0, timeout=5)
+        assert admin_metric(proxy, "traceproxy_engine_orphans_total") == 1
         view = inflight(proxy)
         orphan = view["correlation"]["orphan"]
         assert orphan["outcome"] == "EOR" and orphan["blame"] == "engine" and orphan["reported"]
@@ -148,8 +138,7 @@ def test_pinned_request_is_an_engine_orphan_and_no_client_request_is_blamed(loop
         assert any("engine orphan EOR" in r.getMessage() for r in caplog.records)
         # The finished request is OK, and so is every request the proxy counted.
         assert [r.outcome.code for r in done.records] == ["OK"]
-        outcomes = re.findall(r'^traceproxy_requests_total{[^}]*outcome="(\w+)"', http_get(
-            f"http://127.0.0.1:{proxy.admin_port}/metrics").decode(), re.M)
+        outcomes = re.findall(r'^traceproxy_requests_total{[^}]*outcome="(\w+)"', admin_get(proxy, "/metrics"), re.M)
         assert outcomes == ["OK"]
     finally:
         loop_thread.run(dep.stop(), timeout=30)
@@ -234,7 +223,7 @@ def test_dead_and_slow_endpoints_are_counted_and_requests_keep_flowing(loop_thre
     assert roundtrips(proxy.port, 300) == expected
     lag_future.result(timeout=10)
     assert wait_until(lambda: proxy.engines.scrape_errors[f"{slow.url}/metrics"] >= 2, timeout=5)
-    assert metric(proxy, "traceproxy_engine_scrape_errors_total") >= 3
+    assert admin_metric(proxy, "traceproxy_engine_scrape_errors_total") >= 3
     view = inflight(proxy)["engines"]
     assert view[dead]["error"] and view[f"{slow.url}/metrics"]["error"].startswith("TimeoutError")
     assert max(lags) < 0.5, lags  # generous: the loop never waited on a scrape

@@ -8,24 +8,12 @@ import logging
 import math
 import re
 import time
-import urllib.request
 
 from traceproxy.proxy.upstream import KeepAliveLearner
 
-from .support import RawClient, wait_until
+from .support import RawClient, admin_get, admin_metric, wait_until
 
 SECOND_NS = 1_000_000_000
-
-
-def admin_get(proxy, path: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}{path}", timeout=5) as resp:
-        return resp.read().decode()
-
-
-def metric(proxy, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", admin_get(proxy, "/metrics"), re.M)
-    assert match, name
-    return float(match.group(1))
 
 
 # -- keep-alive alignment -----------------------------------------------------------
@@ -43,13 +31,13 @@ def _paced_requests(proxy, count: int, pause: float) -> None:
 def test_idle_closes_are_learned_and_a_misaligned_pool_is_reported(fast_upstream, start_proxy, caplog):
     upstream = fast_upstream(idle_close_after=0.5)
     proxy = start_proxy(upstream.url, **{"pool.idle_timeout": 2.0})
-    assert math.isnan(metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds"))
+    assert math.isnan(admin_metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds"))
     with caplog.at_level(logging.WARNING, logger="traceproxy.upstream"):
         _paced_requests(proxy, 3, 0.7)
-        assert wait_until(lambda: metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 1)
-    learned = metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds")
+        assert wait_until(lambda: admin_metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 1)
+    learned = admin_metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds")
     assert 0.45 <= learned <= 0.7, learned
-    assert metric(proxy, "traceproxy_client_keepalive_timeout_seconds") == 75.0
+    assert admin_metric(proxy, "traceproxy_client_keepalive_timeout_seconds") == 75.0
     warnings = [r.getMessage() for r in caplog.records if "keep-alive misaligned" in r.getMessage()]
     assert len(warnings) == 1 and "pool.idle_timeout is 2 s" in warnings[0] and "lower pool.idle_timeout" in warnings[0]
     health = json.loads(admin_get(proxy, "/healthz"))
@@ -75,7 +63,7 @@ def test_a_pool_idle_timeout_below_the_upstreams_is_aligned(fast_upstream, start
     upstream = fast_upstream(idle_close_after=0.5)
     proxy = start_proxy(upstream.url, **{"pool.idle_timeout": 0.2})
     _paced_requests(proxy, 3, 0.7)
-    assert metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 0
+    assert admin_metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 0
     assert upstream.idle_closes == 0  # the pool closed them first
 
 
@@ -94,16 +82,16 @@ def test_keepalive_header_is_learned(scripted_upstream, start_proxy):
     upstream = _keepalive_header_upstream(scripted_upstream)
     proxy = start_proxy(upstream.url)  # pool.idle_timeout 4.0 > 1.0
     _paced_requests(proxy, 1, 0)
-    assert metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds") == 1.0
-    assert metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 1
+    assert admin_metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds") == 1.0
+    assert admin_metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 1
 
 
 def test_keepalive_header_with_margin_is_aligned(scripted_upstream, start_proxy):
     upstream = _keepalive_header_upstream(scripted_upstream)
     proxy = start_proxy(upstream.url, **{"pool.idle_timeout": 0.5})
     _paced_requests(proxy, 1, 0)
-    assert metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds") == 1.0
-    assert metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 0
+    assert admin_metric(proxy, "traceproxy_upstream_keepalive_timeout_seconds") == 1.0
+    assert admin_metric(proxy, "traceproxy_upstream_keepalive_misaligned") == 0
 
 
 # -- the stall probe ----------------------------------------------------------------

@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..observe.metrics import prometheus_totals
 from . import report
 from .monitor import CpuWindow, RssSampler, busy_percent, tree_hwm
 from .procs import (Child, ChildError, Children, child_environment, free_port, python_module, wait_listening,
@@ -263,24 +264,6 @@ _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a
 def _http_get(url: str) -> bytes:
     with _LOCAL.open(url, timeout=HTTP_TIMEOUT) as response:
         return response.read()
-
-
-def prometheus_totals(text: str) -> dict[str, float]:
-    """Each metric name in Prometheus text format with its samples summed over all labels."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        if name_end <= 0:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        name = line[:name_end]
-        totals[name] = totals.get(name, 0.0) + value
-    return totals
 
 
 def _file_lines(path: Path) -> dict:

@@ -33,6 +33,7 @@ import aiohttp
 from ..lifecycle import correlation
 from ..lifecycle.machine import phase_of
 from ..lifecycle.timeline import RequestRecord
+from .metrics import prometheus_totals
 
 log = logging.getLogger("traceproxy.engines")
 
@@ -43,30 +44,6 @@ class Endpoint:
     gauges: dict[str, float] = field(default_factory=dict)
     scraped_ns: int | None = None  # last successful scrape
     error: str | None = None  # the last scrape's failure; None when it succeeded
-
-
-def parse_exposition(text: str) -> dict[str, float]:
-    """The kept samples of a Prometheus text body, summed over label sets per name."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            # The last "}" closes the labels: a value or timestamp never holds one.
-            rest = rest.rpartition("}")[2]
-        else:
-            name, _, rest = line.partition(" ")
-        name = name.strip()
-        if not correlation.is_kept(name):
-            continue
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue  # a malformed line from one endpoint must not drop the rest
-        out[name] = out.get(name, 0.0) + value
-    return out
 
 
 def proxy_upstream_count(records: Iterable[RequestRecord]) -> int:
@@ -125,7 +102,7 @@ class EngineScraper:
         except Exception as exc:  # any failure of one endpoint is that endpoint's state
             self._failed(ep, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return
-        ep.gauges, ep.scraped_ns = parse_exposition(text), time.monotonic_ns()
+        ep.gauges, ep.scraped_ns = prometheus_totals(text, correlation.is_kept), time.monotonic_ns()
         if ep.error is not None:
             log.info("engine metrics %s answer again", ep.url)
         ep.error = None

@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..lifecycle.machine import Phase, phase_of
 from ..lifecycle.marks import Mark
@@ -278,6 +278,32 @@ def phase_counts(records: Iterable[RequestRecord]) -> dict[Phase, int]:
 # The text exposition format, version 0.0.4
 # ----------------------------------------------------------------------------------
 Labels = tuple[tuple[str, str], ...]
+
+
+def prometheus_totals(text: str, keep: Callable[[str], bool] | None = None) -> dict[str, float]:
+    """Each metric name of a Prometheus text body with its samples summed over label
+    sets; with ``keep``, only the names it accepts. A malformed line is skipped, so one
+    bad series never costs the rest; a sample's trailing timestamp is ignored."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            # The last "}" closes the labels: a value or timestamp never holds one.
+            rest = rest.rpartition("}")[2]
+        else:
+            name, _, rest = line.partition(" ")
+        name = name.strip()
+        if keep is not None and not keep(name):
+            continue
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
 
 
 class Exposition:
