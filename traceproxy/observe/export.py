@@ -16,10 +16,10 @@ Theory of operation:
 - The child runs at a lower CPU priority (``nice``, 10 by default): when the cores
   are saturated, proxying wins and the queue fills; shedding and the bounded queue
   take it from there, never the event loop.
-- ``submit`` encodes the item (``export_wire.encode_item``) and appends it to the
-  current batch. A full batch (``batch_spans``), a
-  timer (``flush_interval`` after the batch's first span) or ``submit_now`` sends
-  it: length prefix, one ``transport.write`` on a non-blocking pipe.
+- ``submit`` flattens the item (``export_wire.flatten``) into the current batch. A
+  full batch (``batch_spans``), a timer (``flush_interval`` after the batch's first
+  span) or ``submit_now`` sends it: one ``marshal`` dump of the batch, length
+  prefix, one ``transport.write`` on a non-blocking pipe.
 - The one bounded queue is the pipe transport's user-space buffer. It is bounded in
   spans, not bytes: every frame written is remembered as (end offset in the stream,
   span count), and ``get_write_buffer_size()`` tells how much of the stream has not
@@ -56,7 +56,7 @@ from pathlib import Path
 
 import traceproxy
 
-from .export_wire import ExportConfig, encode_item, frame, parse_stats_line
+from .export_wire import ExportConfig, flatten, frame, parse_stats_line
 from .spandata import SpanData
 
 __all__ = ["ExportConfig", "SHED_REASONS", "SpanExportPipe"]
@@ -77,7 +77,7 @@ class SpanExportPipe:
         self.config = config
         # A batch bigger than the queue could never be sent.
         self._batch_spans = min(config.batch_spans, config.queue_spans)
-        self._batch: list[SpanData] = []
+        self._batch: list[tuple] = []  # flattened items
         self._flush_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -150,9 +150,9 @@ class SpanExportPipe:
         for item in spans:
             self._submitted += 1
             try:
-                self._batch.append(encode_item(item))
-            except Exception:  # an odd attribute type must not reach the proxy's caller
-                log.exception("dropping a %s that cannot be encoded", type(item).__name__)
+                self._batch.append(flatten(item))
+            except Exception:  # an odd item must not reach the proxy's caller
+                log.exception("dropping a %s that cannot be flattened", type(item).__name__)
                 self._dropped += 1
         if len(self._batch) >= self._batch_spans:
             self._flush()
@@ -161,8 +161,12 @@ class SpanExportPipe:
 
     def backlogged(self) -> bool:
         """The exporter is behind: what waits for it is past the shedding mark."""
+        return self._queued() >= self._shed_mark
+
+    def _queued(self) -> int:
+        """Items waiting in this process: the open batch and the frames not yet in the pipe."""
         self._settle_waiting()
-        return len(self._batch) + self._waiting.spans >= self._shed_mark
+        return len(self._batch) + self._waiting.spans
 
     def count_shed(self, reason: str) -> None:
         self._shed[reason] += 1
@@ -189,9 +193,12 @@ class SpanExportPipe:
         if not self._accepting or self._writer_lost or not self._has_room_for(len(batch)):
             self._dropped += len(batch)
             return
-        data = frame(batch)
+        data, left_out = frame(batch)
+        if left_out:
+            log.warning("dropping %d span item(s) with a value that cannot be encoded", left_out)
+            self._dropped += left_out
         self._writer.write(data)
-        self._waiting.add(len(data), len(batch))
+        self._waiting.add(len(data), len(batch) - left_out)
         self._settle_waiting()  # most writes reach the kernel at once
 
     def _has_room_for(self, count: int) -> bool:
@@ -216,13 +223,12 @@ class SpanExportPipe:
         items. ``spans_exported``/``spans_failed`` are the child's counts of real spans
         (a summary is usually 2), at most a second old, exact after ``stop()``."""
         child = self._stats_reader.latest if self._stats_reader else {"exported": 0, "failed": 0}
-        self._settle_waiting()
         return {
             "spans_submitted": self._submitted,
             "spans_dropped": self._dropped,
             "spans_shed": sum(self._shed.values()),
             "spans_shed_by_reason": dict(self._shed),
-            "spans_queued": len(self._batch) + self._waiting.spans,
+            "spans_queued": self._queued(),
             "spans_exported": child["exported"],
             "spans_failed": child["failed"],
             "exporter_alive": self._child_alive(),

@@ -1,10 +1,9 @@
 """What the proxy process and its exporter process agree on: settings, framing, stats.
 
 Parent -> child, on the child's stdin: frames of a 4-byte big-endian length followed
-by a ``marshal`` dump of a list of items, each itself a ``marshal`` dump of a
-``SpanData`` or a request summary (``spans.RequestSummary``) flattened to plain
-tuples. EOF on stdin means "drain
-what you have, flush, exit".
+by one ``marshal`` dump of a list of items, each a ``SpanData`` or a request summary
+(``spans.RequestSummary``) flattened to plain tuples (``flatten``). EOF on stdin
+means "drain what you have, flush, exit".
 
 Why marshal and not pickle: it is 2.5 times faster both ways for these tuples of
 ints, strings and bytes, and the parent pays for the dump on its event loop. Its
@@ -86,23 +85,32 @@ _EVENTS = SpanData._fields.index("events")
 _ATTEMPTS = RequestSummary._fields.index("attempts")
 
 
-def encode_item(item) -> bytes:
-    """One item, marshalled when it is submitted, while what it reads was just
-    touched; a value marshal cannot write (an odd attribute type) raises ValueError
-    and costs only its own item, not the batch."""
-    return marshal.dumps(_flatten(item))
-
-
-def frame(encoded_items: list[bytes]) -> bytes:
-    payload = marshal.dumps(encoded_items)
-    return FRAME_HEADER.pack(len(payload)) + payload
+def frame(flat_items: list[tuple]) -> tuple[bytes, int]:
+    """One frame of flattened items, and how many of them were left out: a value
+    marshal cannot write (an odd attribute type) costs only its own item. The
+    whole list is dumped at once; only when that fails is each item tried alone."""
+    try:
+        payload = marshal.dumps(flat_items)
+        left_out = 0
+    except ValueError:
+        writable = [flat for flat in flat_items if _writable(flat)]
+        payload, left_out = marshal.dumps(writable), len(flat_items) - len(writable)
+    return FRAME_HEADER.pack(len(payload)) + payload, left_out
 
 
 def encode_frame(items: list) -> bytes:
-    return frame([encode_item(item) for item in items])
+    return frame([flatten(item) for item in items])[0]
 
 
-def _flatten(item) -> tuple:
+def _writable(flat: tuple) -> bool:
+    try:
+        marshal.dumps(flat)
+    except ValueError:
+        return False
+    return True
+
+
+def flatten(item) -> tuple:
     if isinstance(item, SpanData):
         return (_SPAN, *item[:_EVENTS], tuple(map(tuple, item.events)), *item[_EVENTS + 1:])
     return (_SUMMARY, *item[:_ATTEMPTS], tuple(map(tuple, item.attempts)), *item[_ATTEMPTS + 1:])
@@ -131,7 +139,7 @@ def read_frame(stream: BinaryIO) -> bytes | None:
 
 
 def decode_frame(payload: bytes) -> list:
-    return [_restore(marshal.loads(encoded)) for encoded in marshal.loads(payload)]
+    return [_restore(flat) for flat in marshal.loads(payload)]
 
 
 def stats_line(exported: int, failed: int) -> bytes:
