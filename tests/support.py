@@ -315,7 +315,6 @@ class ListSink:
     def __init__(self, backlog: bool = False) -> None:
         self.items, self.now_items = [], []
         self.backlog = backlog
-        self.shed: dict[str, int] = {}
 
     def submit(self, items) -> None:
         self.items.extend(items)
@@ -326,8 +325,6 @@ class ListSink:
     def backlogged(self) -> bool:
         return self.backlog
 
-    def count_shed(self, reason: str) -> None:
-        self.shed[reason] = self.shed.get(reason, 0) + 1
 
 
 def admin_get(proxy, path: str) -> str:

@@ -110,7 +110,7 @@ def test_a_backlogged_exporter_sheds_healthy_spans_but_never_failed_ones(fast_up
         assert header_value(sock.recv(65536), b"x-traceproxy-outcome") == b"DPE"
     assert wait_until(lambda: len(sink.items) == 1)
     assert sink.items[0].outcome == "DPE" and sink.items[0].keep_spans
-    assert sink.shed == {"backlog": 3} and observer.sampled_out == 0
+    assert observer.shed == {"rate": 0, "backlog": 3} and observer.sampled_out == 0
     sink.backlog = False  # caught up: healthy spans flow again
     client.roundtrip("GET", "/v1/models")
     assert wait_until(lambda: len(sink.items) == 2) and sink.items[1].outcome == "OK"
@@ -123,7 +123,7 @@ def test_shed_requests_still_send_their_access_log_line(fast_upstream, start_pro
     RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b'{"model": "m", "max_tokens": 2}')
     assert wait_until(lambda: len(sink.items) == 1)
     line_only = sink.items[0]
-    assert not line_only.keep_spans and sink.shed == {"backlog": 1}
+    assert not line_only.keep_spans and observer.shed == {"rate": 0, "backlog": 1}
     # What the line needs is there; the GenAI evidence only spans use is not copied.
     assert line_only.request_body_bytes > 0 and line_only.response_body_bytes > 0
     assert line_only.request_body_head == b"" and line_only.response_tail == b""
@@ -141,7 +141,7 @@ def test_healthy_traces_past_the_rate_ceiling_are_shed_failed_ones_never(fast_up
         assert header_value(sock.recv(65536), b"x-traceproxy-outcome") == b"DPE"
     assert wait_until(lambda: len(sink.items) == 3)
     assert [item.outcome for item in sink.items] == ["OK", "OK", "DPE"]
-    assert sink.shed == {"rate": 3}
+    assert observer.shed == {"rate": 3, "backlog": 0}
 
 
 def test_rate_ceiling_is_a_token_bucket_on_the_callers_clock():

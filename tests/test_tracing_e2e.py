@@ -92,7 +92,7 @@ def test_a_collector_in_trouble_never_slows_or_breaks_proxying(mode, fast_upstre
             resp = client.roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true, "max_tokens": 2}')
             assert resp.status == 200 and resp.complete
         # Healthy requests: once the queue is half full they are shed; either way the loss is counted.
-        assert wait_until(lambda: proxy.span_export.stats["spans_shed"] > 0, timeout=10)
+        assert wait_until(lambda: proxy.tracing.shed["backlog"] > 0, timeout=10)
         with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/metrics", timeout=5) as scrape:
             metrics = scrape.read().decode()
         shed = next(line for line in metrics.splitlines()

@@ -150,7 +150,7 @@ class ProxyServer:
         self.watchdog.start()
 
     def _start_metrics(self) -> None:
-        self.metrics = ProxyMetrics(self.ctx, self.watchdog, self.span_export)
+        self.metrics = ProxyMetrics(self.ctx, self.watchdog, self.span_export, self.tracing)
         self.fanout.add(self.metrics)
         self.watchdog.listeners.append(self.metrics)
         self.ctx.connection_closed_listeners.append(self.metrics.on_client_connection_closed)

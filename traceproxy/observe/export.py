@@ -11,8 +11,7 @@ Theory of operation:
   child turns into spans); the parent counts and bounds items, calling them spans.
 - ``backlogged`` says the queue is past ``shed_mark`` (half of ``queue_spans``): the
   tracing observer then sheds healthy requests' spans before building anything,
-  so only errored and stalled ones compete for the rest. ``count_shed(reason)``
-  counts what it shed, for that reason or its rate ceiling (``SHED_REASONS``).
+  so only errored and stalled ones compete for the rest (and counts what it shed).
 - The child runs at a lower CPU priority (``nice``, 10 by default): when the cores
   are saturated, proxying wins and the queue fills; shedding and the bounded queue
   take it from there, never the event loop.
@@ -59,13 +58,10 @@ import traceproxy
 from .export_wire import ExportConfig, flatten, frame, parse_stats_line
 from .spandata import SpanData
 
-__all__ = ["ExportConfig", "SHED_REASONS", "SpanExportPipe"]
+__all__ = ["ExportConfig", "SpanExportPipe"]
 
 log = logging.getLogger("traceproxy.export")
 CHILD_MODULE = "traceproxy.observe.exporter_main"
-# Why a healthy request's spans were shed (see tracing.py): past the rate ceiling, or
-# while the exporter was behind.
-SHED_REASONS = ("rate", "backlog")
 # Of stop()'s timeout, the part kept for SIGTERM/SIGKILL after draining overran.
 KILL_RESERVE_SHARE, KILL_RESERVE_MAX = 0.25, 1.0
 
@@ -90,7 +86,6 @@ class SpanExportPipe:
         self._stopping = False
         self._submitted = 0
         self._dropped = 0
-        self._shed = dict.fromkeys(SHED_REASONS, 0)
         self._shed_mark = max(1, self.config.queue_spans // 2)
 
     # ------------------------------------------------------------------ start
@@ -168,9 +163,6 @@ class SpanExportPipe:
         self._settle_waiting()
         return len(self._batch) + self._waiting.spans
 
-    def count_shed(self, reason: str) -> None:
-        self._shed[reason] += 1
-
     def submit_now(self, spans: Iterable[SpanData]) -> None:
         """Like ``submit``, then send at once: for spans that must be seen while a request still hangs."""
         self.submit(spans)
@@ -226,8 +218,6 @@ class SpanExportPipe:
         return {
             "spans_submitted": self._submitted,
             "spans_dropped": self._dropped,
-            "spans_shed": sum(self._shed.values()),
-            "spans_shed_by_reason": dict(self._shed),
             "spans_queued": self._queued(),
             "spans_exported": child["exported"],
             "spans_failed": child["failed"],

@@ -40,7 +40,7 @@ from ..lifecycle.machine import Phase, phase_of
 from ..lifecycle.marks import Mark
 from ..lifecycle.stall import Judgement
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord, StallEntry
-from .export import SHED_REASONS
+from .tracing import SHED_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "traceproxy_"
@@ -92,13 +92,14 @@ class ProxyMetrics:
     ``ctx`` needs ``in_flight`` (id -> RequestRecord), ``connections`` (sized),
     ``pool`` (``open_count``, ``idle``, ``stats``) and ``fanout``
     (``observer_errors``). ``watchdog`` needs ``open`` and ``listener_errors``;
-    ``span_export`` needs ``stats``. Either may be None.
+    ``span_export`` needs ``stats``, ``tracing`` ``shed`` (reason -> count). Any may be None.
     """
 
-    def __init__(self, ctx, watchdog=None, span_export=None) -> None:
+    def __init__(self, ctx, watchdog=None, span_export=None, tracing=None) -> None:
         self.ctx = ctx
         self.watchdog = watchdog
         self.span_export = span_export
+        self.tracing = tracing
         self.requests: Counter[tuple[str, str, str]] = Counter()  # (status, outcome, blame)
         self.stalls: Counter[tuple[str, str]] = Counter()  # (outcome, blame)
         self.stalls_resolved: Counter[str] = Counter()  # outcome
@@ -233,7 +234,7 @@ class ProxyMetrics:
         out.counter("spans_dropped_total", "Span items (a finished request's spans, or one stall span) dropped because the export queue "
                     "was full or the exporter process was gone.",
                     [((), spans.get("spans_dropped", 0))])
-        shed = spans.get("spans_shed_by_reason") or dict.fromkeys(SHED_REASONS, 0)
+        shed = self.tracing.shed if self.tracing is not None else dict.fromkeys(SHED_REASONS, 0)
         out.counter("spans_shed_total", "Healthy requests whose spans were not exported: past "
                     "tracing.healthy_max_per_second (reason=rate) or while the exporter was behind, its queue "
                     "past half full (reason=backlog); errored and stalled requests are never shed.",

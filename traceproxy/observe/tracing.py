@@ -38,18 +38,16 @@ from typing import Protocol
 from ..lifecycle.flags import Flag
 from ..lifecycle.ids import new_span_id
 from ..lifecycle.timeline import RequestRecord
-from .export import SHED_REASONS  # noqa: F401  (the reasons count_shed takes)
 from .spans import RequestSummary, stall_span, summarize
 
 _RATIO_BOUND = 1 << 64
+SHED_REASONS = ("rate", "backlog")
 
 
 class SummarySink(Protocol):
     def submit(self, items) -> None: ...
 
     def backlogged(self) -> bool: ...  # the exporter is behind: shed healthy spans
-
-    def count_shed(self, reason: str) -> None: ...  # one of SHED_REASONS
 
 
 class TracingObserver:
@@ -67,6 +65,7 @@ class TracingObserver:
         self.threshold = int(healthy_sample_ratio * _RATIO_BOUND)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.sampled_out = 0
+        self.shed = dict.fromkeys(SHED_REASONS, 0)  # healthy requests whose spans were shed, by reason
         self.healthy_ceiling = RateCeiling(healthy_max_per_second)
 
     @staticmethod
@@ -90,10 +89,10 @@ class TracingObserver:
             self.sampled_out += 1
             return False
         if not self.healthy_ceiling.take(record.end_ns):
-            self.sink.count_shed("rate")
+            self.shed["rate"] += 1
             return False
         if self.sink.backlogged():
-            self.sink.count_shed("backlog")
+            self.shed["backlog"] += 1
             return False
         return True
 
