@@ -23,10 +23,9 @@ import orjson
 
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import Mark
-from .spans import DOWNSTREAM_ORDER, UPSTREAM_ORDER, RequestSummary
+from .spans import DOWNSTREAM_INDEX, UPSTREAM_INDEX, UPSTREAM_ORDER, RequestSummary
 
-_D = {mark: DOWNSTREAM_ORDER.index(mark) for mark in DOWNSTREAM_ORDER}
-_U = {mark: UPSTREAM_ORDER.index(mark) for mark in UPSTREAM_ORDER}
+_D, _U = DOWNSTREAM_INDEX, UPSTREAM_INDEX
 
 
 @lru_cache(maxsize=8)  # a batch of lines mostly falls within the same few seconds

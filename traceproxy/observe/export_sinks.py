@@ -114,8 +114,10 @@ def _grpc_exporter_class():
     class EncodedGrpcExporter(OTLPSpanExporter):
         """Exports ``EncodedBatch``es: the OTLP mixin's ``_translate_data`` and
         ``_count_data`` hooks take the batch instead of SDK spans. The payload is
-        parsed back into the request message (in C, a few µs a batch) because the
-        gRPC stub serializes messages itself."""
+        parsed back into the request message because the gRPC stub serializes
+        messages itself: about 0.5 ms for a 512-span batch, parse and serialize,
+        against ~3 ms to encode it; swapping the stub's serializer would reach
+        further into the SDK than its two documented hooks."""
 
         def _translate_data(self, data: EncodedBatch) -> ExportTraceServiceRequest:
             return ExportTraceServiceRequest.FromString(data.payload)

@@ -38,6 +38,7 @@ import threading
 
 from .export_wire import ExportConfig, decode_frame, read_frame, stats_line
 from .spandata import SpanData
+from .spans import spans_for
 
 log = logging.getLogger("traceproxy.exporter")
 STATS_INTERVAL = 1.0
@@ -111,17 +112,11 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
         if not item.keep_spans:  # sampled out: only its access log line was wanted
             continue
         try:
-            spans.extend(spans_for_summary(item))
+            spans.extend(spans_for(item))
         except Exception:  # one odd request must not cost the rest of the batch
             log.exception("building spans from a %s failed", type(item).__name__)
             counters.failed += 1
     return spans
-
-
-def spans_for_summary(summary) -> list[SpanData]:
-    from .spans import spans_for  # already imported: decoding the frame loaded it
-
-    return spans_for(summary)
 
 
 def export_batch(sink, batch: list) -> bool:

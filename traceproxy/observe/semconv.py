@@ -61,3 +61,4 @@ STALL_OUTCOME = "traceproxy.stall.outcome"
 STALL_PHASE = "traceproxy.stall.phase"
 STALL_WAITED = "traceproxy.stall.waited_s"
 STALL_DURATION = "traceproxy.stall.duration_s"
+STALL_ENGINES = "traceproxy.stall.engines"  # the engines' gauges when the stall was detected

@@ -29,8 +29,11 @@ DOWNSTREAM_LABELS = tuple(m.label for m in DOWNSTREAM_ORDER)
 UPSTREAM_LABELS = tuple(m.label for m in UPSTREAM_ORDER)
 # map(marks.get, ORDER, ZEROS): each mark's time, or 0 when not reached.
 _DOWNSTREAM_ZEROS, _UPSTREAM_ZEROS = (0,) * len(DOWNSTREAM_ORDER), (0,) * len(UPSTREAM_ORDER)
-_LAST_UPSTREAM_RX = UPSTREAM_ORDER.index(Mark.LAST_UPSTREAM_RX_BYTE)
-_FIRST_DOWNSTREAM_TX_BODY = DOWNSTREAM_ORDER.index(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE)
+# Where each mark sits in a summary's mark tuples.
+DOWNSTREAM_INDEX = {mark: i for i, mark in enumerate(DOWNSTREAM_ORDER)}
+UPSTREAM_INDEX = {mark: i for i, mark in enumerate(UPSTREAM_ORDER)}
+_LAST_UPSTREAM_RX = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_BYTE]
+_FIRST_DOWNSTREAM_TX_BODY = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE]
 TAIL_BYTES = 4096
 
 # Routes named in span names: low-cardinality paths of OpenAI and SGLang servers.
@@ -238,8 +241,6 @@ def _stall_events(s: RequestSummary) -> tuple[SpanEvent, ...]:
     return tuple(events)
 
 
-# Our own attribute (semconv.py is not ours to edit here): the engines' gauges at the stall.
-STALL_ENGINES = "traceproxy.stall.engines"
 
 
 def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, detected_ns: int,
@@ -262,7 +263,7 @@ def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, dete
         attrs[sc.UPSTREAM_CONNECTION_ID] = attempt.connection.id
         attrs[sc.UPSTREAM_CONNECTION_REUSED] = attempt.reused
     if engines:
-        attrs[STALL_ENGINES] = engines
+        attrs[sc.STALL_ENGINES] = engines
     return SpanData(record.trace_id, span_id, record.span_id, f"stall {code} {phase}", KIND_INTERNAL,
                     since_ns + clock_offset_ns, detected_ns + clock_offset_ns, attrs, (), STATUS_ERROR,
                     f"{outcome.meaning} Waited {(detected_ns - since_ns) / 1e9:.1f} s.",
