@@ -222,7 +222,7 @@ def test_dead_and_slow_endpoints_are_counted_and_requests_keep_flowing(loop_thre
     lag_future = asyncio.run_coroutine_threadsafe(loop_lag(), loop_thread.loop)
     assert roundtrips(proxy.port, 300) == expected
     lag_future.result(timeout=10)
-    assert wait_until(lambda: proxy.engines.scrape_errors[f"{slow.url}/metrics"] >= 2, timeout=5)
+    assert wait_until(lambda: proxy.engines.endpoints[f"{slow.url}/metrics"].errors >= 2, timeout=5)
     assert admin_metric(proxy, "traceproxy_engine_scrape_errors_total") >= 3
     view = inflight(proxy)["engines"]
     assert view[dead]["error"] and view[f"{slow.url}/metrics"]["error"].startswith("TimeoutError")

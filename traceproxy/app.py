@@ -172,7 +172,7 @@ class ProxyServer:
             if isinstance(listener, StallLog):
                 listener.engines = self.engines
         if self.tracing is not None:
-            self.tracing.engine_summary = self.engines.summary
+            self.tracing.engines = self.engines
         self.engines.start()
 
     def _start_prober(self) -> None:

@@ -8,10 +8,11 @@ and the router's ``smg_*`` active/error series (``correlation.is_kept``), summed
 label sets per name, and then runs the orphan rule (``correlation.check_orphans``)
 against the proxy's count of requests at the engines.
 
-Nothing here is on the request path: requests never await a scrape, and reading
-the latest gauges (``/debug/inflight``, a stall log line, a stall span, a metrics
-scrape) is a dict lookup. A failing or slow endpoint costs at most one timeout per
-interval in this task; it is counted (``scrape_errors``), shown with its error,
+Nothing here is on the request path: requests never await a scrape, and what the
+readers want (``/debug/inflight``, a stall log line, a stall span, a metrics scrape)
+is derived once per scrape (``_derive``) and read as attributes. A failing or slow
+endpoint costs at most one timeout per interval in this task; it is counted (its
+``Endpoint.errors``), shown with its error,
 and logged once when it starts failing and once when it recovers. The scraper is
 only built when ``[engines] metrics_urls`` is not empty.
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -44,10 +44,11 @@ class Endpoint:
     gauges: dict[str, float] = field(default_factory=dict)
     scraped_ns: int | None = None  # last successful scrape
     error: str | None = None  # the last scrape's failure; None when it succeeded
+    errors: int = 0  # failed scrapes
 
 
 def proxy_upstream_count(records: Iterable[RequestRecord]) -> int:
-    return sum(1 for r in records if not r.finished and phase_of(r) in correlation.UPSTREAM_PHASES)
+    return sum(1 for r in records if phase_of(r) in correlation.UPSTREAM_PHASES)  # finished ones are DONE
 
 
 class EngineScraper:
@@ -59,8 +60,11 @@ class EngineScraper:
         self.orphan_after_ns = int(orphan_after * 1e9)
         self.orphan = correlation.OrphanState()
         self.orphans_total = 0  # orphan episodes reported
-        self.scrape_errors: Counter[str] = Counter()  # url -> failed scrapes
-        self.scrapes = 0
+        # Derived from the endpoints that have answered, once per scrape (_derive).
+        self.work: float | None = None  # the engines' requests in flight; None before any answer
+        self.streaming = 0.0
+        self.oldest_scrape_ns: int | None = None
+        self.summary = "no data"  # "running=1 queued=0 prefill_inflight=1", for log lines and stall spans
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -89,8 +93,17 @@ class EngineScraper:
 
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(ep) for ep in self.endpoints.values()))
-        self.scrapes += 1
+        self._derive()
         self._check_orphans(time.monotonic_ns())
+
+    def _derive(self) -> None:
+        answered = [ep for ep in self.endpoints.values() if ep.scraped_ns is not None]
+        if not answered:
+            return
+        fresh = [ep.gauges for ep in answered]
+        self.work, self.streaming = correlation.engines_work(fresh), correlation.engines_streaming(fresh)
+        self.oldest_scrape_ns = min(ep.scraped_ns for ep in answered)
+        self.summary = correlation.summary(fresh) or "no data"
 
     async def _scrape(self, ep: Endpoint) -> None:
         try:
@@ -114,14 +127,14 @@ class EngineScraper:
             return await resp.text()
 
     def _failed(self, ep: Endpoint, error: str) -> None:
-        self.scrape_errors[ep.url] += 1
+        ep.errors += 1
         if ep.error is None:  # log once per state change, not once per interval
             log.warning("engine metrics %s failing: %s (correlation uses the last good values)", ep.url, error)
         ep.error = error
 
     # -- the orphan rule -------------------------------------------------------------
     def _check_orphans(self, now: int) -> None:
-        work = self.engine_work()
+        work = self.work
         if work is None:
             return
         prev = self.orphan
@@ -131,48 +144,33 @@ class EngineScraper:
             self.orphans_total += 1
             log.warning("engine orphan %s: the engines report %g requests in flight, the proxy has %d at the "
                         "engines, for %.1f s; blame engine (no client request is blamed); engines: %s",
-                        correlation.ORPHAN.code, work, proxy, (now - self.orphan.since_ns) / 1e9, self.summary())
+                        correlation.ORPHAN.code, work, proxy, (now - self.orphan.since_ns) / 1e9, self.summary)
         elif prev.reported and not self.orphan.reported:
-            log.warning("engine orphan %s cleared; engines: %s", correlation.ORPHAN.code, self.summary())
+            log.warning("engine orphan %s cleared; engines: %s", correlation.ORPHAN.code, self.summary)
 
     # -- reading (cheap: no I/O) -------------------------------------------------------
-    def _fresh(self) -> list[dict[str, float]]:
-        return [ep.gauges for ep in self.endpoints.values() if ep.scraped_ns is not None]
-
-    def engine_work(self) -> float | None:
-        """The engines' requests in flight, or None when no endpoint has answered yet."""
-        fresh = self._fresh()
-        return correlation.engines_work(fresh) if fresh else None
-
     def orphaned(self) -> float:
         return self.orphan.excess if self.orphan.reported else 0.0
-
-    def summary(self) -> str:
-        """``running=1 queued=0 prefill_inflight=1``, for log lines and stall spans."""
-        return correlation.summary(self._fresh()) or "no data"
 
     def snapshot(self, now: int) -> dict:
         """The ``engines`` object of ``/debug/inflight``."""
         return {
             url: {"gauges": dict(ep.gauges),
                   "last_scrape_age_s": None if ep.scraped_ns is None else round((now - ep.scraped_ns) / 1e9, 3),
-                  "error": ep.error, "errors": self.scrape_errors[url]}
+                  "error": ep.error, "errors": ep.errors}
             for url, ep in self.endpoints.items()
         }
 
-    def correlate(self, record: RequestRecord, phase, waiting_since_ns: int) -> "correlation.Outcome | None":
-        fresh = self._fresh()
-        if not fresh:
+    def correlate(self, phase, waiting_since_ns: int) -> "correlation.Outcome | None":
+        if self.work is None:
             return None
-        scraped = min(ep.scraped_ns for ep in self.endpoints.values() if ep.scraped_ns is not None)
-        return correlation.correlate(phase, waiting_since_ns, correlation.engines_work(fresh),
-                                     correlation.engines_streaming(fresh), scraped)
+        return correlation.correlate(phase, waiting_since_ns, self.work, self.streaming, self.oldest_scrape_ns)
 
     def top_level(self) -> dict:
         """The top-level ``correlation`` object of ``/debug/inflight``."""
         o = self.orphan
         return {
-            "engine_in_flight": self.engine_work(),
+            "engine_in_flight": self.work,
             "proxy_at_engines": proxy_upstream_count(self.in_flight()),
             "orphan": {"outcome": correlation.ORPHAN.code, "name": correlation.ORPHAN.name,
                        "blame": correlation.ORPHAN.blame.value, "unexplained": o.excess,

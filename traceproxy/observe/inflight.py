@@ -14,6 +14,7 @@ verdicts are not changed by any of this.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from ..lifecycle.marks import Mark
@@ -68,16 +69,16 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds,
             "stalled": judgement.stalled,
         }
         if engines is not None:
-            entry["correlation"] = _correlation(engines, record, found)
+            entry["correlation"] = _correlation(engines, found)
     return entry
 
 
-def _correlation(engines, record: RequestRecord, found) -> dict | None:
-    outcome = engines.correlate(record, found.phase, found.since_ns)
+def _correlation(engines, found) -> dict | None:
+    outcome = engines.correlate(found.phase, found.since_ns)
     if outcome is None:
         return None
     return {"outcome": outcome.code, "name": outcome.name, "blame": outcome.blame.value,
-            "engine_in_flight": engines.engine_work()}
+            "engine_in_flight": engines.work}
 
 
 def inflight_view(records: Iterable[RequestRecord], now: int, thresholds: StallThresholds,
@@ -94,5 +95,5 @@ def engines_view(engines, now: int, entries: list[dict]) -> dict:
         return {}
     top = engines.top_level()
     verdicts = [e["correlation"]["outcome"] for e in entries if e["correlation"]]
-    top["requests"] = {code: verdicts.count(code) for code in sorted(set(verdicts))}
+    top["requests"] = dict(sorted(Counter(verdicts).items()))
     return {"engines": engines.snapshot(now), "correlation": top}

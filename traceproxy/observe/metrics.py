@@ -252,11 +252,12 @@ class ProxyMetrics:
         # Rendered with the scraper off too (no samples, zeros), so dashboards and the
         # docs check always see the families.
         engines = self.engines
-        errors = sorted(engines.scrape_errors.items()) if engines is not None else []
+        endpoints = engines.endpoints.values() if engines is not None else ()
+        errors = sorted((ep.url, ep.errors) for ep in endpoints if ep.errors)
         out.counter("engine_scrape_errors_total", "Failed or timed-out scrapes of an engine /metrics URL.",
                     [((("url", url),), n) for url, n in errors])
-        gauges = [((("url", url), ("name", name)), value) for url, ep in engines.endpoints.items()
-                  for name, value in sorted(ep.gauges.items())] if engines is not None else []
+        gauges = [((("url", ep.url), ("name", name)), value) for ep in endpoints
+                  for name, value in sorted(ep.gauges.items())]
         out.gauge("engine_gauge", "The engines' latest SGLang work gauges and router smg_* active/error series, "
                   "summed over label sets, by URL and metric name.", gauges)
         out.gauge("engine_orphaned_requests", "Engine requests in flight that no proxied request explains, "

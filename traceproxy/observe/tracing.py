@@ -51,8 +51,9 @@ class SummarySink(Protocol):
 
 
 class TracingObserver:
-    # Set by the composition root when the engine scraper runs: () -> "running=1 ...".
-    engine_summary = None
+    # The engine scraper (observe.engines), set by the composition root when it runs:
+    # its ``summary`` ("running=1 queued=0 ...") goes on stall spans.
+    engines = None
 
     def __init__(self, sink: SummarySink, server: tuple[str, int], upstream: tuple[str, int],
                  healthy_sample_ratio: float, spans: bool = True, access_log: bool = False,
@@ -100,7 +101,7 @@ class TracingObserver:
     def on_stall(self, record: RequestRecord, judgement, entry) -> None:
         if not self.spans:
             return
-        engines = self.engine_summary() if self.engine_summary is not None else ""
+        engines = self.engines.summary if self.engines is not None else ""
         span = stall_span(record, entry.code, entry.phase, entry.since_ns, entry.detected_ns,
                           self.clock_offset_ns, new_span_id(), engines)
         self.sink.submit_now((span,))

@@ -159,7 +159,7 @@ class StallLog:
         if attempt is not None and attempt.connection is not None:
             upstream = f"#{attempt.connection.id} ({'reused' if attempt.reused else 'new'})"
         # The engines' latest gauges, when scraping is on; the line is unchanged otherwise.
-        engines = f" engines: {self.engines.summary()}" if self.engines is not None else ""
+        engines = f" engines: {self.engines.summary}" if self.engines is not None else ""
         log.warning(
             "stall %s: %s waited %.1f s %s, blame %s; trace_id=%032x request_id=%s %s %s "
             "client_conn=#%d seq=%d upstream_conn=%s%s",
