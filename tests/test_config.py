@@ -313,6 +313,8 @@ ERROR_CASES = [
     ("negative-pool-size", {"argv": ["--pool-max-connections", "-1"]},
      ["pool.max_connections", "an integer >= 0 (0 = unlimited)"]),
     ("invalid-toml", {"toml": "[timeouts]\nconnect = \n"}, ["{path}", "not valid TOML", "line 2"]),
+    ("probe-path-without-slash", {"argv": ["--engines-probe-path", "health"]},
+     ["engines.probe_path", "'health' is not a path starting with /", "a URL path starting with /"]),
 ]
 
 

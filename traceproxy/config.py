@@ -325,6 +325,16 @@ def http_urls() -> Kind:
     return Kind(parse, 'a list of http:// URLs, e.g. ["http://127.0.0.1:30000/metrics"]', "URLS")
 
 
+def url_path() -> Kind:
+    def parse(raw: Any) -> str:
+        value = _str(raw).strip()
+        if not value.startswith("/") or any(c.isspace() for c in value):
+            raise _Rejected(f"{value!r} is not a path starting with /")
+        return value
+
+    return Kind(parse, "a URL path starting with /, e.g. /health", "PATH")
+
+
 def choice(*options: str) -> Kind:
     def parse(raw: Any) -> str:
         value = _str(raw).strip().lower()
@@ -506,7 +516,7 @@ SCHEMA: tuple[Setting, ...] = (
             "When a request stalls waiting on the upstream (FBS, MSS, UCS), send GET probe_path on a fresh "
             "connection to the same upstream (never from the pool, at most one at a time) and record whether "
             "it answered: a connection-state fault (fresh works) or an unresponsive engine (fresh hangs too)."),
-    Setting("engines", "probe_path", text(), "/health", "The path the stall probe requests."),
+    Setting("engines", "probe_path", url_path(), "/health", "The path the stall probe requests."),
     Setting("engines", "probe_timeout", seconds(), 2.0,
             "A stall probe that has no response status line within this long counts as hanging."),
 )

@@ -199,7 +199,7 @@ class ProxyMetrics:
                     "included in upstream_connections_opened_total.", [((), stats["opened_ahead"])])
         out.gauge("upstream_pool_warm_target",
                   "Connections the pool keeps open: the most in use at once during the last pool.keep_warm "
-                  "seconds (0 when off or unused).", [((), getattr(pool, "warm_target", 0))])
+                  "seconds (0 when off or unused).", [((), pool.warm_target)])
         out.counter("upstream_connections_reused_total", "Requests sent on a pooled (reused) upstream connection.",
                     [((), stats["reused"])])
         out.counter("upstream_stale_connections_total",
@@ -209,20 +209,18 @@ class ProxyMetrics:
                     [((), stats["stale_retried"])])
         out.counter("upstream_connect_failures_total", "Upstream connection attempts that failed or timed out.",
                     [((), stats["connect_failed"])])
-        keepalive = getattr(pool, "keepalive", None)
-        learned = keepalive.learned if keepalive is not None else None
+        keepalive = pool.keepalive
+        learned = keepalive.learned
         out.gauge("upstream_keepalive_timeout_seconds",
                   "The upstream's idle keep-alive timeout as learned from its Keep-Alive header and the idle age "
                   "at which it closed pooled connections; NaN while unknown.",
                   [((), math.nan if learned is None else float(learned))])
         out.gauge("upstream_keepalive_misaligned",
                   "1 when pool.idle_timeout is not safely below the learned upstream keep-alive timeout, else 0.",
-                  [((), int(bool(keepalive is not None and keepalive.misaligned)))])
-        settings = getattr(self.ctx, "settings", None)
-        client_keepalive = settings.timeouts.client_keepalive if settings is not None else math.nan
+                  [((), int(keepalive.misaligned))])
         out.gauge("client_keepalive_timeout_seconds",
                   "Seconds an idle client keep-alive connection is kept (timeouts.client_keepalive).",
-                  [((), float(client_keepalive))])
+                  [((), float(self.ctx.settings.timeouts.client_keepalive))])
 
     def _render_client_connections(self, out: "Exposition") -> None:
         out.gauge("client_connections_open", "Client connections open.", [((), len(self.ctx.connections))])

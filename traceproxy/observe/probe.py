@@ -40,25 +40,22 @@ class StallProber:
 
     KEEP = 256
 
-    def __init__(self, host: str, port: int, path: str = "/health", timeout: float = 2.0,
-                 authority: str = "") -> None:
+    def __init__(self, host: str, port: int, path: str, timeout: float, authority: str) -> None:
         self.host = host
         self.port = port
-        self.path = path if path.startswith("/") else "/" + path
+        self.path = path  # validated by the config: starts with /
         self.timeout = timeout
-        self.authority = authority or f"{host}:{port}"
+        self.authority = authority
         self.results: collections.OrderedDict[int, dict] = collections.OrderedDict()
         self.in_flight: asyncio.Task | None = None
         self.probes = 0
-        self.skipped = 0
 
     # -- stall listener ----------------------------------------------------------
     def on_stall(self, record: RequestRecord, judgement: Judgement, entry: StallEntry) -> None:
         if entry.code not in PROBED_OUTCOMES:
             return
         if self.in_flight is not None and not self.in_flight.done():
-            self.skipped += 1
-            return
+            return  # at most one probe at a time
         attempt = record.attempt
         conn = attempt.connection if attempt is not None else None
         waiting_on = None if conn is None else (conn.id, bool(attempt.reused))
