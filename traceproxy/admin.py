@@ -48,12 +48,7 @@ def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=
     async def inflight(_request: web.Request) -> web.Response:
         now = time.monotonic_ns()
         thresholds = watchdog.thresholds if watchdog is not None else StallThresholds()
-        records = list(ctx.in_flight.values())
-        requests = inflight_view(records, now, thresholds, engines)
-        if prober is not None:
-            probes = {"%032x" % r.trace_id: prober.result_for(r.id) for r in records if r.trace_id}
-            for entry in requests:
-                entry["probe"] = probes.get(entry["trace_id"])
+        requests = inflight_view(list(ctx.in_flight.values()), now, thresholds, engines, prober)
         return web.json_response({"pid": os.getpid(), "count": len(requests), "requests": requests,
                                   **engines_view(engines, now, requests)}, dumps=_dumps)
 

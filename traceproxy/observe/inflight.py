@@ -26,7 +26,8 @@ def _age(now: int, stamp: int | None) -> float | None:
     return None if stamp is None else round((now - stamp) / 1e9, 3)
 
 
-def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds, engines=None) -> dict:
+def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds, engines=None,
+                   prober=None) -> dict:
     judgement = judge(record, now, thresholds)
     attempt = record.attempt
     conn = attempt.connection if attempt is not None else None
@@ -70,6 +71,8 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds,
         }
         if engines is not None:
             entry["correlation"] = _correlation(engines, found)
+    if prober is not None:
+        entry["probe"] = prober.result_for(record.id)
     return entry
 
 
@@ -82,9 +85,10 @@ def _correlation(engines, found) -> dict | None:
 
 
 def inflight_view(records: Iterable[RequestRecord], now: int, thresholds: StallThresholds,
-                  engines=None) -> list[dict]:
-    """``engines``: an ``EngineScraper`` (``observe.engines``) or None."""
-    entries = [inflight_entry(r, now, thresholds, engines) for r in records if not r.finished]
+                  engines=None, prober=None) -> list[dict]:
+    """``engines``: an ``EngineScraper`` (``observe.engines``) or None; ``prober``: a
+    ``StallProber`` (``observe.probe``) or None."""
+    entries = [inflight_entry(r, now, thresholds, engines, prober) for r in records if not r.finished]
     entries.sort(key=lambda e: -(e["age_s"] or 0))
     return entries
 
