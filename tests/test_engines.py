@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 
 import pytest
@@ -23,9 +22,9 @@ from traceproxy.lifecycle.flags import Blame, Flag
 from traceproxy.lifecycle.machine import Phase
 from traceproxy.observe.metrics import prometheus_totals
 from traceproxy.sim.engine import SimWorker
-from traceproxy.sim.launch import SimDeployment
+from traceproxy.sim.launch import SimDeployment, free_port
 
-from .support import RawClient, admin_get, admin_metric, wait_until
+from .support import RawClient, admin_get, admin_metric, never_answers, wait_until
 
 S = 1_000_000_000
 JSON = [("Content-Type", "application/json")]
@@ -147,11 +146,6 @@ def test_pinned_request_is_an_engine_orphan_and_no_client_request_is_blamed(loop
 # ----------------------------------------------------------------------------------
 # (c) waiting for a first byte while the engines hold nothing: lost
 # ----------------------------------------------------------------------------------
-async def never_answers(reader, writer, upstream):
-    await reader.readuntil(b"\r\n\r\n")
-    await asyncio.sleep(3600)
-
-
 def test_request_waiting_for_its_head_with_idle_engines_is_lost(loop_thread, start_proxy, scripted_upstream):
     worker = loop_thread.run(SimWorker("prefill").start())
     try:
@@ -181,12 +175,6 @@ def test_request_waiting_for_its_head_with_idle_engines_is_lost(loop_thread, sta
 # ----------------------------------------------------------------------------------
 # (d) a dead and a slow endpoint never slow the proxy down
 # ----------------------------------------------------------------------------------
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def accepts_and_waits(reader, writer, upstream):
     await asyncio.sleep(3600)
 
@@ -202,7 +190,7 @@ def test_dead_and_slow_endpoints_are_counted_and_requests_keep_flowing(loop_thre
                                                                       scripted_upstream):
     up = fast_upstream()
     slow = scripted_upstream(accepts_and_waits)
-    dead = f"http://127.0.0.1:{closed_port()}/metrics"
+    dead = f"http://127.0.0.1:{free_port()}/metrics"
     baseline = start_proxy(up.url)
     assert baseline.engines is None  # the default: nothing starts
     expected = roundtrips(baseline.port, 300)  # whatever the fast upstream answers, every time

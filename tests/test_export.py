@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from traceproxy.observe.spandata import (
     SpanEvent,
 )
 from traceproxy.observe.tracing import TracingObserver
+from traceproxy.sim.launch import free_port
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan, flatten
 from .support import RawClient, wait_until
@@ -125,12 +125,6 @@ def stats_of(loop_thread, pipe: SpanExportPipe) -> dict:
 
 def niceness(pid: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, pid)
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------------- delivery
@@ -329,7 +323,7 @@ COLLECTOR_TROUBLE = [
 @pytest.mark.parametrize("protocol,trouble", COLLECTOR_TROUBLE)
 def test_collector_trouble_costs_only_dropped_spans(protocol, trouble, loop_thread):
     receiver = RECEIVERS[protocol](mode="ok" if trouble == "down" else trouble, delay=1.0).start()
-    endpoint = f"http://127.0.0.1:{closed_port()}" if trouble == "down" else receiver.endpoint
+    endpoint = f"http://127.0.0.1:{free_port()}" if trouble == "down" else receiver.endpoint
     pipe = SpanExportPipe(make_config(otlp_protocol=protocol, otlp_endpoint=endpoint, **FLOOD_CONFIG))
     try:
         loop_thread.run(pipe.start())

@@ -15,7 +15,6 @@ verdict is that the request never reached traceproxy: the hang is in front of it
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from dataclasses import dataclass
 
@@ -26,8 +25,9 @@ from .config import default_settings
 from .lifecycle.hooks import Fanout
 from .lifecycle.timeline import RequestRecord
 from .repro.harness import run_repro
+from .repro.inflight import IN_FLIGHT, NOT_REACHED
 from .sim.faultyproxy import FaultyProxy
-from .sim.launch import SimDeployment
+from .sim.launch import SimDeployment, router_importable
 
 SPANS = "traceproxy-data/spans.jsonl"
 ACCESS_LOG = "traceproxy-data/access.log"
@@ -71,9 +71,9 @@ def _verdict(result, outcomes: _Outcomes) -> tuple[str, str]:
         record = outcomes.by_request_id.get(turn.request_id)
         if turn.result == "hung" and turn.diagnosis is not None:
             d = turn.diagnosis
-            if d.kind == "in_flight":
+            if d.kind == IN_FLIGHT:
                 return f"{d.outcome} {d.blame}", d.trace_id or turn.trace_id or "-"
-            if d.kind == "not_reached":
+            if d.kind == NOT_REACHED:
                 return "never reached the proxy", "-"
             return d.kind.replace("_", " "), turn.trace_id or "-"
         if record is not None and not record.outcome.is_ok:
@@ -110,7 +110,7 @@ async def _run_scenario(scenario: Scenario, dep: SimDeployment, proxy: ProxyServ
 
 
 async def _demo() -> int:
-    has_router = importlib.util.find_spec("sglang_router") is not None
+    has_router = router_importable()
     outcomes = _Outcomes()
     async with SimDeployment(router=has_router, request_timeout=20) as dep:
         upstream = dep.router_url or dep.decode.url
