@@ -139,7 +139,8 @@ class ProxyServer:
         abort_kinds = frozenset(THRESHOLD_KEYS) if stall.action == "abort" else frozenset(stall.abort_on)
         ctx = self.ctx
         self.watchdog = Watchdog(ctx.in_flight.values, thresholds, abort_kinds)
-        self.watchdog.listeners.append(StallLog())
+        self.stall_log = StallLog()
+        self.watchdog.listeners.append(self.stall_log)
         if self.tracing is not None:
             self.watchdog.listeners.append(self.tracing)
         # Order matters at on_done: the watchdog closes a request's open stall
@@ -166,11 +167,9 @@ class ProxyServer:
         self.engines = EngineScraper(engines.metrics_urls, self.ctx.in_flight.values,
                                      interval=engines.scrape_interval, timeout=engines.scrape_timeout,
                                      orphan_after=engines.orphan_after)
-        # Readers of the latest gauges: a dict lookup each, never a scrape.
+        # Readers of the latest gauges: attributes set once per scrape, never a scrape.
         self.metrics.engines = self.engines
-        for listener in self.watchdog.listeners:
-            if isinstance(listener, StallLog):
-                listener.engines = self.engines
+        self.stall_log.engines = self.engines
         if self.tracing is not None:
             self.tracing.engines = self.engines
         self.engines.start()
