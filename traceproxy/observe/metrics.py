@@ -36,6 +36,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from ..lifecycle.flags import BY_CODE
 from ..lifecycle.machine import Phase, phase_of
 from ..lifecycle.marks import Mark
 from ..lifecycle.stall import Judgement
@@ -100,7 +101,9 @@ class ProxyMetrics:
         self.watchdog = watchdog
         self.span_export = span_export
         self.tracing = tracing
-        self.requests: Counter[tuple[str, str, str]] = Counter()  # (status, outcome, blame)
+        # Finished requests by (status or None, outcome code): counted as cheaply as
+        # a dict can on every request; turned into label values when rendered.
+        self.requests: dict[tuple[int | None, str], int] = {}
         self.stalls: Counter[tuple[str, str]] = Counter()  # (outcome, blame)
         self.stalls_resolved: Counter[str] = Counter()  # outcome
         self.request_duration = Histogram(LATENCY_BUCKETS)
@@ -112,12 +115,8 @@ class ProxyMetrics:
 
     # -- lifecycle observer ------------------------------------------------------
     def on_done(self, record: RequestRecord) -> None:
-        outcome = record.outcome
-        status = "" if record.status is None else str(record.status)
-        self.requests[(status, outcome.code, outcome.blame.value)] += 1
-        self._observe_latencies(record)
-
-    def _observe_latencies(self, record: RequestRecord) -> None:
+        key = (record.status, record.outcome.code)
+        self.requests[key] = self.requests.get(key, 0) + 1
         marks = record.marks
         start = marks.get(Mark.FIRST_DOWNSTREAM_RX_BYTE)
         if start is None:
@@ -163,7 +162,13 @@ class ProxyMetrics:
         out.counter("requests_total", "Finished requests by response status (empty when none was sent), "
                     "outcome code and blame.",
                     [((("status", status), ("outcome", code), ("blame", blame)), n)
-                     for (status, code, blame), n in sorted(self.requests.items())])
+                     for (status, code, blame), n in sorted(self._requests_by_label().items())])
+
+    def _requests_by_label(self) -> Counter[tuple[str, str, str]]:
+        labelled: Counter[tuple[str, str, str]] = Counter()
+        for (status, code), n in list(self.requests.items()):
+            labelled[("" if status is None else str(status), code, BY_CODE[code].blame.value)] += n
+        return labelled
 
     def _render_latencies(self, out: "Exposition") -> None:
         out.histogram("request_duration_seconds",

@@ -124,12 +124,11 @@ class ServerContext:
         record.request_id = tc.new_request_id()
         return True
 
-    def response_ids(self, record: RequestRecord) -> list[tuple[bytes, bytes]]:
-        """Headers every response carries, the proxy's own errors included."""
-        return [
-            (self.request_id_header, record.request_id.encode("latin-1")),
-            (b"traceresponse", tc.format_traceparent(record.trace_id, record.span_id, record.sampled)),
-        ]
+    def response_ids(self, record: RequestRecord) -> bytes:
+        """Header lines every response carries, the proxy's own errors included."""
+        return b"%s: %s\r\ntraceresponse: %s\r\n" % (
+            self.request_id_header, record.request_id.encode("latin-1"),
+            tc.format_traceparent(record.trace_id, record.span_id, record.sampled))
 
     def forwarding_for(self, client: "ClientConnection") -> ForwardingContext:
         fwd = self.settings.forwarding

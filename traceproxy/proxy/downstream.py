@@ -56,6 +56,7 @@ class ClientConnection(asyncio.Protocol):
         self._url = b""
         self._headers: H.Headers = []
         self._head_bytes = 0
+        self._in_head = False  # between a request's first byte and its complete head
         # The exchange being answered, and pipelined ones waiting their turn.
         self.active: Exchange | None = None
         self.queue: collections.deque[Exchange] = collections.deque()
@@ -73,6 +74,7 @@ class ClientConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
         peer = transport.get_extra_info("peername")
         self.peer_ip = peer[0] if peer else "unknown"
         self.record = ClientConnectionRecord(peer=f"{peer[0]}:{peer[1]}" if peer else "unknown",
@@ -147,7 +149,7 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing or self.rejection is not None:
             return
-        in_head = self.parsing is None or not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE)
+        in_head = self.parsing is None or self._in_head
         self.feeding = True
         try:
             self.parser.feed_data(data)
@@ -168,14 +170,14 @@ class ClientConnection(asyncio.Protocol):
             self.feeding = False
             if self.active is not None:
                 self.active.flush_upstream()
-        if in_head and self.parsing is not None and not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE):
+        if in_head and self._in_head and self.parsing is not None:
             self._head_bytes += len(data)
             if self._head_bytes > self.ctx.limits.max_header_bytes:
                 self.reject(431, Flag.DPE, f"request head exceeds {self.ctx.limits.max_header_bytes} bytes")
 
     def on_message_begin(self) -> None:
         now = time.monotonic_ns()
-        self._cancel_timer()
+        self._on_deadline = None  # the head timer stands down (see _arm_timer)
         self.ctx.connection_busy(self)
         sequence, idle_gap = self.record.next_request(now)
         record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
@@ -183,6 +185,7 @@ class ClientConnection(asyncio.Protocol):
         record.owner = self  # until its exchange exists
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
+        self._in_head = True
         self.ctx.start_request(record)
         if self.active is None:
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
@@ -200,7 +203,8 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         record = self.parsing
-        self._cancel_timer()
+        self._in_head = False
+        self._on_deadline = None  # the head timer stands down (see _arm_timer)
         record.method = self.parser.get_method().decode("ascii", "replace")
         record.target = self._url.decode("latin-1")
         record.http_version = self.parser.get_http_version()
@@ -314,7 +318,8 @@ class ClientConnection(asyncio.Protocol):
         record.status = status
         if not record.trace_id:
             self.ctx.identify(record, None)
-        self.write(error_response(status, outcome, reason, keep_alive=False, extra=self.ctx.response_ids(record)))
+        self.write(error_response(status, outcome, reason, keep_alive=False,
+                                  extra_lines=self.ctx.response_ids(record)))
         self.ctx.end_request(record, outcome, reason)
         self.close()
 
@@ -326,7 +331,7 @@ class ClientConnection(asyncio.Protocol):
     # early. Keep-alive connections would otherwise create and cancel two timers
     # per request.
     def _arm_timer(self, seconds: float, callback) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         due = loop.time() + seconds
         self._deadline, self._on_deadline = due, callback
         if self._timer is not None and self._timer.when() <= due:
@@ -335,15 +340,12 @@ class ClientConnection(asyncio.Protocol):
             self._timer.cancel()
         self._timer = loop.call_at(due, self._timer_fired)
 
-    def _cancel_timer(self) -> None:
-        self._on_deadline = None
-
     def _timer_fired(self) -> None:
         self._timer = None
         callback = self._on_deadline
         if callback is None or self.closing:
             return
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if loop.time() < self._deadline:
             self._timer = loop.call_at(self._deadline, self._timer_fired)
             return
@@ -358,7 +360,7 @@ class ClientConnection(asyncio.Protocol):
                 return  # the armed timer fires first and the active exchange re-aims it
             timer.cancel()
         self._exchange_timer_due = due_ns
-        self._exchange_timer = asyncio.get_running_loop().call_later(
+        self._exchange_timer = self.loop.call_later(
             max(due_ns - now_ns, 0) / 1e9, self._exchange_timer_fired)
 
     def exchange_timer_due_after(self, due_ns: int) -> bool:

@@ -68,6 +68,15 @@ class RequestHead:
 
 
 class Exchange:
+    # Slots: one Exchange is built per request, and every phase reads its fields.
+    __slots__ = (
+        "ctx", "client", "record", "head", "upstream", "connect_task", "pending", "pending_size", "sent_log",
+        "sent_size", "request_complete", "response_started", "response_framing", "keep_client_alive",
+        "awaiting_drain", "finished", "lingering", "_lingered_bytes", "_client_out", "_upstream_paused_by_client",
+        "_linger_timer", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
+        "_mark_observers",
+    )
+
     def __init__(self, ctx: "ServerContext", client: "ClientConnection", record: RequestRecord, head: RequestHead):
         self.ctx = ctx
         self.client = client
@@ -106,6 +115,7 @@ class Exchange:
         self._upstream_out: list[bytes] = []
         self._declared_length: int | None = None  # Content-Length we promised the client
         self._sse = False
+        self._mark_observers = ctx.fanout.mark_observers  # the list itself: observers added later count
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
@@ -121,7 +131,7 @@ class Exchange:
         self.connect_task = self.ctx.pool.acquire(self, fresh=fresh)
 
     def upstream_queued(self) -> None:
-        self._stamp(Mark.POOL_QUEUED)
+        self._stamp(time.monotonic_ns(), Mark.POOL_QUEUED)
 
     def upstream_connecting(self, task: asyncio.Task) -> None:
         self.connect_task = task
@@ -133,10 +143,9 @@ class Exchange:
             return
         now = time.monotonic_ns()
         self.record.attempt.attach(conn.record, reused, now)
-        self._stamp(Mark.POOL_ACQUIRED, now)
+        self._stamp(now, Mark.POOL_ACQUIRED, Mark.FIRST_UPSTREAM_TX_BYTE)
         self.upstream = conn
         conn.begin_response(self, head_only=self.head.method == "HEAD")
-        self._stamp(Mark.FIRST_UPSTREAM_TX_BYTE, now)
         self._upstream_out.append(self._upstream_head())
         data, self.pending, self.pending_size = self.pending, [], 0
         if data:
@@ -144,7 +153,7 @@ class Exchange:
         elif not self.client.feeding:
             self.flush_upstream()
         if self.request_complete:
-            self._stamp(Mark.LAST_UPSTREAM_TX_BYTE, now)
+            self._stamp(now, Mark.LAST_UPSTREAM_TX_BYTE)
         self.client.resume_reading("pending")
 
     def _upstream_head(self) -> bytes:
@@ -191,7 +200,7 @@ class Exchange:
                 self._stop_lingering(True)
             return
         now = time.monotonic_ns()
-        self._stamp(Mark.LAST_DOWNSTREAM_RX_BYTE, now)
+        self._stamp(now, Mark.LAST_DOWNSTREAM_RX_BYTE)
         self.request_complete = True
         if self._rewrite is not None:
             self._send_rewritten_body()
@@ -200,7 +209,7 @@ class Exchange:
         if self.upstream is not None:
             if tail:
                 self._send_upstream(tail)
-            self._stamp(Mark.LAST_UPSTREAM_TX_BYTE, now)
+            self._stamp(now, Mark.LAST_UPSTREAM_TX_BYTE)
         elif tail:
             self._queue_upstream(tail)
 
@@ -262,7 +271,7 @@ class Exchange:
         now = time.monotonic_ns()
         record = self.record
         self._stamp_once(Mark.FIRST_UPSTREAM_RX_BYTE, now)
-        self._stamp(Mark.LAST_UPSTREAM_RX_HEADER_BYTE, now)
+        self._stamp(now, Mark.LAST_UPSTREAM_RX_HEADER_BYTE, Mark.FIRST_DOWNSTREAM_TX_BYTE)
         record.status = status
         self.sent_log = None
         framing, length = H.response_framing(status, self.head.method, parts, self.head.http11)
@@ -278,11 +287,10 @@ class Exchange:
         )
         head = H.client_response_head(
             status, reason, parts.end_to_end, framing, length, self.keep_client_alive, self.head.http11,
-            extra=self.ctx.response_ids(record), keepalive_timeout=self.ctx.advertised_keepalive,
+            extra_lines=self.ctx.response_ids(record), keepalive_timeout=self.ctx.advertised_keepalive,
         )
         self._client_out.append(head)
         self.response_started = True
-        self._stamp(Mark.FIRST_DOWNSTREAM_TX_BYTE, now)
         record.last_upstream_rx_ns = now
         upstream_read = self.ctx.timeouts.upstream_read
         if upstream_read and self.client.exchange_timer_due_after(now + int(upstream_read * 1e9)):
@@ -297,8 +305,7 @@ class Exchange:
         now = time.monotonic_ns()
         record = self.record
         if record.upstream_rx_chunks == 0:
-            self._stamp(Mark.FIRST_UPSTREAM_RX_BODY_BYTE, now)
-            self._stamp(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE, now)
+            self._stamp(now, Mark.FIRST_UPSTREAM_RX_BODY_BYTE, Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE)
         elif now - record.last_upstream_rx_ns > record.max_chunk_gap_ns:
             record.max_chunk_gap_ns = now - record.last_upstream_rx_ns
         record.response_tail = (record.response_tail[1], data)
@@ -341,7 +348,7 @@ class Exchange:
         if self.finished:
             return
         now = time.monotonic_ns()
-        self._stamp(Mark.LAST_UPSTREAM_RX_BYTE, now)
+        self._stamp(now, Mark.LAST_UPSTREAM_RX_BYTE)
         if self.response_framing == H.ResponseFraming.CHUNKED:
             self._client_out.append(H.LAST_CHUNK)
         self.flush_client()
@@ -354,7 +361,7 @@ class Exchange:
 
     def _finish_ok(self) -> None:
         self.awaiting_drain = False
-        self._stamp(Mark.LAST_DOWNSTREAM_TX_BYTE, time.monotonic_ns())
+        self._stamp(time.monotonic_ns(), Mark.LAST_DOWNSTREAM_TX_BYTE)
         outcome, error = self._judge_clean_ending()
         self._finish(outcome, error)
 
@@ -453,11 +460,10 @@ class Exchange:
                 self.keep_client_alive = self.keep_client_alive and linger and self._rest_of_body_drainable()
             status = outcome.local_status or 502
             self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
-                                             extra=self.ctx.response_ids(self.record)))
+                                             extra_lines=self.ctx.response_ids(self.record)))
             self.record.status = status
             now = time.monotonic_ns()
-            self._stamp(Mark.FIRST_DOWNSTREAM_TX_BYTE, now)
-            self._stamp(Mark.LAST_DOWNSTREAM_TX_BYTE, now)
+            self._stamp(now, Mark.FIRST_DOWNSTREAM_TX_BYTE, Mark.LAST_DOWNSTREAM_TX_BYTE)
         else:
             # The response already started: end it short so the client can tell.
             self._client_out.clear()
@@ -504,39 +510,50 @@ class Exchange:
     # connection adopts it (its deadlines are later, so the old handle fires first
     # and re-aims), instead of every request creating and cancelling a timer.
     # ---------------------------------------------------------------------------
-    def _deadlines(self, now: int) -> list[tuple[int, Outcome]]:
-        """(deadline ns, outcome) for every limit that still applies."""
-        t, record, out = self.ctx.timeouts, self.record, []
+    def _next_deadline(self, now: int) -> tuple[int, Outcome] | None:
+        """(deadline ns, outcome) of the limit that expires first, of those that still apply.
+
+        Runs at the start and at the response head of every request: it keeps the
+        earliest one as it goes rather than building a list of all of them.
+        """
+        t, record = self.ctx.timeouts, self.record
+        due, outcome = 0, None
         if t.upstream_headers and not record.has(Mark.LAST_UPSTREAM_RX_HEADER_BYTE):
-            out.append((self._started_ns + int(t.upstream_headers * 1e9), Flag.UT))
+            due, outcome = self._started_ns + int(t.upstream_headers * 1e9), Flag.UT
         if t.client_body and not self.request_complete and self._expects_body:
             # Our own pause (the upstream not reading) is not client silence.
             last = now if self.client.reading_paused else (record.last_downstream_rx_ns or self._started_ns)
-            out.append((last + int(t.client_body * 1e9), Flag.DBT))
+            body_due = last + int(t.client_body * 1e9)
+            if outcome is None or body_due < due:
+                due, outcome = body_due, Flag.DBT
         if t.upstream_read and self.response_started and not record.has(Mark.LAST_UPSTREAM_RX_BYTE):
             # Our own pause (the client not reading) is not upstream silence.
             last = now if self._upstream_paused_by_client else record.last_upstream_rx_ns
-            out.append((last + int(t.upstream_read * 1e9), Flag.SI))
-        return out
+            read_due = last + int(t.upstream_read * 1e9)
+            if outcome is None or read_due < due:
+                due, outcome = read_due, Flag.SI
+        return None if outcome is None else (due, outcome)
 
     def _aim_timer(self, now: int) -> None:
-        deadlines = self._deadlines(now)
-        if not deadlines:
-            return
-        self.client.aim_exchange_timer(min(d for d, _ in deadlines), now)
+        nearest = self._next_deadline(now)
+        if nearest is not None:
+            self.client.aim_exchange_timer(nearest[0], now)
 
     def timer_fired(self) -> None:
         """The client connection's exchange timer fired while this exchange is its active one."""
         if self.finished:
             return
         now = time.monotonic_ns()
-        expired = [outcome for due, outcome in self._deadlines(now) if due <= now]
-        if not expired:
-            self._aim_timer(now)
-        elif expired[0] is Flag.UT:
+        nearest = self._next_deadline(now)
+        if nearest is None:
+            return
+        due, expired = nearest
+        if due > now:
+            self.client.aim_exchange_timer(due, now)
+        elif expired is Flag.UT:
             waited = self.ctx.timeouts.upstream_headers
             self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers after {waited:g} s")
-        elif expired[0] is Flag.DBT:
+        elif expired is Flag.DBT:
             silent = (now - (self.record.last_downstream_rx_ns or self._started_ns)) / 1e9
             self.keep_client_alive = False
             self._fail(Flag.DBT, f"request body silent for {silent:.1f} s after "
@@ -547,13 +564,17 @@ class Exchange:
                        f"after {self.record.upstream_rx_body_bytes} bytes")
 
     # ---------------------------------------------------------------------------
-    def _stamp(self, mark: Mark, now: int | None = None) -> None:
-        self.record.mark(mark, time.monotonic_ns() if now is None else now)
-        if self.ctx.fanout.mark_observers:
-            self.ctx.fanout.mark(self.record, mark)
+    def _stamp(self, now: int, *marks: Mark) -> None:
+        """Stamp one or more marks at ``now`` (edges crossed in the same moment go together)."""
+        record = self.record
+        for mark in marks:
+            record.mark(mark, now)
+        if self._mark_observers:
+            for mark in marks:
+                self.ctx.fanout.mark(record, mark)
 
     def _stamp_once(self, mark: Mark, now: int) -> None:
-        if self.record.mark_once(mark, now) and self.ctx.fanout.mark_observers:
+        if self.record.mark_once(mark, now) and self._mark_observers:
             self.ctx.fanout.mark(self.record, mark)
 
     def _where(self, attempt) -> str:

@@ -7,7 +7,7 @@ function of its inputs, so the table-driven tests can cover each RFC point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -180,6 +180,13 @@ class ForwardingContext:
     upstream_authority: bytes  # host:port of the upstream, for Host when not preserved
     preserve_host: bool
     x_forwarded: bool
+    # The X-Forwarded-For and -Proto lines for a client that sent none of its own:
+    # the same for every request on the connection, so formatted once.
+    own_forwarded_lines: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "own_forwarded_lines", b"X-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\n"
+                           % (self.client_ip.encode("ascii"), self.scheme.encode("ascii")))
 
 
 def upstream_request_head(
@@ -212,8 +219,7 @@ def upstream_request_head(
 def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> list[bytes]:
     """Append to X-Forwarded-* (comma-joined, like nginx's $proxy_add_x_forwarded_for)."""
     if not parts.forwarded:  # the common case: the client sent none of its own
-        lines = [b"X-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\n"
-                 % (ctx.client_ip.encode("ascii"), ctx.scheme.encode("ascii"))]
+        lines = [ctx.own_forwarded_lines]
         if parts.host is not None:
             lines.append(b"X-Forwarded-Host: %s\r\n" % parts.host)
         return lines
@@ -298,13 +304,13 @@ def client_response_head(
     content_length: bytes | None,
     keep_alive: bool,
     client_http11: bool,
-    extra: Headers = (),
+    extra_lines: bytes = b"",
     keepalive_timeout: int | None = None,
 ) -> bytes:
     version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
     lines = [b"%s %d %s\r\n" % (version, status, reason)]
     lines += [b"%s: %s\r\n" % pair for pair in end_to_end_headers]
-    lines += [b"%s: %s\r\n" % pair for pair in extra]
+    lines.append(extra_lines)
     if content_length is not None:
         lines.append(b"Content-Length: %s\r\n" % content_length)
     if framing == ResponseFraming.CHUNKED:

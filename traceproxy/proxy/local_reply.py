@@ -34,7 +34,7 @@ def error_response(
     message: str,
     keep_alive: bool,
     client_http11: bool = True,
-    extra: list[tuple[bytes, bytes]] = (),
+    extra_lines: bytes = b"",
 ) -> bytes:
     body = error_body(outcome, message)
     version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
@@ -44,7 +44,7 @@ def error_response(
         b"Content-Length: %d\r\n" % len(body),
         b"%s: %s\r\n" % (OUTCOME_HEADER, outcome.code.encode()),
     ]
-    lines.extend(b"%s: %s\r\n" % pair for pair in extra)
+    lines.append(extra_lines)
     if not keep_alive:
         lines.append(b"Connection: close\r\n")
     elif not client_http11:
