@@ -56,7 +56,11 @@ class ClientConnection(asyncio.Protocol):
         self._url = b""
         self._headers: H.Headers = []
         self._head_bytes = 0
+        self._max_head_bytes = ctx.limits.max_header_bytes  # read by on_header, for every header
         self._in_head = False  # between a request's first byte and its complete head
+        # A head began during this read: arm the head timer after it, unless the head
+        # also ended in it (the usual case, so most requests never touch the timer).
+        self._head_timer_pending = False
         # The exchange being answered, and pipelined ones waiting their turn.
         self.active: Exchange | None = None
         self.queue: collections.deque[Exchange] = collections.deque()
@@ -174,6 +178,10 @@ class ClientConnection(asyncio.Protocol):
             self._head_bytes += len(data)
             if self._head_bytes > self.ctx.limits.max_header_bytes:
                 self.reject(431, Flag.DPE, f"request head exceeds {self.ctx.limits.max_header_bytes} bytes")
+                return
+        if self._head_timer_pending:
+            self._head_timer_pending = False
+            self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
     def on_message_begin(self) -> None:
         now = time.monotonic_ns()
@@ -187,8 +195,7 @@ class ClientConnection(asyncio.Protocol):
         self._url, self._headers, self._head_bytes = b"", [], 0
         self._in_head = True
         self.ctx.start_request(record)
-        if self.active is None:
-            self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
+        self._head_timer_pending = self.active is None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -197,13 +204,13 @@ class ClientConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > self.ctx.limits.max_header_bytes:
-            raise H.BadRequest(431, f"request head exceeds {self.ctx.limits.max_header_bytes} bytes")
+        if self._head_bytes > self._max_head_bytes:
+            raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         record = self.parsing
-        self._in_head = False
+        self._in_head = self._head_timer_pending = False
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
         record.method = self.parser.get_method().decode("ascii", "replace")
         record.target = self._url.decode("latin-1")

@@ -51,6 +51,20 @@ def _tokens(value: bytes) -> list[bytes]:
     return [t.strip().lower() for t in value.split(b",") if t.strip()]
 
 
+# Connection values that list no other header: nearly every message carries one.
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close"})
+
+
+def _connection_listed(listed: set[bytes] | None, value: bytes) -> set[bytes] | None:
+    """Add the header names one Connection value lists to ``listed`` (None until one does)."""
+    if value in _PLAIN_CONNECTION:
+        return listed
+    if listed is None:
+        listed = set()
+    listed.update(_tokens(value))
+    return listed
+
+
 @dataclass(slots=True)
 class RequestParts:
     """What one pass over the request headers found (see ``parse_request_headers``)."""
@@ -125,9 +139,7 @@ def parse_request_headers(
                 codings = []
             codings.extend(_tokens(value))
         elif lname == b"connection":
-            if listed is None:
-                listed = set()
-            listed.update(_tokens(value))
+            listed = _connection_listed(listed, value)
         elif lname == b"expect":
             expect = value
         elif lname in _FORWARDED:
@@ -267,9 +279,7 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
         elif lname == b"transfer-encoding":
             chunked = True
         elif lname == b"connection":
-            if listed is None:
-                listed = set()
-            listed.update(_tokens(value))
+            listed = _connection_listed(listed, value)
     if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
     return ResponseParts(chunked, length, kept, event_stream)
