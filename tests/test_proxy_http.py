@@ -184,6 +184,45 @@ def test_head_request_gets_headers_and_no_body(scripted_upstream, start_proxy):
     assert up.connections == 1
 
 
+def test_get_after_head_on_the_same_upstream_connection_reads_its_body(scripted_upstream, start_proxy):
+    # The HEAD response declares 1234 bytes that never come: the upstream
+    # connection's parser must not be carried over to the next response.
+    responses = iter([b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n",
+                      b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"])
+
+    async def handler(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            writer.write(next(responses))
+            await writer.drain()
+
+    up = scripted_upstream(handler)
+    client = RawClient(start_proxy(up.url).port)
+    assert client.roundtrip("HEAD", "/").headers["content-length"] == "1234"
+    resp = client.roundtrip("GET", "/")
+    assert (resp.status, resp.body) == (200, b"hello")
+    assert "traceresponse" in resp.headers, "the upstream's bytes reached the client without the proxy framing them"
+    assert up.connections == 1
+
+
+def test_a_repeated_response_head_then_a_different_one_are_each_framed_by_their_own(scripted_upstream, start_proxy):
+    same = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
+    responses = iter([same, same, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\n\r\nbye",
+                      same])
+
+    async def handler(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            writer.write(next(responses))
+            await writer.drain()
+
+    client = RawClient(start_proxy(scripted_upstream(handler).url).port)
+    bodies = [client.roundtrip("GET", f"/{i}") for i in range(4)]
+    assert [r.body for r in bodies] == [b"hi", b"hi", b"bye", b"hi"]
+    assert bodies[2].headers["content-length"] == "3" and "transfer-encoding" not in bodies[2].headers
+    assert bodies[3].headers["transfer-encoding"] == "chunked" and "content-length" not in bodies[3].headers
+
+
 def test_no_content_and_not_modified_have_no_body(scripted_upstream, start_proxy):
     responses = iter([b"HTTP/1.1 204 No Content\r\n\r\n", b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n"])
 

@@ -286,7 +286,7 @@ class Exchange:
             and not self.client.closing
         )
         head = H.client_response_head(
-            status, reason, parts.end_to_end, framing, length, self.keep_client_alive, self.head.http11,
+            status, reason, parts.end_to_end_lines, framing, length, self.keep_client_alive, self.head.http11,
             extra_lines=self.ctx.response_ids(record), keepalive_timeout=self.ctx.advertised_keepalive,
         )
         self._client_out.append(head)
@@ -372,10 +372,13 @@ class Exchange:
             return Flag.PFE, (f"wrote {record.downstream_tx_body_bytes} body bytes under "
                               f"Content-Length {self._declared_length}")
         if self._sse and record.status == 200:
-            tail = record.response_tail[0][-512:] + record.response_tail[1][-2048:]
-            if b"[DONE]" not in tail and not _FINISH_REASON.search(tail):
-                return Flag.NDN, (f"SSE stream of {record.upstream_rx_chunks} chunks ended without "
-                                  f"data: [DONE] or a finish reason")
+            previous, last = record.response_tail
+            last = last[-2048:]
+            if b"[DONE]" not in last:  # the usual ending is found without joining the two reads
+                tail = previous[-512:] + last
+                if b"[DONE]" not in tail and not _FINISH_REASON.search(tail):
+                    return Flag.NDN, (f"SSE stream of {record.upstream_rx_chunks} chunks ended without "
+                                      f"data: [DONE] or a finish reason")
         return Flag.OK, None
 
     def _release_upstream(self, reusable: bool) -> None:

@@ -251,12 +251,16 @@ def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> list[bytes]
     return lines
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ResponseParts:
+    """What one pass over a response head found. Frozen: the pool reuses the
+    result for the next head that carries the very same header lines."""
+
     chunked: bool
     content_length: bytes | None
     end_to_end: Headers
     event_stream: bool  # Content-Type: text/event-stream (SSE)
+    end_to_end_lines: bytes  # end_to_end, formatted as header lines
 
 
 def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozenset()) -> ResponseParts:
@@ -282,7 +286,7 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
             listed = _connection_listed(listed, value)
     if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
-    return ResponseParts(chunked, length, kept, event_stream)
+    return ResponseParts(chunked, length, kept, event_stream, b"".join([b"%s: %s\r\n" % pair for pair in kept]))
 
 
 class ResponseFraming:
@@ -309,7 +313,7 @@ def response_framing(
 def client_response_head(
     status: int,
     reason: bytes,
-    end_to_end_headers: Headers,
+    end_to_end_lines: bytes,
     framing: str,
     content_length: bytes | None,
     keep_alive: bool,
@@ -318,9 +322,7 @@ def client_response_head(
     keepalive_timeout: int | None = None,
 ) -> bytes:
     version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
-    lines = [b"%s %d %s\r\n" % (version, status, reason)]
-    lines += [b"%s: %s\r\n" % pair for pair in end_to_end_headers]
-    lines.append(extra_lines)
+    lines = [b"%s %d %s\r\n" % (version, status, reason), end_to_end_lines, extra_lines]
     if content_length is not None:
         lines.append(b"Content-Length: %s\r\n" % content_length)
     if framing == ResponseFraming.CHUNKED:

@@ -69,6 +69,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.discarded_by_pool = False  # closed by us, not by the upstream
         self.counted_closed = False  # its slot in open_count was given back
         self._parser: httptools.HttpResponseParser | None = None
+        # llhttp is ready for the next message once one completes in it; a HEAD
+        # response (whose body llhttp would still wait for) or a broken one is not.
+        self._parser_reusable = False
         self._reset_response(head_only=False)
         # While connecting: the request this connection is being opened for, and the
         # connect timeout. The connection is handed over from connection_made.
@@ -161,11 +164,13 @@ class UpstreamConnection(asyncio.Protocol):
     # -- per response ------------------------------------------------------------
     def begin_response(self, user: "Exchange", head_only: bool) -> None:
         self.user = user
-        self._parser = httptools.HttpResponseParser(self)
+        if not self._parser_reusable:
+            self._parser = httptools.HttpResponseParser(self)
+        self._parser_reusable = False
         self._reset_response(head_only)
 
     def _reset_response(self, head_only: bool) -> None:
-        """Per-response state: every response gets a fresh parser and these."""
+        """Per-response state: every response starts with these (and an idle parser)."""
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._head_only = head_only
@@ -208,7 +213,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._headers = []
             self._reason = b""
             return
-        parts = H.parse_response_headers(self._headers, self.pool.replaced_response_headers)
+        parts = self.pool.response_parts(self._headers)
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
         self.user.upstream_response_head(status, self._reason or b"", parts)
@@ -225,6 +230,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self._in_interim:
             self._in_interim = False
             return
+        self._parser_reusable = not self._complete  # not when it ended early (HEAD, 204, 304)
         self._complete = True
 
 
@@ -351,6 +357,9 @@ class UpstreamPool:
         self.stats = collections.Counter()
         # Response headers the proxy sets itself (request id, traceresponse).
         self.replaced_response_headers: frozenset[bytes] = frozenset()
+        # The last response head parsed, as (header lines, replaced set, parts): an
+        # engine answers with the same header lines response after response.
+        self._last_response_head: tuple[tuple, frozenset[bytes], H.ResponseParts] | None = None
         self.keepalive = KeepAliveLearner(idle_timeout, f"{host}:{port}")
 
     # -- acquiring ---------------------------------------------------------------
@@ -480,6 +489,20 @@ class UpstreamPool:
         self.spares_to_open = 0
 
     # -- returning ---------------------------------------------------------------
+    def response_parts(self, headers: H.Headers) -> H.ResponseParts:
+        """``parse_response_headers`` of ``headers``, reused when they repeat the last head's exactly.
+
+        Comparing the header lines costs a fraction of parsing them, and parsing is a
+        pure function of the lines and ``replaced_response_headers``.
+        """
+        lines, replaced = tuple(headers), self.replaced_response_headers
+        last = self._last_response_head
+        if last is not None and last[1] is replaced and last[0] == lines:
+            return last[2]
+        parts = H.parse_response_headers(headers, replaced)
+        self._last_response_head = (lines, replaced, parts)
+        return parts
+
     def release(self, conn: UpstreamConnection) -> None:
         conn.user = None
         if conn.closed or conn.transport.is_closing():
