@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.machine import Phase, phase_of
-from ..lifecycle.marks import Mark
+from ..lifecycle.marks import MARK
 from ..lifecycle.stall import Judgement
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord, StallEntry
 from .tracing import SHED_REASONS
@@ -118,14 +118,14 @@ class ProxyMetrics:
         key = (record.status, record.outcome.code)
         self.requests[key] = self.requests.get(key, 0) + 1
         marks = record.marks
-        start = marks.get(Mark.FIRST_DOWNSTREAM_RX_BYTE)
+        start = marks.get(MARK.FIRST_DOWNSTREAM_RX_BYTE)
         if start is None:
             return
         self.request_duration.observe((record.end_ns - start) / 1e9)
-        head_sent = marks.get(Mark.FIRST_DOWNSTREAM_TX_BYTE)
+        head_sent = marks.get(MARK.FIRST_DOWNSTREAM_TX_BYTE)
         if head_sent is not None:
             self.time_to_first_byte.observe((head_sent - start) / 1e9)
-        body_sent = marks.get(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE)
+        body_sent = marks.get(MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE)
         if body_sent is not None:
             self.time_to_first_chunk.observe((body_sent - start) / 1e9)
         # One read has no gap; observing 0 for it would drag the distribution down.

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from ..lifecycle.flags import Flag
-from ..lifecycle.marks import Mark
+from ..lifecycle.marks import MARK
 from ..lifecycle.ids import new_request_id, new_span_id, new_trace_id
 from ..lifecycle.stall import Judgement, StallThresholds, judge, judge_all
 from ..lifecycle.timeline import RequestRecord, StallEntry
@@ -62,7 +62,7 @@ class Watchdog:
         # Runs for every request: the usual answer (a check is already due soon
         # enough) is found from the request's first mark, without reading a clock.
         if self._min_threshold_ns:
-            due = record.marks[Mark.FIRST_DOWNSTREAM_RX_BYTE] + self._min_threshold_ns
+            due = record.marks[MARK.FIRST_DOWNSTREAM_RX_BYTE] + self._min_threshold_ns
             if self._due_ns is None or self._due_ns > due:
                 self._aim(due)
 

@@ -28,7 +28,7 @@ import time
 import httptools
 
 from ..lifecycle.flags import Flag, Outcome
-from ..lifecycle.marks import Mark
+from ..lifecycle.marks import MARK
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord
 from . import headers as H
 from .context import ServerContext
@@ -189,7 +189,7 @@ class ClientConnection(asyncio.Protocol):
         self.ctx.connection_busy(self)
         sequence, idle_gap = self.record.next_request(now)
         record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
-        record.mark(Mark.FIRST_DOWNSTREAM_RX_BYTE, now)
+        record.mark(MARK.FIRST_DOWNSTREAM_RX_BYTE, now)
         record.owner = self  # until its exchange exists
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
@@ -215,7 +215,7 @@ class ClientConnection(asyncio.Protocol):
         record.method = self.parser.get_method().decode("ascii", "replace")
         record.target = self._url.decode("latin-1")
         record.http_version = self.parser.get_http_version()
-        record.mark(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
+        record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.parser.should_upgrade():
             raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
         parts = H.parse_request_headers(self._headers, record.http_version, self.ctx.request_id_names)
@@ -319,7 +319,7 @@ class ClientConnection(asyncio.Protocol):
             now = time.monotonic_ns()
             sequence, idle_gap = self.record.next_request(now)
             record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
-            record.mark(Mark.FIRST_DOWNSTREAM_RX_BYTE, now)
+            record.mark(MARK.FIRST_DOWNSTREAM_RX_BYTE, now)
             self.ctx.start_request(record)
         self.parsing = None
         record.status = status
@@ -384,7 +384,7 @@ class ClientConnection(asyncio.Protocol):
             self.close()
 
     def _on_header_timeout(self) -> None:
-        if self.parsing is not None and not self.parsing.has(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE):
+        if self.parsing is not None and not self.parsing.has(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE):
             waited = self.ctx.timeouts.client_headers
             self.rejection = (408, Flag.DHT, f"request head not complete after {waited:g} s")
             if self.active is None:

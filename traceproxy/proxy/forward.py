@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..lifecycle.flags import Flag, Outcome
-from ..lifecycle.marks import Mark
+from ..lifecycle.marks import MARK, Mark
 from ..lifecycle.timeline import RequestRecord
 from . import headers as H
 from . import tracecontext as tc
@@ -131,7 +131,7 @@ class Exchange:
         self.connect_task = self.ctx.pool.acquire(self, fresh=fresh)
 
     def upstream_queued(self) -> None:
-        self._stamp(time.monotonic_ns(), Mark.POOL_QUEUED)
+        self._stamp(time.monotonic_ns(), MARK.POOL_QUEUED)
 
     def upstream_connecting(self, task: asyncio.Task) -> None:
         self.connect_task = task
@@ -143,7 +143,7 @@ class Exchange:
             return
         now = time.monotonic_ns()
         self.record.attempt.attach(conn.record, reused, now)
-        self._stamp(now, Mark.POOL_ACQUIRED, Mark.FIRST_UPSTREAM_TX_BYTE)
+        self._stamp(now, MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE)
         self.upstream = conn
         conn.begin_response(self, head_only=self.head.method == "HEAD")
         self._upstream_out.append(self._upstream_head())
@@ -153,7 +153,7 @@ class Exchange:
         elif not self.client.feeding:
             self.flush_upstream()
         if self.request_complete:
-            self._stamp(now, Mark.LAST_UPSTREAM_TX_BYTE)
+            self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         self.client.resume_reading("pending")
 
     def _upstream_head(self) -> bytes:
@@ -200,7 +200,7 @@ class Exchange:
                 self._stop_lingering(True)
             return
         now = time.monotonic_ns()
-        self._stamp(now, Mark.LAST_DOWNSTREAM_RX_BYTE)
+        self._stamp(now, MARK.LAST_DOWNSTREAM_RX_BYTE)
         self.request_complete = True
         if self._rewrite is not None:
             self._send_rewritten_body()
@@ -209,7 +209,7 @@ class Exchange:
         if self.upstream is not None:
             if tail:
                 self._send_upstream(tail)
-            self._stamp(now, Mark.LAST_UPSTREAM_TX_BYTE)
+            self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         elif tail:
             self._queue_upstream(tail)
 
@@ -262,7 +262,7 @@ class Exchange:
     # Phase: the response head
     # ---------------------------------------------------------------------------
     def upstream_first_byte(self) -> None:
-        self._stamp_once(Mark.FIRST_UPSTREAM_RX_BYTE, time.monotonic_ns())
+        self._stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, time.monotonic_ns())
         self.sent_log = None  # the upstream answered: this request is never resent
 
     def upstream_response_head(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
@@ -270,8 +270,8 @@ class Exchange:
             return
         now = time.monotonic_ns()
         record = self.record
-        self._stamp_once(Mark.FIRST_UPSTREAM_RX_BYTE, now)
-        self._stamp(now, Mark.LAST_UPSTREAM_RX_HEADER_BYTE, Mark.FIRST_DOWNSTREAM_TX_BYTE)
+        self._stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, now)
+        self._stamp(now, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE)
         record.status = status
         self.sent_log = None
         framing, length = H.response_framing(status, self.head.method, parts, self.head.http11)
@@ -305,7 +305,7 @@ class Exchange:
         now = time.monotonic_ns()
         record = self.record
         if record.upstream_rx_chunks == 0:
-            self._stamp(now, Mark.FIRST_UPSTREAM_RX_BODY_BYTE, Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE)
+            self._stamp(now, MARK.FIRST_UPSTREAM_RX_BODY_BYTE, MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE)
         elif now - record.last_upstream_rx_ns > record.max_chunk_gap_ns:
             record.max_chunk_gap_ns = now - record.last_upstream_rx_ns
         record.response_tail = (record.response_tail[1], data)
@@ -348,7 +348,7 @@ class Exchange:
         if self.finished:
             return
         now = time.monotonic_ns()
-        self._stamp(now, Mark.LAST_UPSTREAM_RX_BYTE)
+        self._stamp(now, MARK.LAST_UPSTREAM_RX_BYTE)
         if self.response_framing == H.ResponseFraming.CHUNKED:
             self._client_out.append(H.LAST_CHUNK)
         self.flush_client()
@@ -361,7 +361,7 @@ class Exchange:
 
     def _finish_ok(self) -> None:
         self.awaiting_drain = False
-        self._stamp(time.monotonic_ns(), Mark.LAST_DOWNSTREAM_TX_BYTE)
+        self._stamp(time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
         outcome, error = self._judge_clean_ending()
         self._finish(outcome, error)
 
@@ -466,7 +466,7 @@ class Exchange:
                                              extra_lines=self.ctx.response_ids(self.record)))
             self.record.status = status
             now = time.monotonic_ns()
-            self._stamp(now, Mark.FIRST_DOWNSTREAM_TX_BYTE, Mark.LAST_DOWNSTREAM_TX_BYTE)
+            self._stamp(now, MARK.FIRST_DOWNSTREAM_TX_BYTE, MARK.LAST_DOWNSTREAM_TX_BYTE)
         else:
             # The response already started: end it short so the client can tell.
             self._client_out.clear()
@@ -521,7 +521,7 @@ class Exchange:
         """
         t, record = self.ctx.timeouts, self.record
         due, outcome = 0, None
-        if t.upstream_headers and not record.has(Mark.LAST_UPSTREAM_RX_HEADER_BYTE):
+        if t.upstream_headers and not record.has(MARK.LAST_UPSTREAM_RX_HEADER_BYTE):
             due, outcome = self._started_ns + int(t.upstream_headers * 1e9), Flag.UT
         if t.client_body and not self.request_complete and self._expects_body:
             # Our own pause (the upstream not reading) is not client silence.
@@ -529,7 +529,7 @@ class Exchange:
             body_due = last + int(t.client_body * 1e9)
             if outcome is None or body_due < due:
                 due, outcome = body_due, Flag.DBT
-        if t.upstream_read and self.response_started and not record.has(Mark.LAST_UPSTREAM_RX_BYTE):
+        if t.upstream_read and self.response_started and not record.has(MARK.LAST_UPSTREAM_RX_BYTE):
             # Our own pause (the client not reading) is not upstream silence.
             last = now if self._upstream_paused_by_client else record.last_upstream_rx_ns
             read_due = last + int(t.upstream_read * 1e9)
