@@ -64,6 +64,10 @@ class ServerContext:
     def __init__(self, settings: "Settings", fanout: Fanout | None = None) -> None:
         self.settings = settings
         self.timeouts = settings.timeouts
+        # The exchange deadlines in nanoseconds (0: off), as every request computes them.
+        self.upstream_headers_ns = int(settings.timeouts.upstream_headers * 1e9)
+        self.client_body_ns = int(settings.timeouts.client_body * 1e9)
+        self.upstream_read_ns = int(settings.timeouts.upstream_read * 1e9)
         self.limits = settings.limits
         self.retry_buffer_bytes = settings.pool.retry_buffer_bytes
         self.upstream_authority = settings.upstream.authority

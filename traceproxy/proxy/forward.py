@@ -157,14 +157,13 @@ class Exchange:
         self.client.resume_reading("pending")
 
     def _upstream_head(self) -> bytes:
-        record, attempt = self.record, self.record.attempt
+        record, attempt, head = self.record, self.record.attempt, self.head
         attempt.span_id = tc.new_span_id()
-        extra = [(b"traceparent", tc.format_traceparent(record.trace_id, attempt.span_id, record.sampled))]
+        extra = b"traceparent: %s\r\n" % tc.format_traceparent(record.trace_id, attempt.span_id, record.sampled)
         if record.tracestate:
-            extra.append((b"tracestate", record.tracestate))
-        if self.head.generated_id:
-            extra.append((self.ctx.request_id_header, record.request_id.encode("latin-1")))
-        head = self.head
+            extra += b"tracestate: %s\r\n" % record.tracestate
+        if head.generated_id:
+            extra += b"%s: %s\r\n" % (self.ctx.request_id_header, record.request_id.encode("latin-1"))
         return H.upstream_request_head(head.method, head.target, head.parts, self.client.forwarding, extra)
 
     def upstream_connect_failed(self, error: str) -> None:
@@ -292,8 +291,8 @@ class Exchange:
         self._client_out.append(head)
         self.response_started = True
         record.last_upstream_rx_ns = now
-        upstream_read = self.ctx.timeouts.upstream_read
-        if upstream_read and self.client.exchange_timer_due_after(now + int(upstream_read * 1e9)):
+        upstream_read_ns = self.ctx.upstream_read_ns
+        if upstream_read_ns and self.client.exchange_timer_due_after(now + upstream_read_ns):
             self._aim_timer(now)
 
     # ---------------------------------------------------------------------------
@@ -519,20 +518,20 @@ class Exchange:
         Runs at the start and at the response head of every request: it keeps the
         earliest one as it goes rather than building a list of all of them.
         """
-        t, record = self.ctx.timeouts, self.record
+        ctx, record = self.ctx, self.record
         due, outcome = 0, None
-        if t.upstream_headers and not record.has(MARK.LAST_UPSTREAM_RX_HEADER_BYTE):
-            due, outcome = self._started_ns + int(t.upstream_headers * 1e9), Flag.UT
-        if t.client_body and not self.request_complete and self._expects_body:
+        if ctx.upstream_headers_ns and not self.response_started:
+            due, outcome = self._started_ns + ctx.upstream_headers_ns, Flag.UT
+        if ctx.client_body_ns and not self.request_complete and self._expects_body:
             # Our own pause (the upstream not reading) is not client silence.
             last = now if self.client.reading_paused else (record.last_downstream_rx_ns or self._started_ns)
-            body_due = last + int(t.client_body * 1e9)
+            body_due = last + ctx.client_body_ns
             if outcome is None or body_due < due:
                 due, outcome = body_due, Flag.DBT
-        if t.upstream_read and self.response_started and not record.has(MARK.LAST_UPSTREAM_RX_BYTE):
+        if ctx.upstream_read_ns and self.response_started and not record.has(MARK.LAST_UPSTREAM_RX_BYTE):
             # Our own pause (the client not reading) is not upstream silence.
             last = now if self._upstream_paused_by_client else record.last_upstream_rx_ns
-            read_due = last + int(t.upstream_read * 1e9)
+            read_due = last + ctx.upstream_read_ns
             if outcome is None or read_due < due:
                 due, outcome = read_due, Flag.SI
         return None if outcome is None else (due, outcome)

@@ -206,7 +206,7 @@ def upstream_request_head(
     target: bytes,
     parts: RequestParts,
     ctx: ForwardingContext,
-    extra: Headers = (),
+    extra_lines: bytes = b"",
 ) -> bytes:
     """The request head sent upstream: always HTTP/1.1, keep-alive, framing recomputed."""
     out = parts.end_to_end
@@ -218,7 +218,7 @@ def upstream_request_head(
         lines += _forwarded_lines(parts, ctx)
     else:
         lines += [b"%s: %s\r\n" % pair for pair in parts.forwarded]
-    lines += [b"%s: %s\r\n" % pair for pair in extra]
+    lines.append(extra_lines)
     framing = parts.framing
     if framing.chunked:
         lines.append(b"Transfer-Encoding: chunked\r\n")
