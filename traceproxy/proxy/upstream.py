@@ -115,6 +115,8 @@ class UpstreamConnection(asyncio.Protocol):
         if self._complete and self.user is user:
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
+            if self._awaiting_head:
+                user.upstream_first_byte()  # the head spans reads: its first byte came now
             user.flush_client()
 
     def connect_timed_out(self, task: asyncio.Task) -> None:
@@ -175,6 +177,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._reason = b""
         self._head_only = head_only
         self._in_interim = False
+        self._awaiting_head = True  # until the final (non-1xx) head is parsed
         self._complete = False
         self._extra_message = False
         self._close_delimited = False
@@ -188,8 +191,6 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self._complete:
             self._extra_message = True  # bytes after the response: never reuse
-        elif self.bytes_received and self.user is not None:
-            self.user.upstream_first_byte()
 
     def on_status(self, reason: bytes) -> None:
         self._reason += reason
@@ -213,6 +214,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._headers = []
             self._reason = b""
             return
+        self._awaiting_head = False
         parts = self.pool.response_parts(self._headers)
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
