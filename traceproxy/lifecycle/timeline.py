@@ -40,7 +40,7 @@ class MarkTwiceError(AssertionError):
 class ClientConnectionRecord:
     peer: str
     opened_ns: int
-    id: int = field(default_factory=lambda: next(_client_ids))
+    id: int = field(default_factory=_client_ids.__next__)
     requests_started: int = 0
     last_response_end_ns: int | None = None
     closed_ns: int | None = None
@@ -55,7 +55,7 @@ class ClientConnectionRecord:
 @dataclass(slots=True)
 class UpstreamConnectionRecord:
     opened_ns: int
-    id: int = field(default_factory=lambda: next(_upstream_ids))
+    id: int = field(default_factory=_upstream_ids.__next__)
     requests: int = 0
     idle_since_ns: int | None = None
     closed_ns: int | None = None
@@ -102,7 +102,7 @@ class RequestRecord:
     connection: ClientConnectionRecord
     sequence: int
     idle_gap_ns: int | None
-    id: int = field(default_factory=lambda: next(_request_ids))
+    id: int = field(default_factory=_request_ids.__next__)
     method: str = ""
     target: str = ""
     http_version: str = "1.1"

@@ -114,13 +114,16 @@ class ServerContext:
 
     def identify(self, record: RequestRecord, parts: RequestParts | None) -> bool:
         """Stamp the trace and request ids; True when the request id was generated here."""
-        decision = tc.continue_or_start(parts.traceparents if parts is not None else [])
-        record.trace_id, record.parent_span_id = decision.trace_id, decision.parent_span_id
-        record.sampled, record.rejected_traceparent = decision.sampled, decision.rejected
+        if parts is None or not parts.traceparents:
+            record.trace_id = tc.new_trace_id()  # a new trace, sampled (the fields' defaults)
+        else:
+            decision = tc.continue_or_start(parts.traceparents)
+            record.trace_id, record.parent_span_id = decision.trace_id, decision.parent_span_id
+            record.sampled, record.rejected_traceparent = decision.sampled, decision.rejected
         record.span_id = tc.new_span_id()
         if parts is not None and parts.user_agent is not None:
             record.user_agent = parts.user_agent.decode("latin-1")
-        if parts is not None and decision.rejected is None and parts.tracestates:
+        if parts is not None and record.rejected_traceparent is None and parts.tracestates:
             record.tracestate = b",".join(parts.tracestates)
         if parts is not None and parts.request_id is not None:
             record.request_id = parts.request_id.decode("latin-1")

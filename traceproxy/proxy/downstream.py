@@ -38,6 +38,8 @@ from .local_reply import error_response
 log = logging.getLogger("traceproxy.downstream")
 
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
+# The usual methods as str, so that a request does not decode its method.
+_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
 
 
 class ClientConnection(asyncio.Protocol):
@@ -57,6 +59,7 @@ class ClientConnection(asyncio.Protocol):
         self._headers: H.Headers = []
         self._head_bytes = 0
         self._max_head_bytes = ctx.limits.max_header_bytes  # read by on_header, for every header
+        self._max_target_bytes = ctx.limits.max_target_bytes
         self._in_head = False  # between a request's first byte and its complete head
         # A head began during this read: arm the head timer after it, unless the head
         # also ended in it (the usual case, so most requests never touch the timer).
@@ -199,8 +202,8 @@ class ClientConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        if len(self._url) > self.ctx.limits.max_target_bytes:
-            raise H.BadRequest(414, f"request target exceeds {self.ctx.limits.max_target_bytes} bytes")
+        if len(self._url) > self._max_target_bytes:
+            raise H.BadRequest(414, f"request target exceeds {self._max_target_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value) + 4
@@ -212,7 +215,8 @@ class ClientConnection(asyncio.Protocol):
         record = self.parsing
         self._in_head = self._head_timer_pending = False
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
-        record.method = self.parser.get_method().decode("ascii", "replace")
+        method = self.parser.get_method()
+        record.method = _METHODS.get(method) or method.decode("ascii", "replace")
         record.target = self._url.decode("latin-1")
         record.http_version = self.parser.get_http_version()
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())

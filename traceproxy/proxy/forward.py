@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK, Mark
-from ..lifecycle.timeline import RequestRecord
+from ..lifecycle.timeline import Attempt, RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
@@ -142,11 +142,12 @@ class Exchange:
             self.ctx.pool.release(conn)
             return
         now = time.monotonic_ns()
-        self.record.attempt.attach(conn.record, reused, now)
+        attempt = self.record.attempts[-1]  # the one _acquire started
+        attempt.attach(conn.record, reused, now)
         self._stamp(now, MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE)
         self.upstream = conn
         conn.begin_response(self, head_only=self.head.method == "HEAD")
-        self._upstream_out.append(self._upstream_head())
+        self._upstream_out.append(self._upstream_head(attempt))
         data, self.pending, self.pending_size = self.pending, [], 0
         if data:
             self._send_upstream(b"".join(data))
@@ -156,8 +157,8 @@ class Exchange:
             self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         self.client.resume_reading("pending")
 
-    def _upstream_head(self) -> bytes:
-        record, attempt, head = self.record, self.record.attempt, self.head
+    def _upstream_head(self, attempt: Attempt) -> bytes:
+        record, head = self.record, self.head
         attempt.span_id = tc.new_span_id()
         extra = b"traceparent: %s\r\n" % tc.format_traceparent(record.trace_id, attempt.span_id, record.sampled)
         if record.tracestate:
