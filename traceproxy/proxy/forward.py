@@ -85,11 +85,10 @@ class Exchange:
         self.head = head
         self.upstream: UpstreamConnection | None = None
         self.connect_task: asyncio.Task | None = None
-        # Bytes for the upstream not yet written (no connection yet), and bytes
+        # Body bytes for the upstream not yet written (no connection yet), and bytes
         # written on the current attempt (kept for one resend; None once too big).
-        # Body bytes for the upstream not yet written (no connection yet). The head
-        # is built per attempt, when a connection is ready: each attempt sends its
-        # own CLIENT span as the traceparent parent.
+        # The head is built per attempt, when a connection is ready: each attempt
+        # sends its own CLIENT span as the traceparent parent.
         self.pending: list[bytes] = []
         self.pending_size = 0
         self.sent_log: list[bytes] | None = []
