@@ -105,6 +105,27 @@ def test_slow_header_sender_gets_408(fast_upstream, start_proxy):
         assert sock.recv(65536) == b""  # and closed
 
 
+def test_slow_head_of_a_second_keepalive_request_gets_408(fast_upstream, start_proxy):
+    # The head timer is armed only when a head does not arrive whole: a partial
+    # head after a complete exchange must still run against it.
+    proxy = start_proxy(fast_upstream().url, **{"timeouts.client_headers": 0.3})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+        first = b""
+        while b"\r\n\r\n" not in first:
+            first += sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n")
+        reply = b""
+        while b'"DHT"' not in reply:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed without a 408: {reply!r}"
+            reply += chunk
+        assert b"HTTP/1.1 408 " in reply
+        assert time.monotonic() - started < 3
+
+
 def test_silent_new_connection_closed_after_header_timeout(fast_upstream, start_proxy):
     proxy = start_proxy(fast_upstream().url, **{"timeouts.client_headers": 0.3})
     client = RawClient(proxy.port)
