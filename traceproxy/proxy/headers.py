@@ -51,6 +51,11 @@ def _tokens(value: bytes) -> list[bytes]:
     return [t.strip().lower() for t in value.split(b",") if t.strip()]
 
 
+def header_lines(headers: Headers) -> bytes:
+    """``name: value`` lines, each ended by CRLF, in order."""
+    return b"".join([b"%s: %s\r\n" % pair for pair in headers])
+
+
 # Connection values that list no other header: nearly every message carries one.
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close"})
 
@@ -213,11 +218,11 @@ def upstream_request_head(
     if not ctx.preserve_host or parts.host is None:
         out = [(b"Host", ctx.upstream_authority)] + [(n, v) for n, v in out if n.lower() != b"host"]
     lines = [b"%s %s HTTP/1.1\r\n" % (method.encode("ascii"), target)]
-    lines += [b"%s: %s\r\n" % pair for pair in out]
+    lines.append(header_lines(out))
     if ctx.x_forwarded:
         lines += _forwarded_lines(parts, ctx)
     else:
-        lines += [b"%s: %s\r\n" % pair for pair in parts.forwarded]
+        lines.append(header_lines(parts.forwarded))
     lines.append(extra_lines)
     framing = parts.framing
     if framing.chunked:
@@ -286,7 +291,7 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
             listed = _connection_listed(listed, value)
     if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
-    return ResponseParts(chunked, length, kept, event_stream, b"".join([b"%s: %s\r\n" % pair for pair in kept]))
+    return ResponseParts(chunked, length, kept, event_stream, header_lines(kept))
 
 
 class ResponseFraming:

@@ -33,11 +33,12 @@ Hazards this module exists for
 * A connect cancelled (timeout, shutdown) in the loop turn it completed still gets
   ``connection_made``; such a connection is abandoned: aborted there, never handed
   over or pooled.
-* Parsers are per response. httptools (llhttp) cannot be told "this was a HEAD",
-  so every response gets a fresh parser, and a response is only declared complete
-  after ``feed_data`` returns: releasing the connection from inside a parser
-  callback would let the rest of the same buffer be parsed as the *next* user's
-  response.
+* Parsers and responses. httptools (llhttp) cannot be told "this was a HEAD", so a
+  parser is carried over to the next response only when the last one completed in
+  it (never after HEAD, 204 or 304, whose body llhttp would still wait for); and a
+  response is only declared complete after ``feed_data`` returns: releasing the
+  connection from inside a parser callback would let the rest of the same buffer
+  be parsed as the *next* user's response.
 """
 
 from __future__ import annotations
@@ -490,7 +491,7 @@ class UpstreamPool:
         self.spares_failing = True
         self.spares_to_open = 0
 
-    # -- returning ---------------------------------------------------------------
+    # -- responses ---------------------------------------------------------------
     def response_parts(self, headers: H.Headers) -> H.ResponseParts:
         """``parse_response_headers`` of ``headers``, reused when they repeat the last head's exactly.
 
@@ -505,6 +506,7 @@ class UpstreamPool:
         self._last_response_head = (lines, replaced, parts)
         return parts
 
+    # -- returning ---------------------------------------------------------------
     def release(self, conn: UpstreamConnection) -> None:
         conn.user = None
         if conn.closed or conn.transport.is_closing():
@@ -584,7 +586,8 @@ class UpstreamPool:
             return
         peaks = self.recent_peaks
         peaks.append((now, self.demand_peak))
-        self.demand_peak = self.open_count - len(self.idle) - self.spares_connecting  # in use now
+        self.demand_peak = 0
+        self._note_demand()  # the next period starts from what is in use now
         while peaks and now - peaks[0][0] > self.keep_warm_ns:
             peaks.popleft()
         target = max(peak for _, peak in peaks) if peaks else 0
