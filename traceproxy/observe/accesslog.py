@@ -25,7 +25,16 @@ from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import Mark
 from .spans import DOWNSTREAM_INDEX, UPSTREAM_INDEX, UPSTREAM_ORDER, RequestSummary
 
-_D, _U = DOWNSTREAM_INDEX, UPSTREAM_INDEX
+# Where the marks a line reads sit in a summary's mark tuples, looked up once:
+# a line is written for every request.
+_RX_START = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_RX_BYTE]
+_RX_HEAD_END = DOWNSTREAM_INDEX[Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE]
+_TX_HEAD = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BYTE]
+_TX_BODY = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE]
+_UP_ACQUIRED = UPSTREAM_INDEX[Mark.POOL_ACQUIRED]
+_UP_TX_START = UPSTREAM_INDEX[Mark.FIRST_UPSTREAM_TX_BYTE]
+_UP_HEAD_END = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_HEADER_BYTE]
+_UP_RX_END = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_BYTE]
 
 
 @lru_cache(maxsize=8)  # a batch of lines mostly falls within the same few seconds
@@ -40,7 +49,7 @@ def _seconds(later: int, earlier: int) -> float | None:
 
 def access_entry(s: RequestSummary) -> dict:
     marks = s.marks
-    start = marks[_D[Mark.FIRST_DOWNSTREAM_RX_BYTE]] or s.end_ns
+    start = marks[_RX_START] or s.end_ns
     attempt = s.attempts[-1] if s.attempts else None
     up = attempt.marks if attempt is not None else (0,) * len(UPSTREAM_ORDER)
     connected = attempt is not None and attempt.connection_id != 0
@@ -62,11 +71,11 @@ def access_entry(s: RequestSummary) -> dict:
         "response_bytes": s.response_body_bytes,
         "chunks": s.chunks,
         "chunk_max_gap": round(s.max_chunk_gap_ns / 1e9, 6),
-        "upstream_connect_time": _seconds(up[_U[Mark.POOL_ACQUIRED]], marks[_D[Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE]]),
-        "upstream_header_time": _seconds(up[_U[Mark.LAST_UPSTREAM_RX_HEADER_BYTE]], up[_U[Mark.FIRST_UPSTREAM_TX_BYTE]]),
-        "upstream_response_time": _seconds(up[_U[Mark.LAST_UPSTREAM_RX_BYTE]], up[_U[Mark.FIRST_UPSTREAM_TX_BYTE]]),
-        "time_to_first_byte": _seconds(marks[_D[Mark.FIRST_DOWNSTREAM_TX_BYTE]], start),
-        "time_to_first_chunk": _seconds(marks[_D[Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE]], start),
+        "upstream_connect_time": _seconds(up[_UP_ACQUIRED], marks[_RX_HEAD_END]),
+        "upstream_header_time": _seconds(up[_UP_HEAD_END], up[_UP_TX_START]),
+        "upstream_response_time": _seconds(up[_UP_RX_END], up[_UP_TX_START]),
+        "time_to_first_byte": _seconds(marks[_TX_HEAD], start),
+        "time_to_first_chunk": _seconds(marks[_TX_BODY], start),
         "request_time": _seconds(s.end_ns, start),
         "client_connection": s.client_connection_id,
         "client_request_sequence": s.sequence,

@@ -17,7 +17,8 @@ and logged once when it starts failing and once when it recovers. The scraper is
 only built when ``[engines] metrics_urls`` is not empty.
 
 ``in_flight`` (a callable returning the in-flight records) is passed in by the
-composition root: this module may import ``lifecycle`` only.
+composition root: this module imports ``lifecycle`` and the exposition parser
+of ``metrics`` (which itself imports ``lifecycle`` only).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
         if isinstance(item, SpanData):
             spans.append(item)
             continue
-        if not item.keep_spans:  # sampled out: only its access log line was wanted
+        if not item.keep_spans:  # sampled out or shed: only its access log line was wanted
             continue
         try:
             spans.extend(spans_for(item))

@@ -41,7 +41,6 @@ from ..lifecycle.machine import Phase, phase_of
 from ..lifecycle.marks import MARK
 from ..lifecycle.stall import Judgement
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord, StallEntry
-from .tracing import SHED_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "traceproxy_"
@@ -91,8 +90,8 @@ class ProxyMetrics:
     """Lifecycle observer, stall listener and connection-closed listener in one.
 
     ``ctx`` needs ``in_flight`` (id -> RequestRecord), ``connections`` (sized),
-    ``pool`` (``open_count``, ``idle``, ``stats``) and ``fanout``
-    (``observer_errors``). ``watchdog`` needs ``open`` and ``listener_errors``;
+    ``settings``, ``pool`` (``open_count``, ``idle``, ``stats``, ``keepalive``,
+    ``warm_target``) and ``fanout`` (``observer_errors``). ``watchdog`` needs ``open`` and ``listener_errors``;
     ``span_export`` needs ``stats``, ``tracing`` ``shed`` (reason -> count). Any may be None.
     """
 
@@ -237,7 +236,7 @@ class ProxyMetrics:
         out.counter("spans_dropped_total", "Span items (a finished request's spans, or one stall span) dropped because the export queue "
                     "was full or the exporter process was gone.",
                     [((), spans.get("spans_dropped", 0))])
-        shed = self.tracing.shed if self.tracing is not None else dict.fromkeys(SHED_REASONS, 0)
+        shed = self.tracing.shed if self.tracing is not None else {}  # no samples when tracing is off
         out.counter("spans_shed_total", "Healthy requests whose spans were not exported: past "
                     "tracing.healthy_max_per_second (reason=rate) or while the exporter was behind, its queue "
                     "past half full (reason=backlog); errored and stalled requests are never shed.",

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import orjson
 
 from ..lifecycle.flags import BY_CODE
-from ..lifecycle.marks import UPSTREAM_MARKS, Mark
+from ..lifecycle.marks import MARK, UPSTREAM_MARKS, Mark
 from ..lifecycle.timeline import RequestRecord
 from . import semconv as sc
 from .spandata import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, STATUS_UNSET, SpanData, SpanEvent
@@ -91,7 +91,7 @@ class RequestSummary(NamedTuple):
     response_tail: bytes
     attempts: tuple[AttemptSummary, ...]
     stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
-    keep_spans: bool = True  # False: sampled out, sent only for its access log line
+    keep_spans: bool = True  # False: sampled out or shed, sent only for its access log line
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
@@ -107,7 +107,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.trace_id, record.span_id, record.parent_span_id, record.sampled,
         record.tracestate.decode("latin-1"), (record.rejected_traceparent or b"").decode("latin-1"),
         record.request_id, record.method, record.target, record.http_version, record.status or 0,
-        record.outcome.code, record.error or "", marks.get(Mark.FIRST_DOWNSTREAM_RX_BYTE) or record.end_ns,
+        record.outcome.code, record.error or "", marks.get(MARK.FIRST_DOWNSTREAM_RX_BYTE) or record.end_ns,
         record.end_ns, clock_offset_ns, tuple(map(marks.get, DOWNSTREAM_ORDER, _DOWNSTREAM_ZEROS)),
         record.connection.peer, record.connection.id, record.sequence,
         -1 if record.idle_gap_ns is None else record.idle_gap_ns, record.user_agent, server, upstream,
