@@ -436,7 +436,9 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("pool", "keep_warm", seconds(zero="off"), 60.0,
             "The pool keeps as many connections open as were in use at once during the last this many "
             "seconds, replacing each idle one with a fresh one before idle_timeout, so a burst after a "
-            "pause finds them ready instead of opening them all at once."),
+            "pause finds them ready instead of opening them all at once. Nothing is renewed while the "
+            "upstream closes idle connections before idle_timeout (traceproxy_upstream_keepalive_misaligned "
+            "is 1): their replacements would be closed the same way."),
     Setting("pool", "max_connections", integer(0, zero="unlimited"), 1024,
             "Upstream connections open at once; further requests wait."),
     Setting("pool", "retry_buffer_bytes", integer(0, zero="never retry"), 1048576,
