@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     names = ", ".join(f"{s.name} ({s.title})" for s in SCENARIOS)
     parser = argparse.ArgumentParser(
         prog="traceproxy bench",
-        description="Measure direct-to-upstream against through-the-proxy, plain and traced, on this machine, "
-                    "in one run.",
+        description="Measure direct-to-upstream against through-the-proxy (plain, traced and logged) on this "
+                    "machine, in one run.",
         epilog=f"Scenarios: {names}.")
     parser.add_argument("--scenarios", metavar="S1,S2", help="comma-separated scenario names (default: all)")
     parser.add_argument("--scale", type=float, metavar="F",
