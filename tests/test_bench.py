@@ -28,7 +28,6 @@ from traceproxy.bench.proxy_proc import build_settings, logged_overrides, minima
 from traceproxy.bench.runner import parse_targets, run_order
 from traceproxy.bench.scenarios import BY_NAME, RequestSpec, scaled, select
 from traceproxy.bench.session import split
-from traceproxy.observe.metrics import prometheus_totals
 from traceproxy.bench.stats import Samples, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +62,7 @@ def test_bench_smoke_run_end_to_end(tmp_path):
     assert any("req/s" in row for row in rows if row.startswith("| S1"))
     assert any("ok / errors / hangs" in row for row in rows if row.startswith("| S5"))
     assert "proxy-traced" not in result.stdout and "Tracing cost" not in result.stdout
+    assert "proxy-logged" not in result.stdout and "Access log cost" not in result.stdout
 
     summary = json.loads(report_path.read_text())["summary"]
     for name in ("S1", "S5"):
@@ -146,7 +146,7 @@ def test_proxy_targets_differ_only_in_observability():
     assert traced.access_log.path == "" and traced.admin.port == 0
     assert (logged.tracing.exporter, logged.access_log.path, logged.admin.port) == ("off", "/tmp/access.jsonl", 0)
     for section in ("timeouts", "pool", "limits", "stall", "forwarding", "request_id"):
-        assert getattr(plain, section) == getattr(traced, section), section
+        assert getattr(plain, section) == getattr(traced, section) == getattr(logged, section), section
     # --proxy-set comes after the target's keys, so it wins
     assert build_settings(upstream, [*minimal_overrides(), "access_log.path=-"]).access_log.path == "-"
 
@@ -181,15 +181,6 @@ def test_report_compares_every_proxy_target_with_direct_and_prices_tracing():
     assert not report.regressed(summary["S2"]["direct"], summary["S2"]["proxy"])
     assert report.added_cost({"S1": {"direct": _figures(1, 1)}}, {}, "proxy-traced") == []
     assert report.added_cost(summary, memory, "proxy-logged") == []  # not run
-
-
-def test_prometheus_totals_sum_over_labels():
-    text = ("# HELP traceproxy_requests_total x\n# TYPE traceproxy_requests_total counter\n"
-            'traceproxy_requests_total{status="200",outcome="OK"} 7\n'
-            'traceproxy_requests_total{status="502",outcome="UF"} 2\n'
-            "traceproxy_spans_dropped_total 0\n")
-    totals = prometheus_totals(text)
-    assert totals["traceproxy_requests_total"] == 9 and totals["traceproxy_spans_dropped_total"] == 0
 
 
 # --- the OTLP sink ---------------------------------------------------------------------------

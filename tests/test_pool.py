@@ -14,7 +14,6 @@ import uvloop
 
 from .support import SMALL_OK, RawClient, answers_then_drops_next_request, wait_until
 
-OK = SMALL_OK
 
 
 def test_request_that_hits_a_stale_reused_connection_is_resent_once(scripted_upstream, start_proxy):
@@ -50,7 +49,7 @@ def test_resend_that_fails_again_is_urx(scripted_upstream, start_proxy):
         state["conn"] += 1
         if state["conn"] == 1:
             await reader.read_request()
-            writer.write(OK)
+            writer.write(SMALL_OK)
             await writer.drain()
         await reader.read_request()
         writer.transport.abort()
@@ -90,7 +89,7 @@ def test_requests_wait_for_a_free_upstream_connection_at_the_cap(scripted_upstre
         while True:
             await reader.read_request()
             await release.wait()
-            writer.write(OK)
+            writer.write(SMALL_OK)
             await writer.drain()
 
     up = scripted_upstream(held)
@@ -267,19 +266,19 @@ def test_shutdown_with_connects_ahead_in_flight_leaves_nothing_open(run):
         async def watch(reader, writer):
             ends.append(asyncio.ensure_future(reader.read()))  # b"" once the proxy side closes
 
-        server = await asyncio.start_server(watch, "127.0.0.1", 0)
-        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.4, keep_warm=30)
-        await _burst(pool, 6)
-        pool.stop_keeping_warm()  # what shutdown does first: idle ones now just expire
-        assert not pool.warm_target and not pool.spares_to_open
-        await _burst(pool, 6)
-        pool.keep_warm_ns = int(30e9)  # warm again, then shut while renewing
-        assert await _until(lambda: pool.spares_connecting > 0 or pool.spares_to_open > 0, timeout=3)
-        pool.close_all()
-        await asyncio.sleep(0.3)
-        assert pool.open_count == 0 and not pool.idle and not pool.connecting
-        assert await _until(lambda: all(end.done() for end in ends), timeout=3)
-        server.close()
+        async with _pool_on_server(watch, idle_timeout=0.4, keep_warm=30) as pool:
+            await _burst(pool, 6)
+            pool.stop_keeping_warm()  # what shutdown does first: idle ones now just expire
+            assert not pool.warm_target and not pool.spares_to_open
+            opened_ahead = pool.stats["opened_ahead"]
+            assert await _until(lambda: not pool.idle, timeout=3), "idle connections outlived keep_warm's end"
+            assert pool.stats["opened_ahead"] == opened_ahead
+            await _burst(pool, 6)
+            pool.keep_warm_ns = int(30e9)  # warm again, then shut while renewing
+            assert await _until(lambda: pool.spares_connecting > 0 or pool.spares_to_open > 0, timeout=3)
+            pool.close_all()
+            assert await _until(lambda: pool.open_count == 0 and not pool.idle and not pool.connecting, timeout=3)
+            assert await _until(lambda: all(end.done() for end in ends), timeout=3)
 
     run(main())
 
@@ -287,17 +286,15 @@ def test_shutdown_with_connects_ahead_in_flight_leaves_nothing_open(run):
 def test_keep_warm_lets_the_pool_drain_after_the_window_and_never_opens_after_shutdown():
     async def main():
         accepted = []
-        server = await asyncio.start_server(lambda r, w: accepted.append(w), "127.0.0.1", 0)
-        pool = _pool(server.sockets[0].getsockname()[1], idle_timeout=0.2, keep_warm=0.5)
-        await _burst(pool, 3)
-        assert await _until(lambda: pool.open_count == 0, timeout=3)  # no demand for keep_warm: drained
+        async with _pool_on_server(lambda r, w: accepted.append(w), idle_timeout=0.2, keep_warm=0.5) as pool:
+            await _burst(pool, 3)
+            assert await _until(lambda: pool.open_count == 0, timeout=3)  # no demand for keep_warm: drained
 
-        await _burst(pool, 3)
-        pool.close_all()
-        count = len(accepted)
-        await asyncio.sleep(0.5)
-        assert pool.open_count == 0 and len(accepted) == count
-        server.close()
+            await _burst(pool, 3)
+            pool.close_all()
+            count = len(accepted)
+            await asyncio.sleep(0.5)  # the window in which a late connect would arrive
+            assert pool.open_count == 0 and len(accepted) == count
 
     asyncio.run(main())
 
@@ -315,8 +312,10 @@ def test_keep_warm_probes_a_down_upstream_with_one_connect_a_sweep():
         assert await _until(lambda: pool.spares_failing)  # the first of the top-up were refused
         failed = pool.stats["connect_failed"]
         assert failed <= 8
-        await asyncio.sleep(0.5)  # five sweeps: one probe each, not 8
-        assert failed + 2 <= pool.stats["connect_failed"] <= failed + 6
+        started = time.monotonic()
+        assert await _until(lambda: pool.stats["connect_failed"] >= failed + 2, timeout=3), "the probes stopped"
+        sweeps = (time.monotonic() - started) / (pool.sweep_interval_ns / 1e9)
+        assert pool.stats["connect_failed"] <= failed + sweeps + 2, "more than one probe a sweep"
         assert pool.open_count <= 1
         pool.close_all()
 

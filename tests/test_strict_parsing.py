@@ -113,7 +113,9 @@ def test_slow_head_of_a_second_keepalive_request_gets_408(fast_upstream, start_p
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
         first = b""
         while b"\r\n\r\n" not in first:
-            first += sock.recv(65536)
+            chunk = sock.recv(65536)
+            assert chunk, f"closed before the first response: {first!r}"
+            first += chunk
         assert first.startswith(b"HTTP/1.1 200 ")
         started = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n")
