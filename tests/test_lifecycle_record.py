@@ -8,6 +8,7 @@ import socket
 
 from traceproxy.lifecycle.flags import Flag
 from traceproxy.lifecycle.marks import Mark
+from traceproxy.sim.launch import free_port
 
 from .support import RawClient, raw_exchange, wait_until
 
@@ -51,12 +52,6 @@ def test_healthy_streams_record_marks_in_order_and_the_keepalive_ledger(fast_ups
         assert len(rec.marks[record.id]) == len(set(rec.marks[record.id]))
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):
     rec = Recorder()
     proxy = start_proxy(fast_upstream().url, observers=[rec])
@@ -66,7 +61,7 @@ def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):
     half.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nab")
     assert wait_until(lambda: len(rec.started) == 3)
     half.close()  # DC while the body is incomplete
-    dead = start_proxy(f"http://127.0.0.1:{_closed_port()}", observers=[rec])
+    dead = start_proxy(f"http://127.0.0.1:{free_port()}", observers=[rec])
     RawClient(dead.port).roundtrip("GET", "/")  # UF
     assert wait_until(lambda: len(rec.done) == 4)
     assert sorted(r.outcome.code for r in rec.done) == ["DC", "DPE", "OK", "UF"]

@@ -6,17 +6,16 @@ resends, and closed client connections land in their histogram."""
 from __future__ import annotations
 
 import re
-import socket
 import urllib.request
 
 from traceproxy.lifecycle.machine import Phase
-from traceproxy.observe.metrics import Histogram, format_labels
+from traceproxy.observe.metrics import Histogram, format_labels, prometheus_totals
+from traceproxy.sim.launch import free_port
 
-from .support import RawClient, answers_in_parts, answers_then_drops_next_request, never_answers, wait_until
+from .support import RawClient, admin_get, answers_in_parts, answers_then_drops_next_request, never_answers, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
-OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 HISTOGRAMS = ("traceproxy_request_duration_seconds", "traceproxy_time_to_first_byte_seconds",
               "traceproxy_time_to_first_chunk_seconds", "traceproxy_response_chunk_max_gap_seconds",
               "traceproxy_client_connection_requests")
@@ -106,14 +105,6 @@ def assert_cumulative(result: Scrape, histogram: str) -> None:
     assert counts[-1] == result.value(histogram + "_count"), f"{histogram}: +Inf bucket != _count"
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-
-
 # ----------------------------------------------------------------------------------
 # Shape
 # ----------------------------------------------------------------------------------
@@ -192,7 +183,7 @@ def test_time_to_first_byte_is_the_head_and_first_chunk_the_body(scripted_upstre
 
 
 def test_upstream_connect_failure_counts_as_uf_502_blamed_on_the_engine(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{closed_port()}")
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
     client = RawClient(proxy.port)
     for _ in range(2):
         assert client.roundtrip("GET", "/v1/models").status == 502
@@ -327,11 +318,18 @@ def test_client_connection_requests_observed_when_each_connection_closes(fast_up
 
 def test_every_exposed_metric_is_documented(fast_upstream, start_proxy):
     import re
-    import urllib.request
     from pathlib import Path
 
     proxy = start_proxy(fast_upstream().url)
-    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/metrics", timeout=5) as resp:
-        exposed = set(re.findall(r"^# TYPE (traceproxy_\w+) ", resp.read().decode(), re.M))
+    exposed = set(re.findall(r"^# TYPE (traceproxy_\w+) ", admin_get(proxy, "/metrics"), re.M))
     documented = set(re.findall(r"`(traceproxy_\w+)`", (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()))
     assert exposed and exposed == documented
+
+
+def test_prometheus_totals_sum_over_labels():
+    text = ("# HELP traceproxy_requests_total x\n# TYPE traceproxy_requests_total counter\n"
+            'traceproxy_requests_total{status="200",outcome="OK"} 7\n'
+            'traceproxy_requests_total{status="502",outcome="UF"} 2\n'
+            "traceproxy_spans_dropped_total 0\n")
+    totals = prometheus_totals(text)
+    assert totals["traceproxy_requests_total"] == 9 and totals["traceproxy_spans_dropped_total"] == 0

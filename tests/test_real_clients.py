@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 
 import aiohttp
@@ -30,6 +29,7 @@ import pytest
 import requests
 
 from traceproxy.sim.fast import MODEL
+from traceproxy.sim.launch import free_port
 
 from .support import wait_until
 
@@ -170,14 +170,8 @@ def test_openai_sdk_streams_a_multi_turn_chat_on_one_client(fast_upstream, start
     assert wait_until(lambda: not proxy.ctx.connections), "proxy kept closed client connections"
 
 
-def closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_openai_sdk_sees_proxy_failure_as_typed_502_with_outcome(start_proxy):
-    proxy, recorder = observed_proxy(start_proxy, f"http://127.0.0.1:{closed_port()}")
+    proxy, recorder = observed_proxy(start_proxy, f"http://127.0.0.1:{free_port()}")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="x",
                            max_retries=0, timeout=CLIENT_TIMEOUT)
     try:

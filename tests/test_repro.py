@@ -25,6 +25,7 @@ from traceproxy.repro.harness import FAILED, HUNG, OK, parse_stream, trace_id_of
 from traceproxy.repro.inflight import IN_FLIGHT, LEFT_PROXY, NOT_REACHED, UNKNOWN, Diagnosis, locate
 from traceproxy.repro.report import (NOT_REACHED_TEXT, hung_lines, result_document, summary_lines, verdict_key,
                                      verdict_text)
+from traceproxy.sim.launch import free_port
 
 REPRO = Path(__file__).resolve().parents[1] / "traceproxy" / "repro"
 
@@ -90,12 +91,6 @@ def black_hole():
     hole = BlackHole()
     yield hole
     hole.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------
@@ -201,7 +196,7 @@ def test_json_output(start_proxy, fast_upstream, capsys):
 
 
 def test_an_error_response_is_a_failed_turn(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{_free_port()}")  # the upstream is down: 502 UF
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")  # the upstream is down: 502 UF
     result = run_repro(f"http://127.0.0.1:{proxy.port}", None, conversations=1, turns=2, turn_timeout=5.0,
                        mode="reused")
     [record] = result.records
@@ -211,12 +206,12 @@ def test_an_error_response_is_a_failed_turn(start_proxy):
 
 
 def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, capsys):
-    assert main(["repro", "--url", f"http://127.0.0.1:{_free_port()}"]) == 2
+    assert main(["repro", "--url", f"http://127.0.0.1:{free_port()}"]) == 2
     assert "cannot connect" in capsys.readouterr().err
 
     proxy = start_proxy(fast_upstream().url)
     url = f"http://127.0.0.1:{proxy.port}"
-    assert main(["repro", "--url", url, "--admin", f"127.0.0.1:{_free_port()}"]) == 2
+    assert main(["repro", "--url", url, "--admin", f"127.0.0.1:{free_port()}"]) == 2
     assert "admin listener" in capsys.readouterr().err
     assert main(["repro", "--url", url, "--admin", f"127.0.0.1:{proxy.port}"]) == 2  # not the admin port
     assert main(["repro", "--url", "https://127.0.0.1:1"]) == 2
@@ -228,7 +223,7 @@ def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, 
     with pytest.raises(UsageError):
         run_repro(url + "/v1", None)
     with pytest.raises(TargetUnreachable):
-        run_repro(f"http://127.0.0.1:{_free_port()}", None)
+        run_repro(f"http://127.0.0.1:{free_port()}", None)
 
 
 # ----------------------------------------------------------------------------------

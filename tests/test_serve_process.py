@@ -14,13 +14,9 @@ import urllib.request
 
 import pytest
 
+from traceproxy.sim.launch import free_port
+
 from .support import RawClient, wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -34,7 +30,7 @@ def upstream_process():
 
 
 def _serve(upstream: str, *extra: str, env: dict | None = None):
-    port, admin = _free_port(), _free_port()
+    port, admin = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "traceproxy", "serve", "--listen", f"127.0.0.1:{port}", "--upstream", upstream,
          "--admin", f"127.0.0.1:{admin}", *extra],

@@ -31,7 +31,7 @@ from traceproxy.cli import main as cli_main
 from traceproxy.sim.engine import SimWorker
 from traceproxy.sim.faults import FAULTS, FaultError, parse_fault, parse_faults, split_by_home
 from traceproxy.sim.faultyproxy import FaultyProxy
-from traceproxy.sim.launch import SimDeployment
+from traceproxy.sim.launch import SimDeployment, free_port
 from traceproxy.sim.otel import make_tracing
 
 from .otlp_receiver import OtlpHttpReceiver
@@ -267,12 +267,6 @@ def test_decode_waits_for_its_prefill_room_in_one_process(start_worker):
     assert gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 0
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("via", ["bootstrap-port", "prefill-url"])
 def test_decode_polls_the_bootstrap_of_a_prefill_in_another_process(start_worker, via):
     proc = sim_command("worker", "--role", "prefill", "--log-level", "warning")
@@ -284,7 +278,7 @@ def test_decode_polls_the_bootstrap_of_a_prefill_in_another_process(start_worker
         if via == "bootstrap-port":  # what the router writes into the body
             decode, bootstrap_port = start_worker("decode"), int(bootstrap_line.rsplit(":", 1)[1])
         else:  # docker-compose: the body's bootstrap port is not where the prefill listens
-            decode, bootstrap_port = start_worker("decode", prefill_url=prefill_url), _closed_port()
+            decode, bootstrap_port = start_worker("decode", prefill_url=prefill_url), free_port()
         _pair_and_check(prefill_port, bootstrap_port, decode, room=8)
         assert stop_child(proc, signal.SIGINT) == 0
     finally:

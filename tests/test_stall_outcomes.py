@@ -9,12 +9,11 @@ import json
 import logging
 import socket
 import time
-import urllib.request
 
 import pytest
 
 from .otlp_receiver import OtlpHttpReceiver
-from .support import RawClient, answers_in_parts, never_answers, wait_until
+from .support import RawClient, admin_get, answers_in_parts, never_answers, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -24,11 +23,6 @@ FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait"
 def receiver():
     with OtlpHttpReceiver() as rx:
         yield rx
-
-
-def _admin(proxy, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}{path}", timeout=5) as resp:
-        return resp.read()
 
 
 _one_token_then_silence = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
@@ -126,11 +120,11 @@ def test_stall_is_reported_everywhere_while_the_request_is_stuck(code, blame, ph
         assert stall.attributes["traceproxy.blame"] == blame
         assert stall.attributes["traceproxy.stall.phase"] == phase
         assert stall.trace_id == "%032x" % record.trace_id and stall.parent_span_id == "%016x" % record.span_id
-        entry = next(e for e in json.loads(_admin(proxy, "/debug/inflight"))["requests"]
+        entry = next(e for e in json.loads(admin_get(proxy, "/debug/inflight"))["requests"]
                      if any(s["outcome"] == code for s in e["stalls"]))
         assert entry["verdict"]["outcome"] == code and entry["verdict"]["blame"] == blame
         assert entry["verdict"]["stalled"] is True and entry["phase"] == phase
-        metrics = _admin(proxy, "/metrics").decode()
+        metrics = admin_get(proxy, "/metrics")
         assert f'traceproxy_stalls_total{{outcome="{code}",blame="{blame}"}} 1' in metrics
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"stall {code}"))
         assert f"blame {blame}" in line and ("%032x" % record.trace_id) in line

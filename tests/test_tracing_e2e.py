@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 
 import pytest
 
 from traceproxy.proxy import tracecontext as tc
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
-from .support import RawClient, header_value, wait_until
+from .support import RawClient, admin_get, header_value, wait_until
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -93,8 +92,7 @@ def test_a_collector_in_trouble_never_slows_or_breaks_proxying(mode, fast_upstre
             assert resp.status == 200 and resp.complete
         # Healthy requests: once the queue is half full they are shed; either way the loss is counted.
         assert wait_until(lambda: proxy.tracing.shed["backlog"] > 0, timeout=10)
-        with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/metrics", timeout=5) as scrape:
-            metrics = scrape.read().decode()
+        metrics = admin_get(proxy, "/metrics")
         shed = next(line for line in metrics.splitlines()
                     if line.startswith('traceproxy_spans_shed_total{reason="backlog"}'))
         assert float(shed.split()[-1]) > 0

@@ -10,13 +10,9 @@ import time
 
 import pytest
 
+from traceproxy.sim.launch import free_port
+
 from .support import RawClient, header_value, never_answers, wait_until
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _error(resp) -> dict:
@@ -25,7 +21,7 @@ def _error(resp) -> dict:
 
 
 def test_connect_refused_is_502_uf(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{_closed_port()}")
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
     resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}")
     assert resp.status == 502
     assert resp.headers["x-traceproxy-outcome"] == "UF"
@@ -196,7 +192,7 @@ def test_response_to_client_that_stops_reading_applies_backpressure(scripted_ups
 
 
 def test_error_before_the_body_arrived_drains_it_and_keeps_the_connection(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{_closed_port()}")
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 20\r\n\r\n")
         reply = sock.recv(65536)  # the 502 comes before the body was sent
