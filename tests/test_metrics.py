@@ -141,6 +141,15 @@ def test_histogram_bucket_edges_are_inclusive_and_cumulative():
     assert histogram.count == 4 and histogram.sum == 8.6
 
 
+def test_nanosecond_histogram_buckets_and_sums_in_seconds():
+    # The latency histograms count integer ns; bounds and _sum are still seconds.
+    histogram = Histogram((0.005, 0.01), scale=1_000_000_000)
+    for ns in (5_000_000, 5_000_001, 20_000_000):
+        histogram.count_raw(ns)
+    assert histogram.cumulative() == [(0.005, 1), (0.01, 2), (float("inf"), 3)]
+    assert histogram.count == 3 and histogram.sum == 0.030000001
+
+
 # ----------------------------------------------------------------------------------
 # Requests
 # ----------------------------------------------------------------------------------

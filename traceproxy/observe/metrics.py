@@ -51,6 +51,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # Seconds between upstream reads: decode pacing is milliseconds to tens of
 # milliseconds; a stall is seconds.
 CHUNK_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+NS_PER_S = 1_000_000_000
 CONNECTION_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 # A request in ``ctx.in_flight`` has not finished, so it is never in DONE.
@@ -61,21 +62,40 @@ IN_FLIGHT_PHASES = tuple(phase for phase in Phase if phase is not Phase.DONE)
 # Counting
 # ----------------------------------------------------------------------------------
 class Histogram:
-    """Fixed bucket bounds; counts per bucket, not cumulative (that is done at render)."""
+    """Fixed bucket bounds; counts per bucket, not cumulative (that is done at render).
 
-    __slots__ = ("bounds", "bucket_counts", "sum", "count")
+    Values are counted in raw units, ``scale`` of them per exported unit: the
+    latency histograms count integer nanoseconds (scale 1e9), so the per-request
+    path adds integers instead of dividing each duration into float seconds.
+    """
 
-    def __init__(self, bounds: Iterable[float]) -> None:
+    __slots__ = ("bounds", "raw_bounds", "scale", "bucket_counts", "raw_sum")
+
+    def __init__(self, bounds: Iterable[float], scale: int = 1) -> None:
         self.bounds = tuple(float(bound) for bound in bounds)
+        # Rounded: 0.005 s is 5_000_000 ns exactly, not 5_000_000.000000001.
+        self.raw_bounds = self.bounds if scale == 1 else tuple(round(bound * scale) for bound in self.bounds)
+        self.scale = scale
         self.bucket_counts = [0] * (len(self.bounds) + 1)  # the last bucket is +Inf
-        self.sum = 0.0
-        self.count = 0
+        self.raw_sum = 0
 
     def observe(self, value: float) -> None:
+        """Count ``value``, in exported units."""
+        self.count_raw(value * self.scale if self.scale != 1 else value)
+
+    def count_raw(self, raw: int | float) -> None:
+        """Count ``raw``, in raw units (ns for a latency histogram)."""
         # bisect_left: a value equal to a bound belongs to that bound's bucket (le is <=).
-        self.bucket_counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+        self.bucket_counts[bisect.bisect_left(self.raw_bounds, raw)] += 1
+        self.raw_sum += raw
+
+    @property
+    def sum(self) -> float:
+        return self.raw_sum / self.scale if self.scale != 1 else self.raw_sum
+
+    @property
+    def count(self) -> int:
+        return sum(self.bucket_counts)
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations at or below it), ending with (+inf, count)."""
@@ -105,10 +125,10 @@ class ProxyMetrics:
         self.requests: dict[tuple[int | None, str], int] = {}
         self.stalls: Counter[tuple[str, str]] = Counter()  # (outcome, blame)
         self.stalls_resolved: Counter[str] = Counter()  # outcome
-        self.request_duration = Histogram(LATENCY_BUCKETS)
-        self.time_to_first_byte = Histogram(LATENCY_BUCKETS)
-        self.time_to_first_chunk = Histogram(LATENCY_BUCKETS)
-        self.chunk_max_gap = Histogram(CHUNK_GAP_BUCKETS)
+        self.request_duration = Histogram(LATENCY_BUCKETS, NS_PER_S)
+        self.time_to_first_byte = Histogram(LATENCY_BUCKETS, NS_PER_S)
+        self.time_to_first_chunk = Histogram(LATENCY_BUCKETS, NS_PER_S)
+        self.chunk_max_gap = Histogram(CHUNK_GAP_BUCKETS, NS_PER_S)
         self.client_connection_requests = Histogram(CONNECTION_REQUEST_BUCKETS)
         self.engines = None  # EngineScraper, set by the composition root when scraping is on
 
@@ -120,16 +140,16 @@ class ProxyMetrics:
         start = marks.get(MARK.FIRST_DOWNSTREAM_RX_BYTE)
         if start is None:
             return
-        self.request_duration.observe((record.end_ns - start) / 1e9)
+        self.request_duration.count_raw(record.end_ns - start)
         head_sent = marks.get(MARK.FIRST_DOWNSTREAM_TX_BYTE)
         if head_sent is not None:
-            self.time_to_first_byte.observe((head_sent - start) / 1e9)
+            self.time_to_first_byte.count_raw(head_sent - start)
         body_sent = marks.get(MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE)
         if body_sent is not None:
-            self.time_to_first_chunk.observe((body_sent - start) / 1e9)
+            self.time_to_first_chunk.count_raw(body_sent - start)
         # One read has no gap; observing 0 for it would drag the distribution down.
         if record.upstream_rx_chunks > 1:
-            self.chunk_max_gap.observe(record.max_chunk_gap_ns / 1e9)
+            self.chunk_max_gap.count_raw(record.max_chunk_gap_ns)
 
     # -- stall listener ----------------------------------------------------------
     def on_stall(self, record: RequestRecord, judgement: Judgement, entry: StallEntry) -> None:
