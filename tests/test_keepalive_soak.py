@@ -32,7 +32,7 @@ import pytest
 
 from traceproxy.sim.fast import MODEL
 
-from .support import RawClient
+from .support import RawClient, wait_until
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -136,6 +136,8 @@ def test_keepalive_soak_against_upstream_idle_close(fast_upstream, start_proxy):
 
     stats = dict(proxy.ctx.pool.stats)
     print(f"soak: {rounds_done} rounds, upstream idle closes {up.idle_closes}, pool {stats}")
+    # Observers hear of a request's end a loop pass after it (see hooks: Deferred endings).
+    wait_until(lambda: len(recorder.done) >= rounds_done)
     with recorder.lock:
         done = list(recorder.done)
     assert failures == [], f"{len(failures)} failed rounds of {rounds_done}: {failures}; pool {stats}"

@@ -54,3 +54,45 @@ def test_an_observer_that_raises_is_counted_and_the_others_still_run():
     fanout.done(record)
     assert counts.calls == ["start", "first_downstream_rx_byte", "done"]
     assert fanout.observer_errors == 3
+
+
+class _EndedIds:
+    def __init__(self): self.ids = []
+    def on_done(self, record): self.ids.append(record.sequence)
+
+
+def _records(n: int) -> list[RequestRecord]:
+    connection = ClientConnectionRecord(peer="p", opened_ns=0)
+    return [RequestRecord(connection=connection, sequence=i, idle_gap_ns=None) for i in range(n)]
+
+
+def test_deferred_endings_wait_for_the_scheduler_and_run_in_order_in_slices():
+    scheduled = []
+    ended = _EndedIds()
+    fanout = Fanout([ended])
+    fanout.defer_done(scheduled.append)
+    for record in _records(40):
+        fanout.done(record)
+    assert ended.ids == [] and len(scheduled) == 1  # one pass scheduled, however many endings
+    scheduled.pop()()
+    assert ended.ids == list(range(20))  # half of the 40 queued (more than DRAIN_MIN)
+    assert len(scheduled) == 1  # the rest waits for the next pass
+    scheduled.pop()()
+    assert ended.ids == list(range(36))  # DRAIN_MIN (16) of the 20 left
+    scheduled.pop()()
+    assert ended.ids == list(range(40)) and scheduled == []
+
+
+def test_drain_delivers_every_queued_ending_at_once():
+    scheduled = []
+    ended = _EndedIds()
+    fanout = Fanout([ended])
+    fanout.defer_done(scheduled.append)
+    for record in _records(3):
+        fanout.done(record)
+    fanout.drain()
+    assert ended.ids == [0, 1, 2]
+    scheduled.pop()()  # the pass scheduled earlier finds nothing left, and stands down
+    assert ended.ids == [0, 1, 2]
+    fanout.done(_records(1)[0])
+    assert len(scheduled) == 1  # a new ending schedules a new pass
