@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .support import RawClient, header_value, raw_exchange
+from .support import RawClient, header_value, raw_exchange, wait_until
 
 GOOD = b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
 
@@ -66,6 +66,23 @@ def test_oversized_head_gets_431(fast_upstream, start_proxy):
     proxy = start_proxy(up.url, **{"limits.max_header_bytes": 4096})
     raw = b"GET / HTTP/1.1\r\nHost: a\r\n" + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"v" * 100) for i in range(60)) + b"\r\n"
     assert raw_exchange(proxy.port, raw).startswith(b"HTTP/1.1 431 ")
+    assert up.requests == 0
+
+
+def test_head_over_the_limit_only_with_its_last_read_gets_431(fast_upstream, start_proxy):
+    # Each read is under the limit; the read that completes the head takes it over.
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"limits.max_header_bytes": 4096})
+    lines = [b"X-Pad-%d: %s\r\n" % (i, b"v" * 100) for i in range(50)]
+    first = b"GET / HTTP/1.1\r\nHost: a\r\n" + b"".join(lines[:25])
+    second = b"".join(lines[25:]) + b"\r\n"
+    assert len(first) < 4096 and len(second) < 4096
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(first)
+        assert wait_until(lambda: proxy.ctx.in_flight)  # the first read was parsed on its own
+        sock.sendall(second)
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 431 ")
     assert up.requests == 0
 
 

@@ -12,7 +12,10 @@ Hazards
   malformed request behind good ones is answered with its 400 only after them.
 * Unbounded heads: httptools concatenates a header value until it ends, so a
   client streaming one endless header would grow memory; bytes fed while the head
-  is incomplete are counted here and cut off at ``limits.max_header_bytes``.
+  is incomplete are counted here and cut off at ``limits.max_header_bytes``. A
+  head that ends in the read it began in is at most that read long, so its exact
+  size (the header lines) is summed only when that read, with the bytes of the
+  head read before it, is longer than the limit.
 * Exactly one ending per request: every record started here ends through
   ``ServerContext.end_request``, including requests that were still being parsed
   or queued when the connection died.
@@ -57,8 +60,9 @@ class ClientConnection(asyncio.Protocol):
         self.parsing_exchange: Exchange | None = None
         self._url = b""
         self._headers: H.Headers = []
-        self._head_bytes = 0
-        self._max_head_bytes = ctx.limits.max_header_bytes  # read by on_header, for every header
+        self._head_bytes = 0  # bytes of reads that ended inside the current head
+        self._read_size = 0  # length of the read being fed
+        self._max_head_bytes = ctx.limits.max_header_bytes
         self._max_target_bytes = ctx.limits.max_target_bytes
         self._in_head = False  # between a request's first byte and its complete head
         # A head began during this read: arm the head timer after it, unless the head
@@ -157,6 +161,7 @@ class ClientConnection(asyncio.Protocol):
         if self.closing or self.rejection is not None:
             return
         in_head = self.parsing is None or self._in_head
+        self._read_size = len(data)
         self.feeding = True
         try:
             self.parser.feed_data(data)
@@ -179,8 +184,8 @@ class ClientConnection(asyncio.Protocol):
                 self.active.flush_upstream()
         if in_head and self._in_head and self.parsing is not None:
             self._head_bytes += len(data)
-            if self._head_bytes > self.ctx.limits.max_header_bytes:
-                self.reject(431, Flag.DPE, f"request head exceeds {self.ctx.limits.max_header_bytes} bytes")
+            if self._head_bytes > self._max_head_bytes:
+                self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
                 return
         if self._head_timer_pending:
             self._head_timer_pending = False
@@ -206,9 +211,8 @@ class ClientConnection(asyncio.Protocol):
             raise H.BadRequest(414, f"request target exceeds {self._max_target_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > self._max_head_bytes:
-            raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
+        # Called for every header of every request: the size limit is checked once
+        # the head is complete (see Hazards: Unbounded heads).
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -220,6 +224,8 @@ class ClientConnection(asyncio.Protocol):
         record.target = self._url.decode("latin-1")
         record.http_version = self.parser.get_http_version()
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
+        if self._head_bytes + self._read_size > self._max_head_bytes and self._head_size() > self._max_head_bytes:
+            raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         if self.parser.should_upgrade():
             raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
         parts = H.parse_request_headers(self._headers, record.http_version, self.ctx.request_id_names)
@@ -238,6 +244,10 @@ class ClientConnection(asyncio.Protocol):
         else:
             self.queue.append(exchange)
             self.pause_reading("pipeline")
+
+    def _head_size(self) -> int:
+        """The head's header lines and target, as ``name: value`` lines would count them."""
+        return len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._headers)
 
     def on_body(self, body: bytes) -> None:
         self.parsing_exchange.request_body(body)
