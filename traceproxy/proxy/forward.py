@@ -121,7 +121,10 @@ class Exchange:
     # ---------------------------------------------------------------------------
     def start(self) -> None:
         self._started_ns = now = time.monotonic_ns()
-        self._aim_timer(now)
+        # On a keep-alive connection the timer is usually armed already, due before
+        # any deadline of this request can be: it re-aims when it fires.
+        if self.client.exchange_timer_due_after(now + self.ctx.first_request_deadline_ns):
+            self._aim_timer(now)
         if self._rewrite is None or self.request_complete:
             self._acquire(fresh=False)
 
