@@ -3,6 +3,7 @@ keep-alive, pipelining, HTTP/1.0, Expect, HEAD. Raw requests are module constant
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 from .support import RawClient, header_value, raw_exchange, wait_until
@@ -221,6 +222,32 @@ def test_a_repeated_response_head_then_a_different_one_are_each_framed_by_their_
     assert [r.body for r in bodies] == [b"hi", b"hi", b"bye", b"hi"]
     assert bodies[2].headers["content-length"] == "3" and "transfer-encoding" not in bodies[2].headers
     assert bodies[3].headers["transfer-encoding"] == "chunked" and "content-length" not in bodies[3].headers
+
+
+def test_a_repeated_head_is_taken_for_the_last_one_only_when_every_byte_matches(scripted_upstream, start_proxy):
+    # A head that repeats the last one byte for byte skips the per-header parsing
+    # (see upstream: Repeated heads); a different status line, a head split over
+    # reads and a HEAD response must each still be read as themselves.
+    head = b"HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Length: 2\r\n\r\n"
+    busy = b"HTTP/1.1 503 Busy\r\nX-A: 1\r\nContent-Length: 2\r\n\r\n"
+    responses = iter([[head + b"ok"], [head + b"ok"], [busy + b"no"], [head[:20], head[20:] + b"ok"], [head],
+                      [head + b"ok"]])
+
+    async def handler(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            for part in next(responses):
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+    up = scripted_upstream(handler)
+    client = RawClient(start_proxy(up.url).port)
+    got = [client.roundtrip(method, f"/{i}") for i, method in enumerate(["GET", "GET", "GET", "GET", "HEAD", "GET"])]
+    assert [(r.status, r.body) for r in got] == [(200, b"ok"), (200, b"ok"), (503, b"no"), (200, b"ok"), (200, b""),
+                                                 (200, b"ok")]
+    assert got[2].head.reason == b"Busy" and all(r.headers["x-a"] == "1" for r in got)
+    assert up.connections == 1
 
 
 def test_no_content_and_not_modified_have_no_body(scripted_upstream, start_proxy):

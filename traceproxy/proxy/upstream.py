@@ -39,6 +39,12 @@ Hazards this module exists for
   response is only declared complete after ``feed_data`` returns: releasing the
   connection from inside a parser callback would let the rest of the same buffer
   be parsed as the *next* user's response.
+* Repeated heads. An engine answers with the same head bytes response after
+  response (an SSE head has no length). When a response's first read starts with
+  the bytes of the last head parsed in full, it is fed to a second parser that
+  has no header callbacks: llhttp still parses and checks every byte, and the
+  head's status, reason and parts are taken from the pool's record of those
+  bytes. That saves a Python callback per header on every such response.
 """
 
 from __future__ import annotations
@@ -69,10 +75,15 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.discarded_by_pool = False  # closed by us, not by the upstream
         self.counted_closed = False  # its slot in open_count was given back
-        self._parser: httptools.HttpResponseParser | None = None
-        # llhttp is ready for the next message once one completes in it; a HEAD
-        # response (whose body llhttp would still wait for) or a broken one is not.
-        self._parser_reusable = False
+        self._parser: httptools.HttpResponseParser | None = None  # the current response's
+        # Idle parsers, kept for the next response (see Hazards: Parsers and
+        # responses; Repeated heads): llhttp is ready for the next message once one
+        # completes in it; a HEAD response (whose body llhttp would still wait for)
+        # or a broken one is not. None: make a new one.
+        self._full_parser: httptools.HttpResponseParser | None = None
+        self._known_head_parser: httptools.HttpResponseParser | None = None
+        self._known_head: KnownHead | None = None  # the head the current response repeats
+        self._first_read: bytes | None = None  # of a response parsed in full, until its head is
         self._reset_response(head_only=False)
         # While connecting: the request this connection is being opened for, and the
         # connect timeout. The connection is handed over from connection_made.
@@ -102,9 +113,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool.stats["closed_by_upstream_while_idle"] += 1
             self.pool.discard(self, "unexpected bytes on an idle connection")
             return
+        parser = self._parser
+        if parser is None:  # the response's first read
+            parser = self._parser = self._parser_for(data)
         self.bytes_received += len(data)
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             user.upstream_protocol_error("upstream switched protocols, which the proxy does not support")
             return
@@ -167,10 +181,20 @@ class UpstreamConnection(asyncio.Protocol):
     # -- per response ------------------------------------------------------------
     def begin_response(self, user: "Exchange", head_only: bool) -> None:
         self.user = user
-        if not self._parser_reusable:
-            self._parser = httptools.HttpResponseParser(self)
-        self._parser_reusable = False
+        self._parser = None  # chosen by the first read (see _parser_for)
         self._reset_response(head_only)
+
+    def _parser_for(self, first_read: bytes) -> httptools.HttpResponseParser:
+        """The parser for a response, chosen by its first read (see Hazards: Repeated heads)."""
+        self._known_head = known = self.pool.known_head_of(first_read)
+        if known is not None:
+            parser, self._known_head_parser = self._known_head_parser, None
+            if parser is None:
+                parser = httptools.HttpResponseParser(_KnownHeadCallbacks(self))
+            return parser
+        self._first_read = first_read  # a final head that ends in it is learnt (see _head_parsed)
+        parser, self._full_parser = self._full_parser, None
+        return parser if parser is not None else httptools.HttpResponseParser(self)
 
     def _reset_response(self, head_only: bool) -> None:
         """Per-response state: every response starts with these (and an idle parser)."""
@@ -178,6 +202,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._reason = b""
         self._head_only = head_only
         self._in_interim = False
+        self._saw_interim = False
         self._awaiting_head = True  # until the final (non-1xx) head is parsed
         self._complete = False
         self._extra_message = False
@@ -211,15 +236,28 @@ class UpstreamConnection(asyncio.Protocol):
         if 100 <= status < 200:
             # Interim responses (100 Continue, 103 Early Hints) are consumed here:
             # the proxy answered the client's Expect itself.
-            self._in_interim = True
+            self._in_interim = self._saw_interim = True
             self._headers = []
             self._reason = b""
             return
+        reason, parts = self._reason or b"", self.pool.response_parts(self._headers)
+        if self._first_read is not None:
+            if not self._saw_interim:
+                self.pool.learn_head(self._first_read, status, reason, parts)
+            self._first_read = None
+        self._head_parsed(status, reason, parts)
+
+    def on_known_headers_complete(self) -> None:
+        """The head repeats ``_known_head`` byte for byte (its parser has no header callbacks)."""
+        if not self._complete:
+            known = self._known_head
+            self._head_parsed(known.status, known.reason, known.parts)
+
+    def _head_parsed(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
         self._awaiting_head = False
-        parts = self.pool.response_parts(self._headers)
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
-        self.user.upstream_response_head(status, self._reason or b"", parts)
+        self.user.upstream_response_head(status, reason, parts)
         # Read keep-alive now: llhttp resets its flags once the message completes.
         self._keep_alive = self._parser.should_keep_alive()
         if no_body:
@@ -233,13 +271,40 @@ class UpstreamConnection(asyncio.Protocol):
         if self._in_interim:
             self._in_interim = False
             return
-        self._parser_reusable = not self._complete  # not when it ended early (HEAD, 204, 304)
+        if not self._complete:  # not when it ended early (HEAD, 204, 304): llhttp still waits for a body
+            if self._known_head is not None:
+                self._known_head_parser = self._parser
+            else:
+                self._full_parser = self._parser
         self._complete = True
 
 
 def _parser_reason(exc: Exception) -> str:
     text = str(exc) or type(exc).__name__
     return text
+
+
+class KnownHead:
+    """A response head parsed in full once: its bytes, and what they parsed to."""
+
+    __slots__ = ("raw", "status", "reason", "parts", "replaced")
+
+    def __init__(self, raw: bytes, status: int, reason: bytes, parts: H.ResponseParts,
+                 replaced: frozenset[bytes]) -> None:
+        self.raw, self.status, self.reason, self.parts, self.replaced = raw, status, reason, parts, replaced
+
+
+class _KnownHeadCallbacks:
+    """The protocol of a parser for repeated heads: no ``on_status`` or ``on_header``,
+    so llhttp makes no Python call per header (httptools binds callbacks at creation)."""
+
+    __slots__ = ("on_message_begin", "on_headers_complete", "on_body", "on_message_complete")
+
+    def __init__(self, conn: UpstreamConnection) -> None:
+        self.on_message_begin = conn.on_message_begin
+        self.on_headers_complete = conn.on_known_headers_complete
+        self.on_body = conn.on_body
+        self.on_message_complete = conn.on_message_complete
 
 
 class KeepAliveLearner:
@@ -363,6 +428,7 @@ class UpstreamPool:
         # The last response head parsed, as (header lines, replaced set, parts): an
         # engine answers with the same header lines response after response.
         self._last_response_head: tuple[tuple, frozenset[bytes], H.ResponseParts] | None = None
+        self._known_head: KnownHead | None = None  # see UpstreamConnection's Hazards: Repeated heads
         self.keepalive = KeepAliveLearner(idle_timeout, f"{host}:{port}")
 
     # -- acquiring ---------------------------------------------------------------
@@ -505,6 +571,22 @@ class UpstreamPool:
         parts = H.parse_response_headers(headers, replaced)
         self._last_response_head = (lines, replaced, parts)
         return parts
+
+    def known_head_of(self, first_read: bytes) -> KnownHead | None:
+        """The last fully parsed head, when ``first_read`` starts with its exact bytes."""
+        known = self._known_head
+        if known is not None and first_read.startswith(known.raw) and known.replaced is self.replaced_response_headers:
+            return known
+        return None
+
+    def learn_head(self, first_read: bytes, status: int, reason: bytes, parts: H.ResponseParts) -> None:
+        """Remember a final head that was parsed in full from the first read of its response."""
+        end = first_read.find(b"\r\n\r\n")
+        if end >= 0:
+            # At or after the head's end (the first empty line ends it): bytes that
+            # start with these start with the same head.
+            self._known_head = KnownHead(first_read[:end + 4], status, reason, parts,
+                                         self.replaced_response_headers)
 
     # -- returning ---------------------------------------------------------------
     def release(self, conn: UpstreamConnection) -> None:
