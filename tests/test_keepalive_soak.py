@@ -136,7 +136,7 @@ def test_keepalive_soak_against_upstream_idle_close(fast_upstream, start_proxy):
 
     stats = dict(proxy.ctx.pool.stats)
     print(f"soak: {rounds_done} rounds, upstream idle closes {up.idle_closes}, pool {stats}")
-    # Observers hear of a request's end a loop pass after it (see hooks: Deferred endings).
+    # The proxy records the last request just after its last byte reaches the client.
     wait_until(lambda: len(recorder.done) >= rounds_done)
     with recorder.lock:
         done = list(recorder.done)

@@ -91,9 +91,6 @@ class ProxyServer:
         loop = asyncio.get_running_loop()
         await self._start_tracing()
         self.ctx = ServerContext(self.settings, self.fanout)
-        # Observers see a request's end after the loop pass that ended it, so that
-        # counting and logging never hold up bytes waiting to be forwarded.
-        self.fanout.defer_done(loop.call_soon)
         self._start_watchdog()
         self._start_metrics()
         self._start_engines()
@@ -216,7 +213,6 @@ class ProxyServer:
                 conn.active.abort(Flag.LR, f"shutdown grace of {grace:g} s ran out")
             conn.close()
         ctx.pool.close_all()
-        self.fanout.drain()  # every ending is counted, logged and traced before the exporter stops
         self.watchdog.stop()
         if self.prober is not None:
             self.prober.stop()

@@ -16,37 +16,17 @@ registered observer that implements that hook. Guarantees the proxy code relies 
 Hooks are optional: an observer that does not define ``on_mark`` is never called
 per mark. With nobody listening a hook is one empty-list check, which matters on
 the per-request hot path (ten marks per request).
-
-Deferred endings
-----------------
-A server calls ``defer_done(loop.call_soon)`` once: from then on ``done`` only
-queues the record, and the ``on_done`` calls run after the I/O callbacks of the
-loop pass that finished the request, in slices, oldest first. This is Envoy's
-deferred deletion applied to observation: counting, logging and span building
-never delay a byte that is waiting to be forwarded. It matters when the loop is
-saturated for a moment (a round of streams ending and the next round's requests
-arriving together): each pass then forwards every ready byte and runs only a
-slice of the queued endings, at least ``DRAIN_MIN`` and otherwise half of the
-queue, so the queue stays a few passes long however fast requests end. ``drain``
-runs the whole queue at once (before a scrape, at shutdown). Observers still see
-``on_request_start``, the marks and ``on_done`` in that order for each request:
-only ``on_done`` waits, and a finished record no longer changes.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-from collections.abc import Callable
 from typing import Protocol
 
 from .marks import Mark
 from .timeline import RequestRecord
 
 log = logging.getLogger("traceproxy.observers")
-
-# Queued on_done calls run per loop pass: at least this many, else half the queue.
-DRAIN_MIN = 16
 
 
 class Observer(Protocol):
@@ -66,9 +46,6 @@ class Fanout:
         self.mark_observers: list[Observer] = []
         self.done_observers: list[Observer] = []
         self.observer_errors = 0
-        self._call_soon: Callable[[Callable[[], None]], object] | None = None
-        self._ended: collections.deque[RequestRecord] = collections.deque()
-        self._drain_scheduled = False
         for observer in observers or []:
             self.add(observer)
 
@@ -96,34 +73,6 @@ class Fanout:
     def done(self, record: RequestRecord) -> None:
         # Exactly once per request: callers reach this only through
         # ``RequestRecord.finish``, which raises on a second ending.
-        if self._call_soon is None:
-            self._done_now(record)
-            return
-        self._ended.append(record)
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._call_soon(self._drain_slice)
-
-    def defer_done(self, call_soon: Callable[[Callable[[], None]], object]) -> None:
-        """Queue ``on_done`` calls and run them through ``call_soon`` (see Deferred endings)."""
-        self._call_soon = call_soon
-
-    def drain(self) -> None:
-        """Run every queued ``on_done`` call now."""
-        ended = self._ended
-        while ended:
-            self._done_now(ended.popleft())
-
-    def _drain_slice(self) -> None:
-        ended = self._ended
-        for _ in range(min(len(ended), max(DRAIN_MIN, len(ended) // 2))):
-            self._done_now(ended.popleft())
-        if ended:
-            self._call_soon(self._drain_slice)
-        else:
-            self._drain_scheduled = False
-
-    def _done_now(self, record: RequestRecord) -> None:
         for observer in self.done_observers:
             try:
                 observer.on_done(record)

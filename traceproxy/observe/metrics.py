@@ -164,7 +164,6 @@ class ProxyMetrics:
 
     # -- scrape --------------------------------------------------------------------
     def render(self) -> str:
-        self.ctx.fanout.drain()  # endings still queued for on_done (see hooks): count them first
         out = Exposition()
         self._render_requests(out)
         self._render_latencies(out)
