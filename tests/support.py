@@ -256,6 +256,18 @@ def raw_exchange(port: int, data: bytes, timeout: float = STEP_TIMEOUT) -> bytes
         return bytes(out)
 
 
+def recv_until(sock: socket.socket, marker: bytes, received: bytes = b"") -> bytes:
+    """``received`` plus what ``sock`` sends until ``marker`` is in it; fails if the peer closes first.
+
+    Bounded by the socket's timeout: ``recv`` raises when nothing comes.
+    """
+    while marker not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before {marker!r} arrived: {received[-300:]!r}"
+        received += chunk
+    return received
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = STEP_TIMEOUT, interval: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

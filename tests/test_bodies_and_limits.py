@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from .support import RawClient, wait_until
+from .support import RawClient, recv_until, wait_until
 
 MB = 1024 * 1024
 
@@ -165,8 +165,6 @@ def test_sse_events_are_forwarded_as_they_arrive(scripted_upstream, start_proxy,
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
         received = b""
         for i, event in enumerate(seen):
-            while b"data: token%d" % i not in received:
-                chunk = sock.recv(65536)  # times out (fails) if the proxy holds the event back
-                assert chunk
-                received += chunk
+            # Times out (fails) if the proxy holds the event back.
+            received = recv_until(sock, b"data: token%d" % i, received)
             event.set()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from .support import RawClient, header_value, raw_exchange, wait_until
+from .support import RawClient, header_value, raw_exchange, recv_until, wait_until
 
 HOP_BY_HOP_REQUEST = (
     b"GET /v1/models HTTP/1.1\r\n"
@@ -130,9 +130,7 @@ def test_http10_client_keep_alive_only_when_asked(fast_upstream, start_proxy):
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         for _ in range(2):
             sock.sendall(HTTP10_KEEPALIVE_REQUEST)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += sock.recv(65536)
+            data = recv_until(sock, b"\r\n\r\n")
             head, body = data.split(b"\r\n\r\n", 1)
             length = int(header_value(head, b"content-length"))
             while len(body) < length:

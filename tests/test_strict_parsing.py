@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .support import RawClient, header_value, raw_exchange, wait_until
+from .support import RawClient, header_value, raw_exchange, recv_until, wait_until
 
 GOOD = b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
 
@@ -128,20 +128,10 @@ def test_slow_head_of_a_second_keepalive_request_gets_408(fast_upstream, start_p
     proxy = start_proxy(fast_upstream().url, **{"timeouts.client_headers": 0.3})
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
-        first = b""
-        while b"\r\n\r\n" not in first:
-            chunk = sock.recv(65536)
-            assert chunk, f"closed before the first response: {first!r}"
-            first += chunk
-        assert first.startswith(b"HTTP/1.1 200 ")
+        assert recv_until(sock, b"\r\n\r\n").startswith(b"HTTP/1.1 200 ")
         started = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n")
-        reply = b""
-        while b'"DHT"' not in reply:
-            chunk = sock.recv(65536)
-            assert chunk, f"closed without a 408: {reply!r}"
-            reply += chunk
-        assert b"HTTP/1.1 408 " in reply
+        assert b"HTTP/1.1 408 " in recv_until(sock, b'"DHT"')
         assert time.monotonic() - started < 3
 
 
