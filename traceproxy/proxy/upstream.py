@@ -240,7 +240,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._headers = []
             self._reason = b""
             return
-        reason, parts = self._reason or b"", self.pool.response_parts(self._headers)
+        reason = self._reason or b""
+        parts = H.parse_response_headers(self._headers, self.pool.replaced_response_headers)
         if self._first_read is not None:
             if not self._saw_interim:
                 self.pool.learn_head(self._first_read, status, reason, parts)
@@ -425,9 +426,6 @@ class UpstreamPool:
         self.stats = collections.Counter()
         # Response headers the proxy sets itself (request id, traceresponse).
         self.replaced_response_headers: frozenset[bytes] = frozenset()
-        # The last response head parsed, as (header lines, replaced set, parts): an
-        # engine answers with the same header lines response after response.
-        self._last_response_head: tuple[tuple, frozenset[bytes], H.ResponseParts] | None = None
         self._known_head: KnownHead | None = None  # see UpstreamConnection's Hazards: Repeated heads
         self.keepalive = KeepAliveLearner(idle_timeout, f"{host}:{port}")
 
@@ -558,20 +556,6 @@ class UpstreamPool:
         self.spares_to_open = 0
 
     # -- responses ---------------------------------------------------------------
-    def response_parts(self, headers: H.Headers) -> H.ResponseParts:
-        """``parse_response_headers`` of ``headers``, reused when they repeat the last head's exactly.
-
-        Comparing the header lines costs a fraction of parsing them, and parsing is a
-        pure function of the lines and ``replaced_response_headers``.
-        """
-        lines, replaced = tuple(headers), self.replaced_response_headers
-        last = self._last_response_head
-        if last is not None and last[1] is replaced and last[0] == lines:
-            return last[2]
-        parts = H.parse_response_headers(headers, replaced)
-        self._last_response_head = (lines, replaced, parts)
-        return parts
-
     def known_head_of(self, first_read: bytes) -> KnownHead | None:
         """The last fully parsed head, when ``first_read`` starts with its exact bytes."""
         known = self._known_head
