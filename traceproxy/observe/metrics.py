@@ -185,7 +185,7 @@ class ProxyMetrics:
 
     def _requests_by_label(self) -> Counter[tuple[str, str, str]]:
         labelled: Counter[tuple[str, str, str]] = Counter()
-        for (status, code), n in list(self.requests.items()):
+        for (status, code), n in self.requests.items():
             labelled[("" if status is None else str(status), code, BY_CODE[code].blame.value)] += n
         return labelled
 

@@ -59,12 +59,10 @@ class Watchdog:
 
     # -- lifecycle observer hooks ------------------------------------------------
     def on_request_start(self, record: RequestRecord) -> None:
-        # Runs for every request: the usual answer (a check is already due soon
-        # enough) is found from the request's first mark, without reading a clock.
+        # Runs for every request: due from the request's first mark, so that the
+        # usual answer (a check is already due sooner) needs no clock read.
         if self._min_threshold_ns:
-            due = record.marks[MARK.FIRST_DOWNSTREAM_RX_BYTE] + self._min_threshold_ns
-            if self._due_ns is None or self._due_ns > due:
-                self._aim(due)
+            self._aim(record.marks[MARK.FIRST_DOWNSTREAM_RX_BYTE] + self._min_threshold_ns)
 
     def on_done(self, record: RequestRecord) -> None:
         opened = self.open.pop(record.id, None)

@@ -193,7 +193,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         now = time.monotonic_ns()
-        self._on_deadline = None  # the head timer stands down (see _arm_timer)
+        self._on_deadline = None  # the keep-alive idle timer stands down (see _arm_timer)
         self.ctx.connection_busy(self)
         sequence, idle_gap = self.record.next_request(now)
         record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)

@@ -258,8 +258,8 @@ def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> list[bytes]
 
 @dataclass(frozen=True, slots=True)
 class ResponseParts:
-    """What one pass over a response head found. Frozen: the pool reuses the
-    result for the next head that carries the very same header lines."""
+    """What one pass over a response head found. Frozen: the pool hands the same
+    result to every response that repeats the head byte for byte."""
 
     chunked: bool
     content_length: bytes | None
