@@ -20,6 +20,7 @@ import time
 from aiohttp import web
 
 from .admin import build_admin_app
+from .allocator import tune_allocator
 from .config import ConfigError, Settings
 from .lifecycle.flags import Flag
 from .lifecycle.hooks import Fanout
@@ -252,6 +253,7 @@ def _run_one(settings: Settings) -> None:
     import uvloop
 
     _raise_fd_limit()
+    log.debug("%s", tune_allocator())
     uvloop.run(serve_until_signalled(settings))
 
 
