@@ -16,6 +16,9 @@ HOP_BY_HOP_REQUEST = (
     b"X-Secret-Hop: must-not-pass\r\n"
     b"Proxy-Authorization: Basic abc\r\n"
     b"TE: trailers\r\n"
+    b"Proxy-Connection: keep-alive\r\n"
+    b"Trailer: X-Checksum\r\n"
+    b"Upgrade: h2c\r\n"
     b"Upgrade-Insecure-Requests: 1\r\n"
     b"X-Forwarded-For: 10.0.0.1\r\n"
     b"X-End-To-End: kept\r\n"
@@ -53,7 +56,8 @@ def test_hop_by_hop_headers_removed_and_forwarding_headers_appended(scripted_ups
     assert client.response().status == 200
     head = bytes(up.received[0]).split(b"\r\n\r\n")[0]
     names = {line.split(b":")[0].lower() for line in head.split(b"\r\n")[1:]}
-    assert not names & {b"keep-alive", b"x-secret-hop", b"proxy-authorization", b"te"}
+    assert not names & {b"keep-alive", b"x-secret-hop", b"proxy-authorization", b"te", b"proxy-connection",
+                        b"trailer", b"upgrade"}
     assert header_value(head, b"connection") in (None, b"keep-alive")
     assert header_value(head, b"x-end-to-end") == b"kept"
     assert header_value(head, b"upgrade-insecure-requests") == b"1"  # not hop-by-hop
@@ -61,6 +65,21 @@ def test_hop_by_hop_headers_removed_and_forwarding_headers_appended(scripted_ups
     assert header_value(head, b"x-forwarded-for") == b"10.0.0.1, 127.0.0.1"
     assert header_value(head, b"x-forwarded-proto") == b"http"
     assert header_value(head, b"x-forwarded-host") == b"client.example"
+
+
+def test_headers_the_proxy_sets_aside_are_dropped_too_when_connection_names_them(scripted_upstream, start_proxy):
+    up = scripted_upstream(_capture_one_request(OK_EMPTY))
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    client.send(b"GET / HTTP/1.1\r\nHost: client.example\r\nConnection: Host, X-Forwarded-For, traceparent\r\n"
+                b"X-Forwarded-For: 6.6.6.6\r\n"
+                b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n\r\n", expect=("GET",))
+    assert client.response().status == 200
+    head = bytes(up.received[0]).split(b"\r\n\r\n")[0]
+    # Host is end to end whatever Connection says: an HTTP/1.1 request needs one.
+    assert header_value(head, b"host") == b"client.example"
+    assert header_value(head, b"x-forwarded-for") == b"127.0.0.1"  # the client's hop-by-hop copy is gone
+    assert b"0af7651916cd43dd8448eb211c80319c" not in head  # a new trace, not the client's
 
 
 def test_host_replaced_when_preserve_host_is_off(scripted_upstream, start_proxy):

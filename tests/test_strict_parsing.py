@@ -19,6 +19,10 @@ BAD_REQUESTS = [
     ("cl-and-te", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
     ("te-and-cl", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n", 400),
     ("conflicting-cl", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", 400),
+    # Identical duplicates are refused as well (llhttp refuses them before our own
+    # checks, which would accept them): RFC 9112 allows either, and refusing is safer.
+    ("cl-duplicate-same-value", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", 400),
+    ("cl-list-same-value", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 5\r\n\r\nhello", 400),
     ("cl-list-conflict", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 6\r\n\r\nhello!", 400),
     ("cl-not-a-number", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5x\r\n\r\nhello", 400),
     ("cl-negative", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400),

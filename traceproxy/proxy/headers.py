@@ -41,6 +41,10 @@ class BadRequest(Exception):
         self.reason = reason
 
 
+class BadResponse(Exception):
+    """An upstream response the proxy must not pass on (a 502 if nothing was sent yet)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestFraming:
     chunked: bool
@@ -150,7 +154,18 @@ def parse_request_headers(
         elif lname in _FORWARDED:
             forwarded.append((name, value))
     if listed is not None and not listed <= _NOT_NAMES:
+        # Hop-by-hop by the client's say, so not forwarded: also the headers the
+        # proxy set aside to send its own version of. Host is the exception: every
+        # HTTP/1.1 request needs one, so naming it in Connection does not remove it.
+        listed.discard(b"host")
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
+        forwarded = [(n, v) for n, v in forwarded if n.lower() not in listed]
+        if b"traceparent" in listed:
+            traceparents = []
+        if b"tracestate" in listed:
+            tracestates = []
+        if request_ids is not None:
+            request_ids = {n: v for n, v in request_ids.items() if n not in listed}
     if len(hosts) > 1:
         raise BadRequest(400, "more than one Host header")
     if not hosts and http_version == "1.1":
@@ -266,14 +281,19 @@ class ResponseParts:
     end_to_end: Headers
     event_stream: bool  # Content-Type: text/event-stream (SSE)
     end_to_end_lines: bytes  # end_to_end, formatted as header lines
+    # A Transfer-Encoding other than a lone "chunked", as sent (None if there is none).
+    # Such a body is still coded when llhttp hands it over, and the proxy would drop
+    # the coding with the hop-by-hop header: the response is refused instead.
+    other_coding: bytes | None = None
 
 
 def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozenset()) -> ResponseParts:
     """One pass over the upstream's response headers; ``replaced`` names headers the
     proxy sets itself on every response, so the upstream's copies are dropped."""
     kept: Headers = []
-    chunked = event_stream = False
+    event_stream = False
     length = None
+    codings: list[bytes] | None = None
     listed: set[bytes] | None = None
     for name, value in headers:
         lname = name.lower()
@@ -286,12 +306,16 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
         elif lname == b"content-length":
             length = value.strip()
         elif lname == b"transfer-encoding":
-            chunked = True
+            if codings is None:
+                codings = []
+            codings.extend(_tokens(value))
         elif lname == b"connection":
             listed = _connection_listed(listed, value)
     if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
-    return ResponseParts(chunked, length, kept, event_stream, header_lines(kept))
+    chunked = codings is not None
+    other = None if codings is None or codings == [b"chunked"] else b", ".join(codings)
+    return ResponseParts(chunked, length, kept, event_stream, header_lines(kept), other)
 
 
 class ResponseFraming:

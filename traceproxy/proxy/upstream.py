@@ -124,7 +124,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             if self.user is user and not self._complete:
-                user.upstream_protocol_error(f"malformed response: {_parser_reason(exc)}")
+                user.upstream_protocol_error(_parser_reason(exc))
                 return
             self._extra_message = True  # garbage after a complete response: never reuse
         if self._complete and self.user is user:
@@ -255,6 +255,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._head_parsed(known.status, known.reason, known.parts)
 
     def _head_parsed(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
+        if parts.other_coding is not None:
+            shown = parts.other_coding.decode("latin-1")
+            raise H.BadResponse(f"Transfer-Encoding {shown!r}: only 'chunked' is passed on")
         self._awaiting_head = False
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
@@ -281,8 +284,9 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 def _parser_reason(exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    return text
+    if isinstance(exc.__context__, H.BadResponse):  # raised by our own check inside a callback
+        return f"unsupported response: {exc.__context__}"
+    return f"malformed response: {exc or type(exc).__name__}"
 
 
 class KnownHead:
