@@ -174,6 +174,52 @@ def test_pipelined_requests_answered_in_order(scripted_upstream, start_proxy):
     assert bodies == [b"/one:abc", b"/two:def", b"/three:"]
 
 
+def test_pipelined_request_behind_a_truncated_response_gets_no_bytes(scripted_upstream, start_proxy):
+    async def short_then_gone(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 40)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    up = scripted_upstream(short_then_gone)
+    proxy = start_proxy(up.url)
+    raw = raw_exchange(proxy.port, b"GET /a HTTP/1.1\r\nHost: a\r\n\r\nGET /b HTTP/1.1\r\nHost: a\r\n\r\n")
+    head, body = raw.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200") and header_value(head, b"content-length") == b"100"
+    # Short of its length, and nothing after it that the client would read as body.
+    assert body == b"x" * 40
+    assert up.connections == 1 and b"GET /b" not in bytes(up.received[0])
+
+
+def test_pipelined_http10_request_behind_a_close_delimited_response_gets_no_bytes(scripted_upstream, start_proxy):
+    async def chunked(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+            await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(chunked).url)
+    raw = raw_exchange(proxy.port, HTTP10_KEEPALIVE_REQUEST * 2)
+    head, body = raw.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.0 200") and header_value(head, b"connection") == b"close"
+    assert body == b"hello"  # the body ends where the connection ends: nothing may follow it
+
+
+def test_expect_from_an_http10_client_is_ignored(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url)
+    raw = raw_exchange(proxy.port, b"POST /echo HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\nhello")
+    assert raw.startswith(b"HTTP/1.0 200"), raw[:60]  # no 1xx to an HTTP/1.0 client
+    assert raw.endswith(b"hello")
+
+
+def test_expect_on_a_request_without_a_body_gets_no_100_continue(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url)
+    raw = raw_exchange(proxy.port, b"GET /v1/models HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\n"
+                                   b"Connection: close\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:60]
+
+
 def test_expect_100_continue_answered_before_body(fast_upstream, start_proxy):
     proxy = start_proxy(fast_upstream().url)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
+import struct
 import time
 
 import pytest
@@ -78,6 +80,52 @@ def test_malformed_upstream_response_is_502_upe(reply, scripted_upstream, start_
     proxy = start_proxy(scripted_upstream(garbage).url)
     resp = RawClient(proxy.port).roundtrip("GET", "/")
     assert resp.status == 502 and _error(resp)["code"] == "UPE"
+
+
+@pytest.mark.parametrize("coding", [b"gzip", b"gzip, chunked"])
+def test_a_transfer_coding_other_than_chunked_is_refused_not_passed_on(coding, scripted_upstream, start_proxy):
+    # llhttp hands over such a body still coded, and the coding is named in a hop-by-hop
+    # header: passing the body on without it would change what the client receives.
+    async def coded(reader, writer, upstream):
+        await reader.read_request()
+        body = b"5\r\nGZIPB\r\n0\r\n\r\n" if coding.endswith(b"chunked") else b"GZIPBYTES"
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: %s\r\n\r\n%s" % (coding, body))
+        await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(coded).url)
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert resp.status == 502 and resp.headers["x-traceproxy-outcome"] == "UPE"
+    error = _error(resp)
+    assert error["code"] == "UPE" and error["type"] == "upstream_protocol_error"
+    assert f"Transfer-Encoding '{coding.decode()}'" in error["message"]
+
+
+def test_truncated_response_to_an_http10_client_ends_in_a_reset(scripted_upstream, start_proxy):
+    # An HTTP/1.0 client reads the body until the connection closes: a FIN after the
+    # last byte would make a cut-off response look complete.
+    async def dies(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.transport.abort()
+
+    proxy = start_proxy(scripted_upstream(dies).url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        received, ending = b"", None
+        for _ in range(100):
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                ending = "reset"
+                break
+            if not chunk:
+                ending = "clean close"
+                break
+            received += chunk
+    assert received.startswith(b"HTTP/1.0 200")
+    assert ending == "reset"
 
 
 def test_upstream_closes_mid_chunked_stream_client_sees_truncation(scripted_upstream, start_proxy):
@@ -165,6 +213,54 @@ def test_client_disconnect_while_waiting_for_headers_closes_upstream(scripted_up
     assert wait_until(lambda: up.connections == 1, timeout=2)
     client.close()
     assert up.closed.wait(1.0)
+
+
+@pytest.mark.parametrize("second", [
+    b"GET /two HTTP/1.1\r\nHost: a\r\n\r\n",  # waits its turn
+    b"GET /two HTTP/1.1\r\nHost a\r\n\r\n",  # refused once the first is answered
+], ids=["pipelined", "pipelined-malformed"])
+def test_client_disconnect_while_reading_is_paused_closes_upstream(second, scripted_upstream, start_proxy):
+    # With a request queued behind the active one, the proxy stops reading the client:
+    # its hang-up must still reach the engine.
+    up = scripted_upstream(never_answers)
+    proxy = start_proxy(up.url)
+    client = RawClient(proxy.port)
+    client.send(b"GET /one HTTP/1.1\r\nHost: a\r\n\r\n" + second, expect=("GET", "GET"))
+    assert wait_until(lambda: up.connections == 1, timeout=2)
+    client.close()
+    assert up.closed.wait(1.0), "the engine must see its connection close within a second"
+    assert wait_until(lambda: not proxy.ctx.in_flight, timeout=2)
+
+
+def test_client_reset_during_an_upload_the_upstream_is_not_reading_closes_upstream(scripted_upstream, start_proxy):
+    async def reads_head_only(reader, writer, upstream):
+        await reader.read_head()
+        # Never reads the body, so a FIN from the proxy would sit behind it unseen:
+        # watch the socket itself for the end of the connection.
+        poller = select.poll()
+        poller.register(writer.get_extra_info("socket").fileno(), select.POLLHUP | select.POLLERR | select.POLLRDHUP)
+        for _ in range(300):
+            if poller.poll(0):
+                return
+            await asyncio.sleep(0.02)
+
+    up = scripted_upstream(reads_head_only)
+    proxy = start_proxy(up.url)
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+    sock.sendall(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 100000000\r\n\r\n")
+    sock.setblocking(False)
+    block = b"u" * 65536
+    for _ in range(2000):  # until every buffer on the way is full: the proxy paused reading
+        try:
+            sock.send(block)
+        except BlockingIOError:
+            if wait_until(lambda: any(c.reading_paused for c in list(proxy.ctx.connections)), timeout=0.2):
+                break
+    # A reset, as from a client killed mid-upload: a FIN would wait behind the unsent bytes.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    assert up.closed.wait(1.0), "the engine must see its connection close within a second"
+    assert wait_until(lambda: not proxy.ctx.in_flight, timeout=2)
 
 
 def test_response_to_client_that_stops_reading_applies_backpressure(scripted_upstream, start_proxy):

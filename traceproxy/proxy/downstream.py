@@ -16,6 +16,12 @@ Hazards
   head that ends in the read it began in is at most that read long, so its exact
   size (the header lines) is summed only when that read, with the bytes of the
   head read before it, is longer than the limit.
+* Paused reading: while reading is paused (a pipelined request waits its turn,
+  the upstream does not take the body fast enough, a refusal waits for the
+  responses before it) the loop does not watch the socket, so a client hanging
+  up would go unseen until some timeout, with the engine still working for it.
+  A paused connection is checked every ``PEER_CHECK_INTERVAL`` for a hang-up
+  (FIN or reset, also behind unread bytes) and reset when it finds one.
 * Exactly one ending per request: every record started here ends through
   ``ServerContext.end_request``, including requests that were still being parsed
   or queued when the connection died.
@@ -34,6 +40,7 @@ from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord
 from . import headers as H
+from . import sockets
 from .context import ServerContext
 from .forward import Exchange, RequestHead
 from .local_reply import error_response
@@ -41,6 +48,9 @@ from .local_reply import error_response
 log = logging.getLogger("traceproxy.downstream")
 
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
+# How often a connection whose reading is paused is checked for a hang-up: well
+# within the second in which the engine must see an abandoned request's connection close.
+PEER_CHECK_INTERVAL = 0.25
 # The usual methods as str, so that a request does not decode its method.
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
 
@@ -79,6 +89,7 @@ class ClientConnection(asyncio.Protocol):
         # requests so keep-alive requests do not each create and cancel one.
         self._exchange_timer: asyncio.TimerHandle | None = None
         self._exchange_timer_due = 0
+        self._peer_check: asyncio.TimerHandle | None = None  # see Hazards: Paused reading
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -107,13 +118,14 @@ class ClientConnection(asyncio.Protocol):
         if self._exchange_timer is not None:
             self._exchange_timer.cancel()
             self._exchange_timer = None
+        if self._peer_check is not None:
+            self._peer_check.cancel()
+            self._peer_check = None
         self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
+        self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
         if self.active is not None:
             self.active.client_lost()
-        for exchange in list(self.queue):
-            exchange.client_lost()
-        self.queue.clear()
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
             self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
 
@@ -121,6 +133,12 @@ class ClientConnection(asyncio.Protocol):
         if not self.closing:
             self.closing = True
             self.transport.close()
+
+    def reset(self) -> None:
+        """Close with a reset, not a FIN: what was written but not yet sent is lost,
+        and the client sees an error rather than an end of data."""
+        self.closing = True
+        sockets.reset(self.transport)
 
     def write(self, data: bytes) -> None:
         if not self.transport.is_closing():
@@ -146,6 +164,8 @@ class ClientConnection(asyncio.Protocol):
     def pause_reading(self, reason: str) -> None:
         if not self.reading_paused_for and not self.closing:
             self.transport.pause_reading()
+            if self._peer_check is None:
+                self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)
         self.reading_paused_for.add(reason)
 
     def resume_reading(self, reason: str) -> None:
@@ -153,6 +173,18 @@ class ClientConnection(asyncio.Protocol):
             self.reading_paused_for.discard(reason)
             if not self.reading_paused_for and not self.closing:
                 self.transport.resume_reading()
+
+    def _check_peer(self) -> None:
+        """While reading is paused, look for a hang-up the loop is not watching for."""
+        self._peer_check = None
+        if self.closing or not self.reading_paused_for:
+            return
+        if sockets.peer_hung_up(self.transport):
+            log.debug("client %s hung up while its reading was paused (%s)",
+                      self.record.peer, ", ".join(sorted(self.reading_paused_for)))
+            self.reset()  # connection_lost follows and ends every request on it
+            return
+        self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)
 
     # ---------------------------------------------------------------------------
     # Parsing
@@ -230,11 +262,16 @@ class ClientConnection(asyncio.Protocol):
             raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
         parts = H.parse_request_headers(self._headers, record.http_version, self.ctx.request_id_names)
         generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
-        if parts.expect is not None and parts.expect.strip().lower() != b"100-continue":
+        http11 = record.http_version == "1.1"
+        # RFC 9110 section 10.1.1: Expect in an HTTP/1.0 request is ignored (and 1xx
+        # responses are never sent to an HTTP/1.0 client); the proxy strips it upstream.
+        expect = parts.expect if http11 else None
+        if expect is not None and expect.strip().lower() != b"100-continue":
             raise H.BadRequest(417, "unsupported Expect value: only 100-continue is understood")
         head = RequestHead(
-            record.method, self._url, parts, record.http_version == "1.1",
-            self.parser.should_keep_alive() and not self.ctx.shutting_down, parts.expect is not None,
+            record.method, self._url, parts, http11,
+            self.parser.should_keep_alive() and not self.ctx.shutting_down,
+            expect is not None and bool(parts.framing.chunked or parts.framing.content_length),
             generated_id,
         )
         exchange = Exchange(self.ctx, self, record, head)
@@ -273,7 +310,7 @@ class ClientConnection(asyncio.Protocol):
     def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
         self.active = None
         if not keep_alive or self.closing:
-            self._drop_queue("the connection closed before this pipelined request's turn")
+            self._drop_queue(Flag.LR, "the connection closed before this pipelined request's turn")
             self.close()
             return
         if self.queue:
@@ -292,9 +329,9 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
-    def _drop_queue(self, why: str) -> None:
+    def _drop_queue(self, outcome: Outcome, why: str) -> None:
         while self.queue:
-            self.queue.popleft().abort(Flag.LR, why)
+            self.queue.popleft().drop(outcome, why)
 
     # ---------------------------------------------------------------------------
     # Refusals

@@ -445,10 +445,18 @@ class Exchange:
         if not self.finished:
             self._fail(outcome, message)
 
+    def drop(self, outcome: Outcome, message: str) -> None:
+        """End a pipelined request that never had its turn: nothing of it went upstream,
+        and nothing is written for it (the connection is closing, and bytes after a
+        response that ended the connection would be read as part of that response)."""
+        if not self.finished:
+            self._finish(outcome, message, hand_back=False)
+
     def _fail(self, outcome: Outcome, message: str, client_gone: bool = False) -> None:
         conn, self.upstream = self.upstream, None
         if conn is not None:
-            self.ctx.pool.discard(conn, outcome.name)  # the engine sees its connection close now
+            # A reset: the engine sees it now, even behind request bytes it has not read.
+            self.ctx.pool.discard(conn, outcome.name, reset=True)
         if self.connect_task is not None:
             self.connect_task.cancel()
             self.connect_task = None
@@ -473,6 +481,10 @@ class Exchange:
             # The response already started: end it short so the client can tell.
             self._client_out.clear()
             self.keep_client_alive = False
+            if self.response_framing == H.ResponseFraming.CLOSE:
+                # The body ends where the connection ends: a clean close would read
+                # as a complete response, so the connection is reset instead.
+                self.client.reset()
         self._finish(outcome, message, hand_back=not linger)
         if linger:
             self._start_lingering()

@@ -59,6 +59,7 @@ import httptools
 
 from ..lifecycle.timeline import UpstreamConnectionRecord
 from . import headers as H
+from . import sockets
 
 if TYPE_CHECKING:
     from .forward import Exchange
@@ -596,15 +597,19 @@ class UpstreamPool:
         self.idle.append(conn)
         self._arm_sweeper()
 
-    def discard(self, conn: UpstreamConnection, why: str) -> None:
-        """Close ``conn`` for good (it will not be reused)."""
+    def discard(self, conn: UpstreamConnection, why: str, reset: bool = False) -> None:
+        """Close ``conn`` for good (it will not be reused); with ``reset``, by RST, so
+        that the upstream sees it at once even behind request bytes it has not read."""
         conn.user = None
         if conn.transport is not None and not conn.transport.is_closing():
             log.debug("closing upstream connection #%d: %s", conn.record.id, why)
             # connection_lost follows (now or on a later loop turn): it must not
             # count as the upstream closing an idle connection.
             conn.discarded_by_pool = True
-            conn.transport.abort()
+            if reset:
+                sockets.reset(conn.transport)
+            else:
+                conn.transport.abort()
         self.forget(conn)
 
     def forget(self, conn: UpstreamConnection) -> None:
