@@ -80,6 +80,11 @@ class ScriptedUpstream:
             self.closed.set()
             writer.close()
 
+    def set_receive_buffer(self, size: int) -> None:
+        """SO_RCVBUF of the connections accepted from now on (a small one makes the
+        proxy's writes back up after a few kilobytes the upstream does not read)."""
+        self._server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
     async def stop(self) -> None:
         self._server.close()
 

@@ -42,6 +42,62 @@ def test_stale_connection_and_request_too_big_to_resend_is_explicit_502(scripted
     assert up.connections == 1
 
 
+def test_with_retry_buffer_zero_nothing_is_resent_not_even_a_request_without_body(scripted_upstream, start_proxy):
+    up = scripted_upstream(answers_then_drops_next_request(1))
+    proxy = start_proxy(up.url, **{"pool.retry_buffer_bytes": 0})
+    client = RawClient(proxy.port)
+    client.roundtrip("GET", "/")
+    resp = client.roundtrip("GET", "/")
+    assert resp.status == 502
+    error = json.loads(resp.body)["error"]
+    assert error["code"] == "SRC" and "resending is off" in error["message"]
+    assert up.connections == 1 and proxy.ctx.pool.stats["stale_retried"] == 0
+
+
+def test_a_resend_behind_a_full_pool_still_goes_out_on_a_new_connection(scripted_upstream, start_proxy):
+    # One connection allowed, and every connection carries exactly one request: a
+    # resend handed the connection another request just used would fail again.
+    up = scripted_upstream(answers_then_drops_next_request(1))
+    proxy = start_proxy(up.url, **{"pool.max_connections": 1, "pool.keep_warm": 0})
+    first, second = RawClient(proxy.port), RawClient(proxy.port)
+    assert first.roundtrip("GET", "/warm").status == 200  # the pool now holds one used connection
+    first.send(b"GET /a HTTP/1.1\r\nHost: a\r\n\r\n")
+    second.send(b"GET /b HTTP/1.1\r\nHost: a\r\n\r\n")
+    statuses = sorted([first.response().status, second.response().status])
+    assert statuses == [200, 200]
+    assert proxy.ctx.pool.stats["stale_retried"] == 1
+    assert up.connections == 3
+
+
+def test_a_resend_after_the_upload_filled_the_dead_connection_finishes_the_upload(scripted_upstream, start_proxy):
+    # The dead connection stopped reading the body, so the proxy had paused reading
+    # the client; the resend must resume it, or the upload waits for a timeout.
+    body = bytes(range(256)) * (12 * 1024)  # 3 MiB
+
+    async def handler(reader, writer, upstream):
+        if upstream.connections == 1:
+            upstream.set_receive_buffer(1 << 20)  # the resend's connection takes what was sent at once
+            await reader.read_request()
+            writer.write(SMALL_OK)
+            await writer.drain()
+            await reader.read_head()  # the upload: its head only, then the connection dies
+            await asyncio.sleep(0.5)
+            writer.transport.abort()
+            return
+        _, received = await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n" + (b"same" if received == body else b"diff"))
+        await writer.drain()
+
+    up = scripted_upstream(handler)
+    up.set_receive_buffer(2048)  # the first connection backs up after a few kilobytes
+    proxy = start_proxy(up.url, **{"pool.retry_buffer_bytes": 64 * 1024 * 1024, "timeouts.upstream_headers": 10})
+    client = RawClient(proxy.port, timeout=15)
+    assert client.roundtrip("GET", "/warm").status == 200
+    resp = client.roundtrip("POST", "/upload", body=body)
+    assert resp.status == 200 and resp.body == b"same"
+    assert proxy.ctx.pool.stats["stale_retried"] == 1
+
+
 def test_resend_that_fails_again_is_urx(scripted_upstream, start_proxy):
     state = {"conn": 0}
 

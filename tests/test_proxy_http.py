@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 from .support import RawClient, header_value, raw_exchange, recv_until, wait_until
 
@@ -204,6 +205,35 @@ def test_pipelined_http10_request_behind_a_close_delimited_response_gets_no_byte
     head, body = raw.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.0 200") and header_value(head, b"connection") == b"close"
     assert body == b"hello"  # the body ends where the connection ends: nothing may follow it
+
+
+def test_a_response_finished_during_the_shutdown_grace_says_the_connection_closes(
+        scripted_upstream, start_proxy, loop_thread):
+    release = threading.Event()
+
+    async def answers_when_released(reader, writer, upstream):
+        await reader.read_request()
+        for _ in range(500):
+            if release.is_set():
+                break
+            await asyncio.sleep(0.01)
+        writer.write(OK_EMPTY)
+        await writer.drain()
+        await reader.read(1)
+
+    proxy = start_proxy(scripted_upstream(answers_when_released).url)
+    client = RawClient(proxy.port)
+    client.send(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert wait_until(lambda: proxy.ctx.in_flight)
+    stopping = asyncio.run_coroutine_threadsafe(proxy.shutdown(grace=5), loop_thread.loop)
+    assert wait_until(lambda: proxy.ctx.shutting_down)
+    release.set()
+    resp = client.response()
+    assert resp.status == 200 and resp.complete
+    # Not an invitation to send another request on a connection about to close.
+    assert resp.headers.get("connection") == "close" and "keep-alive" not in resp.headers
+    assert client.is_closed_by_peer()
+    stopping.result(10)
 
 
 def test_expect_from_an_http10_client_is_ignored(fast_upstream, start_proxy):

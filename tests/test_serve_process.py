@@ -142,6 +142,22 @@ def test_workers_share_the_listen_port(upstream_process):
     assert proc.returncode == 0
 
 
+def test_a_worker_that_cannot_start_stops_the_service_with_an_error(upstream_process):
+    taken = socket.socket()  # the admin port, held without SO_REUSEPORT: no worker can bind it
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "traceproxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{free_port()}",
+             "--upstream", upstream_process, "--admin", f"127.0.0.1:{taken.getsockname()[1]}"],
+            capture_output=True, text=True, timeout=30,
+            env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    finally:
+        taken.close()
+    assert result.returncode == 1
+    assert "stopped" in result.stderr and "address already in use" in result.stderr.lower(), result.stderr
+
+
 def test_default_tracing_writes_otlp_json_lines_to_the_local_file(upstream_process, tmp_path):
     spans_file = tmp_path / "spans.jsonl"
     proc, port, _ = _serve(upstream_process, env={"TRACEPROXY_TRACING_EXPORTER": "auto",

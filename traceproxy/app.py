@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 
 from aiohttp import web
 
@@ -265,10 +266,7 @@ def _run_workers(settings: Settings) -> int:
     for _ in range(settings.workers):
         pid = os.fork()
         if pid == 0:
-            try:
-                _run_one(settings)
-            finally:
-                os._exit(0)
+            os._exit(_worker_main(settings))
         children.append(pid)
 
     def relay(signum, _frame):
@@ -280,11 +278,35 @@ def _run_workers(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, relay)
     signal.signal(signal.SIGINT, relay)
+    # Workers are not restarted: one that fails stops the others, and the whole
+    # service exits with its status, so a supervisor (systemd, compose) sees it.
     status = 0
-    for child in children:
-        _, code = os.waitpid(child, 0)
-        status = status or os.waitstatus_to_exitcode(code)
+    remaining = set(children)
+    while remaining:
+        pid, wait_status = os.wait()
+        remaining.discard(pid)
+        code = os.waitstatus_to_exitcode(wait_status)
+        if code and not status:
+            status = code if code > 0 else 128 - code  # killed by a signal: 128 + its number
+            relay(signal.SIGTERM, None)
     return status
+
+
+def _worker_main(settings: Settings) -> int:
+    """A forked worker's whole life; its exit status, never an exception (the child
+    must not unwind into the parent's code)."""
+    try:
+        _run_one(settings)
+        return 0
+    except ConfigError as exc:
+        print(f"traceproxy: configuration error (worker {os.getpid()}): {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"traceproxy: worker {os.getpid()} stopped: {exc}", file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
 
 
 def _check_port_bindable(settings: Settings) -> None:

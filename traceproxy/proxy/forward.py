@@ -91,7 +91,7 @@ class Exchange:
         # sends its own CLIENT span as the traceparent parent.
         self.pending: list[bytes] = []
         self.pending_size = 0
-        self.sent_log: list[bytes] | None = []
+        self.sent_log: list[bytes] | None = [] if ctx.retry_buffer_bytes else None  # 0: never resend
         self.sent_size = 0
         self.request_complete = False
         self.response_started = False
@@ -285,7 +285,7 @@ class Exchange:
         # the response has a length the client can see.
         self.keep_client_alive = (
             self.head.keep_alive and self.request_complete and framing != H.ResponseFraming.CLOSE
-            and not self.client.closing
+            and not self.client.closing and not self.ctx.shutting_down  # say so: it closes after this
         )
         head = H.client_response_head(
             status, reason, parts.end_to_end_lines, framing, length, self.keep_client_alive, self.head.http11,
@@ -425,6 +425,9 @@ class Exchange:
         attempt.outcome = Flag.SRC
         attempt.error = f"{self._where(attempt)}: {why} before any response byte"
         self.ctx.pool.stats["stale_retried"] += 1
+        # The dead connection's write pause dies with it: the fresh one starts unpaused.
+        if self.record.upstream_paused_since_ns is not None:
+            self.upstream_write_resumed()
         # Everything the dead connection was given goes again, first, and once.
         self.pending = self.sent_log + self.pending
         self.pending_size = sum(len(b) for b in self.pending)

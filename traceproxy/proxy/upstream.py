@@ -425,6 +425,9 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.idle: list[UpstreamConnection] = []
         self.waiters: collections.deque[Exchange] = collections.deque()
+        # Waiters that must get a new connection (a resend after a stale one): a
+        # connection released to them is closed to make room for a new one instead.
+        self._fresh_waiters: set[Exchange] = set()
         self.open_count = 0
         self.connecting: dict[asyncio.Task, UpstreamConnection] = {}
         self._sweeper: asyncio.TimerHandle | None = None
@@ -452,6 +455,8 @@ class UpstreamPool:
                 self.discard(self.idle.pop(0), "making room for a fresh connection")
             else:
                 self.waiters.append(user)
+                if fresh:
+                    self._fresh_waiters.add(user)
                 user.upstream_queued()
                 return None
         task = self._connect(user)
@@ -464,6 +469,7 @@ class UpstreamPool:
             self.demand_peak = in_use
 
     def cancel_wait(self, user: "Exchange") -> None:
+        self._fresh_waiters.discard(user)
         try:
             self.waiters.remove(user)
         except ValueError:
@@ -588,6 +594,11 @@ class UpstreamPool:
             return
         while self.waiters:
             waiter = self.waiters.popleft()
+            if waiter in self._fresh_waiters and not waiter.finished:
+                # Back to the front: closing ``conn`` frees the slot it is connected in.
+                self.waiters.appendleft(waiter)
+                self.discard(conn, "making room for a fresh connection")
+                return
             if not waiter.finished:
                 self.stats["reused"] += 1
                 self._note_demand()
@@ -625,6 +636,7 @@ class UpstreamPool:
         self.open_count -= 1
         if self.waiters and (not self.max_connections or self.open_count < self.max_connections):
             waiter = self.waiters.popleft()
+            self._fresh_waiters.discard(waiter)
             if not waiter.finished:
                 waiter.upstream_connecting(self._connect(waiter))
                 self._note_demand()
