@@ -36,6 +36,7 @@ EXPECTED_DEFAULTS = Settings(
     admin=HostPort("127.0.0.1", 9464),
     admin_public=False,
     workers=1,
+    log_level="info",
     timeouts=Timeouts(
         connect=5.0,
         upstream_headers=600.0,
@@ -499,6 +500,15 @@ def test_short_flag_aliases():
 def test_boolean_flags_given_alone_mean_true_and_still_take_a_value():
     assert load_settings(parse_flags(["--forwarding-x-forwarded", "false"]), {}).forwarding.x_forwarded is False
     assert load_settings(parse_flags(["--admin-public"]), {}).admin_public is True
+
+
+def test_log_level_is_a_setting_like_every_other(tmp_path):
+    assert load(tmp_path, toml='log_level = "debug"\n').log_level == "debug"
+    assert load(tmp_path, env={"TRACEPROXY_LOG_LEVEL": "warning"}, toml='log_level = "debug"\n').log_level == "warning"
+    assert load(tmp_path, argv=["--log-level", "error"], env={"TRACEPROXY_LOG_LEVEL": "warning"}).log_level == "error"
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, env={"TRACEPROXY_LOG_LEVEL": "loud"})
+    assert "TRACEPROXY_LOG_LEVEL" in str(caught.value) and "'debug'" in str(caught.value)
 
 
 def test_configuration_reference_is_generated_from_the_schema():

@@ -34,7 +34,6 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy. Every flag is also a "
                            "config-file key and a TRACEPROXY_<KEY> environment variable; flags win.")
     add_flags(serve)
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=_serve)
 
     upstream = sub.add_parser("upstream", help="run the built-in OpenAI-compatible test upstream")
@@ -89,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     for warning in unknown_environment():
         print(f"traceproxy: warning: {warning}", file=sys.stderr)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(settings)
     except ConfigError as exc:

@@ -142,6 +142,7 @@ class Settings:
     admin: HostPort | None  # None: admin listener disabled
     admin_public: bool
     workers: int
+    log_level: str
     timeouts: Timeouts
     pool: Pool
     limits: Limits
@@ -416,6 +417,8 @@ SCHEMA: tuple[Setting, ...] = (
             "Address of the read-only admin listener; off disables it."),
     Setting("", "admin_public", boolean(), False, "Allow the admin listener on a non-loopback address."),
     Setting("", "workers", integer(1, 64), 1, "Number of processes sharing the listen port (SO_REUSEPORT)."),
+    Setting("", "log_level", choice("debug", "info", "warning", "error"), "info",
+            "Level of the proxy's own log messages (stderr)."),
     Setting("timeouts", "connect", seconds(), 5.0, "Connecting to the upstream."),
     Setting("timeouts", "upstream_headers", seconds(zero="off"), 600.0,
             "From sending the request upstream to receiving the response headers, else 504. "
