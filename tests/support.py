@@ -325,6 +325,20 @@ def answers_in_parts(*parts: bytes, pause: float = 0.0) -> Callable:
     return handler
 
 
+def answers_partly_then_resets(partial: bytes, after: float = 0.05) -> Callable:
+    """Reads one request, writes ``partial`` (a response cut short), then resets the
+    connection ``after`` seconds later: an upstream dying mid-response."""
+
+    async def handler(reader, writer, upstream) -> None:
+        await reader.read_request()
+        writer.write(partial)
+        await writer.drain()
+        await asyncio.sleep(after)
+        writer.transport.abort()
+
+    return handler
+
+
 class ListSink:
     """Stands in for the span export pipe: keeps what the tracing observer submits.
     ``backlog``: what ``backlogged()`` answers (the exporter is behind)."""

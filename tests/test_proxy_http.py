@@ -7,7 +7,7 @@ import asyncio
 import socket
 import threading
 
-from .support import RawClient, header_value, raw_exchange, recv_until, wait_until
+from .support import RawClient, answers_partly_then_resets, header_value, raw_exchange, recv_until, wait_until
 
 HOP_BY_HOP_REQUEST = (
     b"GET /v1/models HTTP/1.1\r\n"
@@ -176,14 +176,7 @@ def test_pipelined_requests_answered_in_order(scripted_upstream, start_proxy):
 
 
 def test_pipelined_request_behind_a_truncated_response_gets_no_bytes(scripted_upstream, start_proxy):
-    async def short_then_gone(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 40)
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.transport.abort()
-
-    up = scripted_upstream(short_then_gone)
+    up = scripted_upstream(answers_partly_then_resets(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 40))
     proxy = start_proxy(up.url)
     raw = raw_exchange(proxy.port, b"GET /a HTTP/1.1\r\nHost: a\r\n\r\nGET /b HTTP/1.1\r\nHost: a\r\n\r\n")
     head, body = raw.split(b"\r\n\r\n", 1)

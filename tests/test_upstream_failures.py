@@ -14,7 +14,7 @@ import pytest
 
 from traceproxy.sim.launch import free_port
 
-from .support import RawClient, header_value, never_answers, wait_until
+from .support import RawClient, answers_in_parts, answers_partly_then_resets, header_value, never_answers, wait_until
 
 
 def _error(resp) -> dict:
@@ -103,13 +103,7 @@ def test_a_transfer_coding_other_than_chunked_is_refused_not_passed_on(coding, s
 def test_truncated_response_to_an_http10_client_ends_in_a_reset(scripted_upstream, start_proxy):
     # An HTTP/1.0 client reads the body until the connection closes: a FIN after the
     # last byte would make a cut-off response look complete.
-    async def dies(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.1)
-        writer.transport.abort()
-
+    dies = answers_partly_then_resets(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n", 0.1)
     proxy = start_proxy(scripted_upstream(dies).url)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -129,14 +123,8 @@ def test_truncated_response_to_an_http10_client_ends_in_a_reset(scripted_upstrea
 
 
 def test_upstream_closes_mid_chunked_stream_client_sees_truncation(scripted_upstream, start_proxy):
-    async def dies(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                     b"e\r\ndata: token1\n\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.transport.abort()
-
+    dies = answers_partly_then_resets(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                      b"Transfer-Encoding: chunked\r\n\r\ne\r\ndata: token1\n\n\r\n")
     proxy = start_proxy(scripted_upstream(dies).url)
     client = RawClient(proxy.port)
     resp = client.roundtrip("POST", "/v1/chat/completions", body=b"{}")
@@ -173,12 +161,7 @@ def test_upstream_closes_before_any_byte_on_fresh_connection_is_502_uc_not_retri
 
 
 def test_stream_silent_past_upstream_read_timeout_is_aborted(scripted_upstream, start_proxy):
-    async def stalls(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
-        await writer.drain()
-        await asyncio.sleep(30)
-
+    stalls = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
     proxy = start_proxy(scripted_upstream(stalls).url, **{"timeouts.upstream_read": 0.3})
     resp = RawClient(proxy.port).roundtrip("GET", "/")
     assert resp.status == 200 and resp.body == b"hello" and not resp.complete

@@ -271,7 +271,7 @@ class ClientConnection(asyncio.Protocol):
         head = RequestHead(
             record.method, self._url, parts, http11,
             self.parser.should_keep_alive() and not self.ctx.shutting_down,
-            expect is not None and bool(parts.framing.chunked or parts.framing.content_length),
+            expect is not None and parts.framing.has_body,
             generated_id,
         )
         exchange = Exchange(self.ctx, self, record, head)

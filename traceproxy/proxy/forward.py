@@ -105,7 +105,7 @@ class Exchange:
         self._upstream_paused_by_client = False
         self._linger_timer: asyncio.TimerHandle | None = None
         self._started_ns = 0
-        self._expects_body = bool(head.framing.chunked or head.framing.content_length)
+        self._expects_body = head.framing.has_body
         # With rid injection the body is held until complete, then rewritten, and
         # only then is an upstream connection taken (its length goes in the head).
         self._rewrite: list[bytes] | None = (

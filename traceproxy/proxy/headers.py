@@ -50,6 +50,10 @@ class RequestFraming:
     chunked: bool
     content_length: int | None  # None with chunked; 0 when the request has no body
 
+    @property
+    def has_body(self) -> bool:
+        return self.chunked or bool(self.content_length)
+
 
 def _tokens(value: bytes) -> list[bytes]:
     return [t.strip().lower() for t in value.split(b",") if t.strip()]
@@ -281,15 +285,16 @@ class ResponseParts:
     end_to_end: Headers
     event_stream: bool  # Content-Type: text/event-stream (SSE)
     end_to_end_lines: bytes  # end_to_end, formatted as header lines
-    # A Transfer-Encoding other than a lone "chunked", as sent (None if there is none).
-    # Such a body is still coded when llhttp hands it over, and the proxy would drop
-    # the coding with the hop-by-hop header: the response is refused instead.
-    other_coding: bytes | None = None
 
 
 def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozenset()) -> ResponseParts:
     """One pass over the upstream's response headers; ``replaced`` names headers the
-    proxy sets itself on every response, so the upstream's copies are dropped."""
+    proxy sets itself on every response, so the upstream's copies are dropped.
+
+    Raises ``BadResponse`` for a Transfer-Encoding other than a lone ``chunked``:
+    llhttp hands such a body over still coded, and the coding would go with the
+    hop-by-hop header, so the client would get it without being told.
+    """
     kept: Headers = []
     event_stream = False
     length = None
@@ -313,9 +318,10 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
             listed = _connection_listed(listed, value)
     if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
-    chunked = codings is not None
-    other = None if codings is None or codings == [b"chunked"] else b", ".join(codings)
-    return ResponseParts(chunked, length, kept, event_stream, header_lines(kept), other)
+    if codings is not None and codings != [b"chunked"]:
+        shown = b", ".join(codings).decode("latin-1")
+        raise BadResponse(f"Transfer-Encoding {shown!r}: only 'chunked' is passed on")
+    return ResponseParts(codings is not None, length, kept, event_stream, header_lines(kept))
 
 
 class ResponseFraming:

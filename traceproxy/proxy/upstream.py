@@ -256,9 +256,6 @@ class UpstreamConnection(asyncio.Protocol):
             self._head_parsed(known.status, known.reason, known.parts)
 
     def _head_parsed(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
-        if parts.other_coding is not None:
-            shown = parts.other_coding.decode("latin-1")
-            raise H.BadResponse(f"Transfer-Encoding {shown!r}: only 'chunked' is passed on")
         self._awaiting_head = False
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
