@@ -497,6 +497,18 @@ def test_short_flag_aliases():
     assert settings.request_id.headers == ("x-request-id", "x-trace-id")
 
 
+def test_every_flag_is_listed_once_in_help_and_reference():
+    from traceproxy.config import render_reference_markdown
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    for action in parser._actions:
+        assert len(action.option_strings) == len(set(action.option_strings)), action.option_strings
+    for line in render_reference_markdown().splitlines():
+        flags = re.findall(r"`(--[a-z-]+)`", line)
+        assert len(flags) == len(set(flags)), line
+
+
 def test_boolean_flags_given_alone_mean_true_and_still_take_a_value():
     assert load_settings(parse_flags(["--forwarding-x-forwarded", "false"]), {}).forwarding.x_forwarded is False
     assert load_settings(parse_flags(["--admin-public"]), {}).admin_public is True

@@ -682,7 +682,9 @@ def load_settings(
 
 
 # Short names that operators and docs use, beside the section-derived flag.
-FLAG_ALIASES = {"request_id.inject_rid": ("--inject-rid",), "request_id.headers": ("--request-id-headers",)}
+# (``request_id.headers`` needs none: its derived flag is already the router's
+# ``--request-id-headers``.)
+FLAG_ALIASES = {"request_id.inject_rid": ("--inject-rid",)}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
