@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -91,6 +92,27 @@ def test_serve_proxies_and_reports_health(upstream_process):
     assert proc.returncode == 0
     if platform.libc_ver()[0] == "glibc":  # the worker tuned its allocator before serving
         assert "allocator: heap buffers up to" in proc.stderr.read()
+
+
+def test_serve_logs_the_ports_it_bound_when_asked_for_any(upstream_process):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", "127.0.0.1:0", "--upstream", upstream_process,
+         "--admin", "127.0.0.1:0", "--tracing-exporter", "off", "--access-log-path", ""],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        for _ in range(50):  # startup lines before it, if any, are few
+            line = proc.stderr.readline()
+            if "listening on" in line or not line:
+                break
+        found = re.search(r"listening on 127\.0\.0\.1:(\d+), .* admin 127\.0\.0\.1:(\d+)", line)
+        assert found, line
+        port, admin = (int(group) for group in found.groups())
+        assert port != 0 and admin != 0
+        assert _healthz(admin)["status"] == "ok"
+        assert RawClient(port).roundtrip("GET", "/health").status == 200
+    finally:
+        _stop(proc)
 
 
 def test_sigterm_lets_an_in_flight_stream_finish_then_exits(upstream_process):

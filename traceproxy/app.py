@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .admin import build_admin_app
 from .allocator import tune_allocator
-from .config import ConfigError, Settings
+from .config import ConfigError, HostPort, Settings
 from .lifecycle.flags import Flag
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
@@ -230,8 +230,11 @@ class ProxyServer:
 async def serve_until_signalled(settings: Settings) -> None:
     server = ProxyServer(settings)
     await server.start()
-    log.info("traceproxy listening on %s, upstream %s, admin %s (pid %d)",
-             settings.listen, settings.upstream, settings.admin or "off", os.getpid())
+    # The addresses actually bound: with port 0 the kernel picked them.
+    listen = HostPort(settings.listen.host, server.port)
+    admin = HostPort(settings.admin.host, server.admin_port) if settings.admin is not None else "off"
+    log.info("traceproxy listening on %s, upstream %s, admin %s (pid %d)", listen, settings.upstream, admin,
+             os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

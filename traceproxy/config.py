@@ -410,11 +410,12 @@ class Setting:
 # Hazard: top-level keys must come first and each section's rows must be contiguous, or the
 # rendered default file stops being valid TOML once its keys are uncommented.
 SCHEMA: tuple[Setting, ...] = (
-    Setting("", "listen", address(), "127.0.0.1:8000", "Address the proxy listens on for clients."),
+    Setting("", "listen", address(), "127.0.0.1:8000", "Address the proxy listens on for clients. Port 0 takes any free port (the "
+            "startup log names it; only with workers = 1)."),
     Setting("", "upstream", http_url(), "http://127.0.0.1:30000",
             "Base URL of the router or engine that requests are forwarded to."),
     Setting("", "admin", address(off=True), "127.0.0.1:9464",
-            "Address of the read-only admin listener; off disables it."),
+            "Address of the read-only admin listener; off disables it. Port 0 as for listen."),
     Setting("", "admin_public", boolean(), False, "Allow the admin listener on a non-loopback address."),
     Setting("", "workers", integer(1, 64), 1, "Number of processes sharing the listen port (SO_REUSEPORT)."),
     Setting("", "log_level", choice("debug", "info", "warning", "error"), "info",
@@ -587,9 +588,25 @@ def _check_admin_exposure(admin: HostPort | None, admin_public: bool, source: st
     )
 
 
+def _check_shared_ports(values: dict[str, Any], raw: Raw) -> None:
+    """Workers share their ports through SO_REUSEPORT, which needs one known port:
+    with port 0 each worker would be given a different one."""
+    if values["workers"] <= 1:
+        return
+    for key in ("listen", "admin"):
+        address = values[key]
+        if address is not None and address.port == 0:
+            raise ConfigError(
+                f"{key} = {str(address)!r} (from {raw[key][1]}): port 0 picks a free port per process, so "
+                f"the {values['workers']} workers (from {raw['workers'][1]}) would not share one; expected "
+                "a fixed port with workers > 1"
+            )
+
+
 def _build(raw: Raw) -> Settings:
     values = {s.dotted: _parse(s, *raw[s.dotted]) for s in SCHEMA}
     _check_admin_exposure(values["admin"], values["admin_public"], raw["admin"][1])
+    _check_shared_ports(values, raw)
     sections = {
         name: cls(**{s.key: values[s.dotted] for s in SCHEMA if s.section == name})
         for name, (cls, _) in _SECTIONS.items()
