@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import socket
+import time
 
 from traceproxy.lifecycle.flags import Flag
 from traceproxy.lifecycle.marks import Mark
@@ -50,6 +51,27 @@ def test_healthy_streams_record_marks_in_order_and_the_keepalive_ledger(fast_ups
         assert None not in stamped and stamped == sorted(stamped)
         assert record.upstream_rx_chunks >= 1 and record.upstream_rx_body_bytes == record.downstream_tx_body_bytes
         assert len(rec.marks[record.id]) == len(set(rec.marks[record.id]))
+
+
+def test_pipelined_requests_report_no_idle_gap(fast_upstream, start_proxy):
+    rec = Recorder()
+    proxy = start_proxy(fast_upstream().url, observers=[rec])
+    health = b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n"
+    body = b'{"stream": true, "max_tokens": 5}'
+    stream = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nx-fake-tps: 25\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(health)
+        assert wait_until(lambda: len(rec.done) == 1)
+        time.sleep(0.3)
+        # The second and third request leave in one write: the third arrives while the
+        # second (a 0.2 s stream) is in flight, so the connection was never idle before it.
+        sock.sendall(stream + health)
+        assert wait_until(lambda: len(rec.done) == 3)
+    first, second, third = sorted(rec.done, key=lambda r: r.sequence)
+    assert all(r.outcome is Flag.OK for r in (first, second, third))
+    assert second.idle_gap_ns >= 250_000_000
+    assert third.idle_gap_ns == 0
 
 
 def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):

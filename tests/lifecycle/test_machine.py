@@ -116,6 +116,15 @@ def test_keepalive_ledger_numbers_requests_and_measures_idle_gaps():
     assert conn.next_request(600 * MS) == (2, 500 * MS)
 
 
+def test_a_pipelined_request_had_no_idle_gap():
+    conn = ClientConnectionRecord(peer="127.0.0.1:1", opened_ns=0)
+    first_seq, _ = conn.next_request(5 * MS)
+    first = RequestRecord(connection=conn, sequence=first_seq, idle_gap_ns=None)
+    first.finish(Flag.OK, 100 * MS)
+    assert conn.next_request(600 * MS) == (2, 500 * MS)  # after 0.5 s idle
+    assert conn.next_request(601 * MS) == (3, 0)  # arrived while the second was in flight
+
+
 def test_attempt_records_reuse_idle_age_and_request_count():
     upstream = UpstreamConnectionRecord(opened_ns=0)
     record = _request()

@@ -42,14 +42,27 @@ class ClientConnectionRecord:
     opened_ns: int
     id: int = field(default_factory=_client_ids.__next__)
     requests_started: int = 0
+    requests_open: int = 0  # started and not yet finished: more than one when pipelined
     last_response_end_ns: int | None = None
     closed_ns: int | None = None
 
     def next_request(self, now_ns: int) -> tuple[int, int | None]:
-        """Sequence number (1-based) and idle gap (ns, None for the first) of a new request."""
+        """Sequence number (1-based) and idle gap (ns, None for the first) of a new request.
+
+        The gap is how long the connection sat with nothing to do before this
+        request's first byte: 0 when it arrives while an earlier one is still in
+        flight (pipelined), since the connection was never idle."""
         self.requests_started += 1
-        idle = None if self.last_response_end_ns is None else now_ns - self.last_response_end_ns
+        if self.requests_open > 0:
+            idle = 0
+        else:
+            idle = None if self.last_response_end_ns is None else now_ns - self.last_response_end_ns
+        self.requests_open += 1
         return self.requests_started, idle
+
+    def request_ended(self, now_ns: int) -> None:
+        self.requests_open = max(self.requests_open - 1, 0)
+        self.last_response_end_ns = now_ns
 
 
 @dataclass(slots=True)
@@ -189,5 +202,5 @@ class RequestRecord:
             raise MarkTwiceError(f"request {self.id} finished twice ({self.outcome.code}, {outcome.code})")
         self.outcome = outcome
         self.error = error
-        self.connection.last_response_end_ns = now_ns
+        self.connection.request_ended(now_ns)
         self.end_ns = now_ns
