@@ -11,7 +11,7 @@ from traceproxy.lifecycle.flags import Flag
 from traceproxy.lifecycle.marks import Mark
 from traceproxy.sim.launch import free_port
 
-from .support import RawClient, raw_exchange, wait_until
+from .support import RawClient, answers_partly_then_resets, raw_exchange, recv_until, wait_until
 
 
 class Recorder:
@@ -89,3 +89,60 @@ def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):
     assert sorted(r.outcome.code for r in rec.done) == ["DC", "DPE", "OK", "UF"]
     assert {r.id for r in rec.started} == {r.id for r in rec.done}
     assert not proxy.ctx.in_flight and not dead.ctx.in_flight
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+ONE_EVENT = b"e\r\ndata: token1\n\n\r\n"
+
+
+def test_a_client_disconnect_is_a_mark_on_the_request_and_its_attempt(fast_upstream, start_proxy):
+    rec = Recorder()
+    proxy = start_proxy(fast_upstream().url, observers=[rec])
+    body = b'{"stream": true, "max_tokens": 50}'
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nx-fake-tps: 20\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        recv_until(sock, b"data: ")
+    assert wait_until(lambda: len(rec.done) == 1)
+    (record,) = rec.done
+    assert record.outcome is Flag.DC
+    closed = record.when(Mark.DOWNSTREAM_CLOSED)
+    assert closed is not None and record.when(Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE) < closed <= record.end_ns
+    # The proxy then let go of the engine's connection: the attempt shows when.
+    assert closed <= record.attempt.marks[Mark.UPSTREAM_CLOSED] <= record.end_ns
+    assert Mark.DOWNSTREAM_CLOSED in rec.marks[record.id] and Mark.UPSTREAM_CLOSED in rec.marks[record.id]
+
+
+def test_a_client_gone_during_its_request_head_is_marked_too(fast_upstream, start_proxy):
+    rec = Recorder()
+    proxy = start_proxy(fast_upstream().url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n")
+        assert wait_until(lambda: len(rec.started) == 1)
+    assert wait_until(lambda: len(rec.done) == 1)
+    (record,) = rec.done
+    assert record.outcome is Flag.DC and record.when(Mark.DOWNSTREAM_CLOSED) is not None
+
+
+def test_an_upstream_disconnect_is_a_mark_on_the_attempt_only(scripted_upstream, start_proxy):
+    rec = Recorder()
+    upstream = scripted_upstream(answers_partly_then_resets(SSE_HEAD + ONE_EVENT))
+    proxy = start_proxy(upstream.url, observers=[rec])
+    response = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}")
+    assert response.status == 200 and not response.complete
+    assert wait_until(lambda: len(rec.done) == 1)
+    (record,) = rec.done
+    assert record.outcome is Flag.UC
+    assert record.when(Mark.FIRST_UPSTREAM_RX_BODY_BYTE) < record.attempt.marks[Mark.UPSTREAM_CLOSED] <= record.end_ns
+    assert record.when(Mark.DOWNSTREAM_CLOSED) is None  # the client stayed
+
+
+def test_healthy_keepalive_requests_carry_no_close_marks(fast_upstream, start_proxy):
+    rec = Recorder()
+    proxy = start_proxy(fast_upstream().url, observers=[rec])
+    client = RawClient(proxy.port)
+    for _ in range(2):
+        assert client.roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true, "max_tokens": 3}').complete
+    assert wait_until(lambda: len(rec.done) == 2)
+    for record in rec.done:
+        assert record.when(Mark.DOWNSTREAM_CLOSED) is None and Mark.UPSTREAM_CLOSED not in record.attempt.marks

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 A mark is the moment an edge was crossed: ``first``/``last`` x ``downstream``
 (the client side) / ``upstream`` (the router or engine side) x ``rx`` (received by
-the proxy) / ``tx`` (sent by the proxy), plus the upstream pool marks. The grammar
+the proxy) / ``tx`` (sent by the proxy), plus the upstream pool marks and the
+moment either side's connection closed under the request. The grammar
 follows Envoy's ``UpstreamTiming`` so that an operator who knows one knows the other.
 
 A phase is the gap between two marks (see ``machine``), so "stuck in phase X"
@@ -39,6 +40,11 @@ class Mark(enum.IntEnum):
     FIRST_DOWNSTREAM_TX_BYTE = 11
     FIRST_DOWNSTREAM_TX_BODY_BYTE = 12
     LAST_DOWNSTREAM_TX_BYTE = 13
+    # Disconnects: a connection that ended while a request or attempt was still on
+    # it. The client's, stamped on the request; the upstream's (by either side:
+    # the engine closed or reset it, or the proxy let go of it), on the attempt.
+    DOWNSTREAM_CLOSED = 14
+    UPSTREAM_CLOSED = 15
 
     @property
     def label(self) -> str:
@@ -67,6 +73,7 @@ UPSTREAM_MARKS = frozenset(
         Mark.LAST_UPSTREAM_RX_HEADER_BYTE,
         Mark.FIRST_UPSTREAM_RX_BODY_BYTE,
         Mark.LAST_UPSTREAM_RX_BYTE,
+        Mark.UPSTREAM_CLOSED,
     }
 )
 

@@ -121,12 +121,18 @@ class ClientConnection(asyncio.Protocol):
         if self._peer_check is not None:
             self._peer_check.cancel()
             self._peer_check = None
-        self.record.closed_ns = time.monotonic_ns()
+        closed = self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
+        for exchange in (self.active, *self.queue):
+            if exchange is not None:
+                exchange.client_closed(closed)
         self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
         if self.active is not None:
             self.active.client_lost()
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
+            self.parsing.mark(MARK.DOWNSTREAM_CLOSED, closed)
+            if self.ctx.fanout.mark_observers:
+                self.ctx.fanout.mark(self.parsing, MARK.DOWNSTREAM_CLOSED)
             self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
 
     def close(self) -> None:
@@ -256,6 +262,8 @@ class ClientConnection(asyncio.Protocol):
         record.target = self._url.decode("latin-1")
         record.http_version = self.parser.get_http_version()
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
+        if self.ctx.fanout.mark_observers:
+            self.ctx.fanout.mark(record, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE)
         if self._head_bytes + self._read_size > self._max_head_bytes and self._head_size() > self._max_head_bytes:
             raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         if self.parser.should_upgrade():

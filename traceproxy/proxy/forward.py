@@ -393,6 +393,7 @@ class Exchange:
         if reusable:
             self.ctx.pool.release(conn)
         else:
+            self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
             self.ctx.pool.discard(conn, "not reusable after this response")
 
     # ---------------------------------------------------------------------------
@@ -402,6 +403,7 @@ class Exchange:
         if self.finished:
             return
         self.upstream = None
+        self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         attempt = self.record.attempt
         why = _close_reason(exc)
         where = self._where(attempt)
@@ -438,6 +440,11 @@ class Exchange:
         if not self.finished:
             self._fail(Flag.UPE, f"{self._where(self.record.attempt)}: {detail}")
 
+    def client_closed(self, now: int) -> None:
+        """Stamp the client connection's end on this request, if it was still open."""
+        if not self.finished:
+            self._stamp_once(MARK.DOWNSTREAM_CLOSED, now)
+
     def client_lost(self) -> None:
         self.lingering = False
         if not self.finished:
@@ -458,6 +465,7 @@ class Exchange:
     def _fail(self, outcome: Outcome, message: str, client_gone: bool = False) -> None:
         conn, self.upstream = self.upstream, None
         if conn is not None:
+            self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
             # A reset: the engine sees it now, even behind request bytes it has not read.
             self.ctx.pool.discard(conn, outcome.name, reset=True)
         if self.connect_task is not None:
