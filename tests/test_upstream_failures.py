@@ -71,7 +71,12 @@ def test_a_later_request_on_a_keep_alive_connection_gets_its_own_full_timeout(sc
 @pytest.mark.parametrize("reply", [
     b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello",  # malformed
     b"SSH-2.0-OpenSSH_9.6\r\n",  # not HTTP at all
-], ids=["conflicting-lengths", "not-http"])
+    # A valid head, then a bad chunk in the same read: nothing reached the client yet,
+    # so it still gets the error rather than a connection closed without a byte.
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"e\r\ndata: token\n\n\r\n",  # chunk size one more than the data
+], ids=["conflicting-lengths", "not-http", "bad-chunk-size-after-head", "chunk-overrun-after-head"])
 def test_malformed_upstream_response_is_502_upe(reply, scripted_upstream, start_proxy):
     async def garbage(reader, writer, upstream):
         await reader.read_request()

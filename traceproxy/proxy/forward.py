@@ -475,7 +475,10 @@ class Exchange:
         linger = False
         if client_gone:
             pass
-        elif not self.response_started:
+        elif not self.response_started or self.record.last_downstream_tx_ns is None:
+            # Nothing of the response reached the client yet (its head may have been
+            # parsed in the very read that then failed): it can still get the error.
+            self._client_out.clear()
             if not self.request_complete:
                 # Drain the rest of the body, then keep the connection, as nginx
                 # does; but not after a body timeout (the client is stalled) or a
@@ -487,7 +490,8 @@ class Exchange:
                                              extra_lines=self.ctx.response_ids(self.record)))
             self.record.status = status
             now = time.monotonic_ns()
-            self._stamp(now, MARK.FIRST_DOWNSTREAM_TX_BYTE, MARK.LAST_DOWNSTREAM_TX_BYTE)
+            self._stamp_once(MARK.FIRST_DOWNSTREAM_TX_BYTE, now)
+            self._stamp(now, MARK.LAST_DOWNSTREAM_TX_BYTE)
         else:
             # The response already started: end it short so the client can tell.
             self._client_out.clear()
