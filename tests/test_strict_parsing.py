@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .support import RawClient, header_value, raw_exchange, recv_until, wait_until
+from .support import RawClient, header_value, never_answers, raw_exchange, recv_until, wait_until
 
 GOOD = b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
 
@@ -106,6 +106,68 @@ def test_endless_header_value_cut_off_with_431(fast_upstream, start_proxy):
         except ConnectionResetError:
             pass
     assert reply.startswith(b"HTTP/1.1 431 ") or reply == b""
+
+
+def test_endless_trailer_value_cut_off_with_431(scripted_upstream, start_proxy):
+    # The trailer section comes after the head was checked; httptools gathers its
+    # values just the same, so it is held to the same limit.
+    proxy = start_proxy(scripted_upstream(never_answers).url, **{"limits.max_header_bytes": 1024})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-Trailer: ")
+        assert wait_until(lambda: proxy.ctx.in_flight)
+        for _ in range(64):  # never ends the trailer; the proxy must stop us
+            try:
+                sock.sendall(b"v" * 512)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.002)  # separate reads
+        try:
+            reply = recv_until(sock, b"}")
+        except ConnectionResetError:
+            reply = b""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), reply
+    assert b"trailers exceed 1024 bytes" in body
+    assert wait_until(lambda: not proxy.ctx.in_flight)
+
+
+def test_chunked_body_of_many_small_chunks_is_not_mistaken_for_long_trailers(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_header_bytes": 1024})
+    data = bytes(97 + i % 26 for i in range(2000))
+    chunks = b"".join(b"1;ext=%d\r\n%c\r\n" % (i, byte) for i, byte in enumerate(data))
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + chunks + b"0\r\nX-Trailer: 1\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 ") and data in reply
+
+
+def test_whitespace_padding_counts_toward_the_head_limit(fast_upstream, start_proxy):
+    # llhttp strips the whitespace around values; the limit is on the bytes sent.
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"limits.max_header_bytes": 1024})
+    raw = (b"GET / HTTP/1.1\r\nHost: a\r\n" + b"".join(b"X-%d:%sv\r\n" % (i, b" " * 500) for i in range(20))
+           + b"\r\n")
+    assert raw_exchange(proxy.port, raw).startswith(b"HTTP/1.1 431 ")
+    assert up.requests == 0
+
+
+def test_a_body_before_a_pipelined_head_is_not_counted_as_head(fast_upstream, start_proxy):
+    # One read holds a whole POST with a body larger than the head limit and the start
+    # of the next request's head; the rest of that head comes in a later read.
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_header_bytes": 1024})
+    body = b"x" * 20_000
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                     + b"GET /heal")
+        time.sleep(0.2)
+        sock.sendall(b"th HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.count(b"HTTP/1.1 200 ") == 2 and b" 431 " not in reply
 
 
 def test_oversized_target_gets_414(fast_upstream, start_proxy):

@@ -12,10 +12,15 @@ Hazards
   malformed request behind good ones is answered with its 400 only after them.
 * Unbounded heads: httptools concatenates a header value until it ends, so a
   client streaming one endless header would grow memory; bytes fed while the head
-  is incomplete are counted here and cut off at ``limits.max_header_bytes``. A
-  head that ends in the read it began in is at most that read long, so its exact
-  size (the header lines) is summed only when that read, with the bytes of the
-  head read before it, is longer than the limit.
+  is incomplete are counted here and cut off at ``limits.max_header_bytes``. Only
+  bytes known to be the head's count: a read that began it at its first byte, or
+  one wholly inside it. A head that began behind a pipelined request's body in
+  the same read is counted from the next read on (at most one read uncounted),
+  so that body is never taken for head bytes. A head that ends in the read it
+  began in is sized only when that read is longer than the limit.
+* Unbounded trailers: the same concatenation happens in a chunked body's trailer
+  section, after the head was checked; bytes of a chunked body that carry no body
+  data (size lines, extensions, trailers) are held to the same limit.
 * Paused reading: while reading is paused (a pipelined request waits its turn,
   the upstream does not take the body fast enough, a refusal waits for the
   responses before it) the loop does not watch the socket, so a client hanging
@@ -70,8 +75,14 @@ class ClientConnection(asyncio.Protocol):
         self.parsing_exchange: Exchange | None = None
         self._url = b""
         self._headers: H.Headers = []
-        self._head_bytes = 0  # bytes of reads that ended inside the current head
+        self._head_bytes = 0  # bytes of the current head counted so far (see _head_too_long)
         self._read_size = 0  # length of the read being fed
+        self._data = b""  # the read being fed
+        self._at_request_start = False  # the read being fed began at a request's first byte
+        self._begun = 0  # requests begun during the read being fed
+        self._chunked_body = False  # a chunked request body is being parsed
+        self._body_in_read = False  # the read being fed carried body bytes
+        self._framing_bytes = 0  # chunk framing and trailer bytes since the last body bytes
         self._max_head_bytes = ctx.limits.max_header_bytes
         self._max_target_bytes = ctx.limits.max_target_bytes
         self._in_head = False  # between a request's first byte and its complete head
@@ -198,8 +209,9 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing or self.rejection is not None:
             return
-        in_head = self.parsing is None or self._in_head
-        self._read_size = len(data)
+        continues_head = self.parsing is not None and self._in_head
+        self._at_request_start = self.parsing is None
+        self._read_size, self._data, self._begun, self._body_in_read = len(data), data, 0, False
         self.feeding = True
         try:
             self.parser.feed_data(data)
@@ -220,17 +232,40 @@ class ClientConnection(asyncio.Protocol):
             self.feeding = False
             if self.active is not None:
                 self.active.flush_upstream()
-        if in_head and self._in_head and self.parsing is not None:
-            self._head_bytes += len(data)
-            if self._head_bytes > self._max_head_bytes:
-                self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
+        if self.parsing is not None:
+            if self._in_head:
+                if self._head_too_long(len(data), continues_head):
+                    self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
+                    return
+            elif self._chunked_body and self._framing_too_long(len(data)):
+                self.reject(431, Flag.DPE, f"request chunk framing or trailers exceed {self._max_head_bytes} bytes")
                 return
         if self._head_timer_pending:
             self._head_timer_pending = False
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
+    def _head_too_long(self, size: int, continues_head: bool) -> bool:
+        """Counts the bytes of a head still incomplete at the end of a read."""
+        if continues_head and not self._begun:
+            self._head_bytes += size  # the whole read belongs to the head begun earlier
+        elif self._at_request_start and self._begun == 1:
+            self._head_bytes = size  # the head began at the read's first byte
+        else:
+            return False  # it began behind other requests' bytes: counted from the next read on
+        return self._head_bytes > self._max_head_bytes
+
+    def _framing_too_long(self, size: int) -> bool:
+        """Counts chunked-body bytes that carry no body: chunk-size lines, extensions
+        and the trailer section, whose field values httptools gathers until they end."""
+        if self._body_in_read:
+            self._framing_bytes = 0  # what follows the body in this read: at most one read
+            return False
+        self._framing_bytes += size
+        return self._framing_bytes > self._max_head_bytes
+
     def on_message_begin(self) -> None:
         now = time.monotonic_ns()
+        self._begun += 1
         self._on_deadline = None  # the keep-alive idle timer stands down (see _arm_timer)
         self.ctx.connection_busy(self)
         sequence, idle_gap = self.record.next_request(now)
@@ -269,6 +304,7 @@ class ClientConnection(asyncio.Protocol):
         if self.parser.should_upgrade():
             raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
         parts = H.parse_request_headers(self._headers, record.http_version, self.ctx.request_id_names)
+        self._chunked_body, self._framing_bytes = parts.framing.chunked, 0
         generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         http11 = record.http_version == "1.1"
         # RFC 9110 section 10.1.1: Expect in an HTTP/1.0 request is ignored (and 1xx
@@ -291,15 +327,22 @@ class ClientConnection(asyncio.Protocol):
             self.pause_reading("pipeline")
 
     def _head_size(self) -> int:
-        """The head's header lines and target, as ``name: value`` lines would count them."""
+        """The head's size: exact when it began at the read's first byte (it ends at the
+        first empty line); else its target and header lines as ``name: value`` lines
+        would count them (without the whitespace llhttp strips)."""
+        if self._at_request_start and self._begun == 1:
+            end = self._data.find(b"\r\n\r\n")
+            if end >= 0:
+                return end + 4
         return len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._headers)
 
     def on_body(self, body: bytes) -> None:
+        self._body_in_read = True
         self.parsing_exchange.request_body(body)
 
     def on_message_complete(self) -> None:
         exchange = self.parsing_exchange
-        self.parsing, self.parsing_exchange = None, None
+        self.parsing, self.parsing_exchange, self._chunked_body = None, None, False
         exchange.request_done()
 
     # ---------------------------------------------------------------------------
@@ -353,7 +396,7 @@ class ClientConnection(asyncio.Protocol):
             # The bad bytes are inside the body of the active request (e.g. a bad
             # chunk size): that request cannot complete, so it is the one that fails.
             self.parsing = None
-            self.active.abort(outcome, reason)
+            self.active.abort(outcome, reason, status)
             return
         if broken is not None and broken in self.queue:
             # A pipelined request with a broken body never starts; its 400 goes

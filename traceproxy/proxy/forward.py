@@ -450,10 +450,12 @@ class Exchange:
         if not self.finished:
             self._fail(Flag.DC, "client closed the connection", client_gone=True)
 
-    def abort(self, outcome: Outcome, message: str) -> None:
-        """End the request from outside (shutdown grace expired, watchdog action)."""
+    def abort(self, outcome: Outcome, message: str, status: int | None = None) -> None:
+        """End the request from outside (shutdown grace expired, watchdog action, a
+        refused request body); ``status`` for the client if no response started yet
+        (else the outcome's own)."""
         if not self.finished:
-            self._fail(outcome, message)
+            self._fail(outcome, message, status=status)
 
     def drop(self, outcome: Outcome, message: str) -> None:
         """End a pipelined request that never had its turn: nothing of it went upstream,
@@ -462,7 +464,7 @@ class Exchange:
         if not self.finished:
             self._finish(outcome, message, hand_back=False)
 
-    def _fail(self, outcome: Outcome, message: str, client_gone: bool = False) -> None:
+    def _fail(self, outcome: Outcome, message: str, client_gone: bool = False, status: int | None = None) -> None:
         conn, self.upstream = self.upstream, None
         if conn is not None:
             self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
@@ -485,7 +487,7 @@ class Exchange:
                 # body the parser refused (nothing after it can be read).
                 linger = outcome not in (Flag.DBT, Flag.DPE)
                 self.keep_client_alive = self.keep_client_alive and linger and self._rest_of_body_drainable()
-            status = outcome.local_status or 502
+            status = status or outcome.local_status or 502
             self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
                                              extra_lines=self.ctx.response_ids(self.record)))
             self.record.status = status
