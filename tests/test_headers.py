@@ -84,3 +84,11 @@ def test_response_framing_is_always_unambiguous_for_the_client(status, method, h
 def test_chunk_encoding():
     assert H.chunk(b"hello world") == b"b\r\nhello world\r\n"
     assert b"".join(H.chunk_pieces(b"hello world")) == H.chunk(b"hello world")
+
+
+def test_status_lines_llhttp_accepts_but_the_proxy_refuses():
+    for status, reason in ((100, b""), (200, b"OK"), (599, b"Tab\tand obs-text \xe9")):
+        H.check_status_line(status, reason)
+    for status, reason in ((0, b"OK"), (99, b"OK"), (600, b"OK"), (200, b"O\x00K"), (200, b"O\x7fK")):
+        with pytest.raises(H.BadResponse):
+            H.check_status_line(status, reason)

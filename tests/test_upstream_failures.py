@@ -76,7 +76,14 @@ def test_a_later_request_on_a_keep_alive_connection_gets_its_own_full_timeout(sc
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n",
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     b"e\r\ndata: token\n\n\r\n",  # chunk size one more than the data
-], ids=["conflicting-lengths", "not-http", "bad-chunk-size-after-head", "chunk-overrun-after-head"])
+    # What llhttp lets through in a status line: RFC 9110 section 15 allows 100..599,
+    # and a reason phrase is tabs, spaces and visible characters (RFC 9112 section 4).
+    b"HTTP/1.1 000 OK\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 099 OK\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 O\x00K\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 O\x1bK\r\nContent-Length: 0\r\n\r\n",
+], ids=["conflicting-lengths", "not-http", "bad-chunk-size-after-head", "chunk-overrun-after-head",
+        "status-000", "status-099", "nul-in-reason", "escape-in-reason"])
 def test_malformed_upstream_response_is_502_upe(reply, scripted_upstream, start_proxy):
     async def garbage(reader, writer, upstream):
         await reader.read_request()

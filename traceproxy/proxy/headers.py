@@ -7,6 +7,7 @@ function of its inputs, so the table-driven tests can cover each RFC point.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 Headers = list[tuple[bytes, bytes]]
@@ -42,7 +43,21 @@ class BadRequest(Exception):
 
 
 class BadResponse(Exception):
-    """An upstream response the proxy must not pass on (a 502 if nothing was sent yet)."""
+    """An upstream response the proxy must not pass on (a 502 if nothing was sent yet);
+    its text says why, as the client's error message will."""
+
+
+# RFC 9112 section 4: reason-phrase = *( HTAB / SP / VCHAR / obs-text )
+_REASON_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def check_status_line(status: int, reason: bytes) -> None:
+    """Refuses what llhttp lets through: a status outside 100..599 (``000`` parses as
+    0, and would be written back as ``0``) and control characters in the reason."""
+    if not 100 <= status <= 599:
+        raise BadResponse(f"malformed response: status code {status:03d} is outside 100..599")
+    if reason and _REASON_CONTROL.search(reason):
+        raise BadResponse(f"malformed response: control character in the reason phrase {reason!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +335,7 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
     if codings is not None and codings != [b"chunked"]:
         shown = b", ".join(codings).decode("latin-1")
-        raise BadResponse(f"Transfer-Encoding {shown!r}: only 'chunked' is passed on")
+        raise BadResponse(f"unsupported response: Transfer-Encoding {shown!r}: only 'chunked' is passed on")
     return ResponseParts(codings is not None, length, kept, event_stream, header_lines(kept))
 
 

@@ -242,6 +242,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._reason = b""
             return
         reason = self._reason or b""
+        H.check_status_line(status, reason)
         parts = H.parse_response_headers(self._headers, self.pool.replaced_response_headers)
         if self._first_read is not None:
             if not self._saw_interim:
@@ -283,7 +284,7 @@ class UpstreamConnection(asyncio.Protocol):
 
 def _parser_reason(exc: Exception) -> str:
     if isinstance(exc.__context__, H.BadResponse):  # raised by our own check inside a callback
-        return f"unsupported response: {exc.__context__}"
+        return str(exc.__context__)
     return f"malformed response: {exc or type(exc).__name__}"
 
 
