@@ -92,3 +92,20 @@ def test_status_lines_llhttp_accepts_but_the_proxy_refuses():
     for status, reason in ((0, b"OK"), (99, b"OK"), (600, b"OK"), (200, b"O\x00K"), (200, b"O\x7fK")):
         with pytest.raises(H.BadResponse):
             H.check_status_line(status, reason)
+
+
+def test_host_values_are_host_and_port():
+    for good in (b"a", b"example.com:8080", b"127.0.0.1:30000", b"[::1]:8000", b"",
+                 b"router-1.svc.cluster.local", b"xn--bcher-kva.example"):
+        H.check_host(good)
+    for bad in (b"a b", b"a/b", b"user@a", b"a:80/x", b"[::1", b"a\tb", b"a?b"):
+        with pytest.raises(H.BadRequest):
+            H.check_host(bad)
+
+
+def test_absolute_form_targets_split_into_authority_and_path():
+    assert H.split_absolute_form(b"http://a:1/x?y=1#frag") == (b"a:1", b"/x?y=1")
+    assert H.split_absolute_form(b"HTTP://a") == (b"a", b"/")
+    assert H.split_absolute_form(b"http://a?q") == (b"a", b"/?q")
+    assert H.split_absolute_form(b"/x") is None and H.split_absolute_form(b"*") is None
+    assert H.split_absolute_form(b"ftp://a/x") is None

@@ -378,3 +378,42 @@ def test_idle_client_connection_closed_after_keepalive_timeout(fast_upstream, st
     assert client.roundtrip("GET", "/health").status == 200
     assert client.is_closed_by_peer(wait=3)
     assert wait_until(lambda: not proxy.ctx.connections)
+
+
+def test_absolute_form_target_is_sent_as_a_path_with_its_host(scripted_upstream, start_proxy):
+    # RFC 9112 section 3.2.2: the target's authority replaces the Host header, so the
+    # proxy and the upstream agree on which host was asked for.
+    up = scripted_upstream(_capture_one_request(OK_EMPTY))
+    proxy = start_proxy(up.url)
+    reply = raw_exchange(proxy.port, b"GET http://internal.example:8080/v1/models?x=1 HTTP/1.1\r\n"
+                                     b"Host: public.example\r\nConnection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200 ")
+    head = bytes(up.received[0]).split(b"\r\n\r\n")[0]
+    assert head.startswith(b"GET /v1/models?x=1 HTTP/1.1\r\n")
+    assert header_value(head, b"host") == b"internal.example:8080"
+    assert header_value(head, b"x-forwarded-host") == b"internal.example:8080"
+    assert b"public.example" not in head
+
+
+def test_an_h2c_upgrade_offer_is_answered_over_http11(scripted_upstream, start_proxy):
+    # What `curl --http2 http://...` sends; a server may ignore the offer (RFC 9113 3.2).
+    up = scripted_upstream(_capture_one_request(OK_EMPTY))
+    proxy = start_proxy(up.url)
+    offer = (b"GET /v1/models HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+             b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+    # A second request in the same write: parsing goes on after the offer.
+    reply = raw_exchange(proxy.port, offer + b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert reply.count(b"HTTP/1.1 200 ") == 2 and b" 101 " not in reply
+    sent = bytes(up.received[0])
+    assert sent.count(b" HTTP/1.1\r\n") == 2
+    assert b"h2c" not in sent.lower() and b"http2-settings" not in sent.lower()
+
+
+def test_an_h2c_offer_with_a_body_is_refused(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    reply = raw_exchange(proxy.port, b"POST /echo HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                                     b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+                                     b"Content-Length: 3\r\n\r\nabc")
+    assert reply.startswith(b"HTTP/1.1 501 ") and b"without Upgrade" in reply
+    assert up.requests == 0

@@ -83,6 +83,7 @@ class ClientConnection(asyncio.Protocol):
         self._chunked_body = False  # a chunked request body is being parsed
         self._body_in_read = False  # the read being fed carried body bytes
         self._framing_bytes = 0  # chunk framing and trailer bytes since the last body bytes
+        self._upgrade_offer_ignored = False  # see _ignore_upgrade_offer
         self._max_head_bytes = ctx.limits.max_header_bytes
         self._max_target_bytes = ctx.limits.max_target_bytes
         self._in_head = False  # between a request's first byte and its complete head
@@ -212,6 +213,7 @@ class ClientConnection(asyncio.Protocol):
         continues_head = self.parsing is not None and self._in_head
         self._at_request_start = self.parsing is None
         self._read_size, self._data, self._begun, self._body_in_read = len(data), data, 0, False
+        rest = b""
         self.feeding = True
         try:
             self.parser.feed_data(data)
@@ -222,9 +224,14 @@ class ClientConnection(asyncio.Protocol):
             else:
                 raise
             return
-        except httptools.HttpParserUpgrade:
-            self.reject(501, Flag.DPE, "protocol upgrade (Upgrade or CONNECT) is not supported")
-            return
+        except httptools.HttpParserUpgrade as upgrade:
+            if not self._upgrade_offer_ignored:
+                self.reject(501, Flag.DPE, "protocol upgrade (Upgrade or CONNECT) is not supported")
+                return
+            # llhttp stopped after the request that offered h2c (done: it has no body)
+            # and resumed; what follows in this read is the next request.
+            self._upgrade_offer_ignored = False
+            rest = data[upgrade.args[0]:]
         except httptools.HttpParserError as exc:
             self.reject(400, Flag.DPE, f"malformed request: {exc}")
             return
@@ -232,6 +239,9 @@ class ClientConnection(asyncio.Protocol):
             self.feeding = False
             if self.active is not None:
                 self.active.flush_upstream()
+        if rest:
+            self.data_received(rest)
+            return
         if self.parsing is not None:
             if self._in_head:
                 if self._head_too_long(len(data), continues_head):
@@ -294,16 +304,28 @@ class ClientConnection(asyncio.Protocol):
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
         method = self.parser.get_method()
         record.method = _METHODS.get(method) or method.decode("ascii", "replace")
-        record.target = self._url.decode("latin-1")
-        record.http_version = self.parser.get_http_version()
+        version = record.http_version = self.parser.get_http_version()
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.ctx.fanout.mark_observers:
             self.ctx.fanout.mark(record, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE)
         if self._head_bytes + self._read_size > self._max_head_bytes and self._head_size() > self._max_head_bytes:
             raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
-        if self.parser.should_upgrade():
-            raise H.BadRequest(501, "protocol upgrade (Upgrade or CONNECT) is not supported")
-        parts = H.parse_request_headers(self._headers, record.http_version, self.ctx.request_id_names)
+        if version != "1.1" and version != "1.0":
+            # llhttp reads a request line without a version as HTTP/0.9.
+            raise H.BadRequest(505, f"HTTP/{version} is not supported: send HTTP/1.1 (or HTTP/1.0)")
+        upgrade = self.parser.should_upgrade()
+        if upgrade and record.method == "CONNECT":
+            raise H.BadRequest(501, "CONNECT is not supported: this is a reverse proxy")
+        parts = H.parse_request_headers(self._headers, version, self.ctx.request_id_names)
+        if upgrade:
+            self._ignore_upgrade_offer(parts)
+        target = self._url
+        if not target.startswith(b"/") and target != b"*":
+            absolute = H.split_absolute_form(target)
+            if absolute is not None:
+                host, target = absolute
+                parts = H.with_host(parts, host)
+        record.target = target.decode("latin-1")
         self._chunked_body, self._framing_bytes = parts.framing.chunked, 0
         generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         http11 = record.http_version == "1.1"
@@ -313,7 +335,7 @@ class ClientConnection(asyncio.Protocol):
         if expect is not None and expect.strip().lower() != b"100-continue":
             raise H.BadRequest(417, "unsupported Expect value: only 100-continue is understood")
         head = RequestHead(
-            record.method, self._url, parts, http11,
+            record.method, target, parts, http11,
             self.parser.should_keep_alive() and not self.ctx.shutting_down,
             expect is not None and parts.framing.has_body,
             generated_id,
@@ -325,6 +347,16 @@ class ClientConnection(asyncio.Protocol):
         else:
             self.queue.append(exchange)
             self.pause_reading("pipeline")
+
+    def _ignore_upgrade_offer(self, parts: H.RequestParts) -> None:
+        """An offer of h2c on a request without a body is answered over HTTP/1.1, as
+        RFC 9113 allows (``curl --http2`` sends one); any other upgrade gets 501."""
+        if not H.only_offers_h2c(self._headers):
+            raise H.BadRequest(501, "protocol upgrade (Upgrade) is not supported: only HTTP/1.1 is proxied")
+        if parts.framing.has_body:
+            raise H.BadRequest(501, "an Upgrade: h2c offer on a request with a body is not supported: "
+                                    "send it without Upgrade")
+        self._upgrade_offer_ignored = True
 
     def _head_size(self) -> int:
         """The head's size: exact when it began at the read's first byte (it ends at the

@@ -7,6 +7,7 @@ function of its inputs, so the table-driven tests can cover each RFC point.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -189,6 +190,8 @@ def parse_request_headers(
         raise BadRequest(400, "more than one Host header")
     if not hosts and http_version == "1.1":
         raise BadRequest(400, "missing Host header")
+    if hosts and hosts[0] not in _VALID_HOSTS:
+        check_host(hosts[0])
     framing = _framing(lengths, codings, http_version)
     request_id = None
     if request_ids is not None:
@@ -218,6 +221,58 @@ def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> R
         if len(_LENGTH_FRAMINGS) < 4096:  # immutable, so shared; bounded
             _LENGTH_FRAMINGS[lengths[0]] = framing
     return framing
+
+
+# RFC 9112 section 3.2: Host = uri-host [ ":" port ], where uri-host is an IP
+# literal in brackets, or a reg-name of unreserved, percent-encoded and sub-delims
+# characters (an IPv4 address is one). Empty is allowed (a target with no authority).
+_HOST = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|\[v[0-9A-Fa-f]+\.[A-Za-z0-9\-._~!$&'()*+,;=:]+\]"
+                   rb"|[A-Za-z0-9\-._~!$&'()*+,;=%]*)(:[0-9]*)?")
+_VALID_HOSTS: set[bytes] = set()  # values already checked: most requests repeat one
+
+
+def check_host(value: bytes) -> None:
+    """Raises ``BadRequest`` (400, RFC 9112 section 3.2) for a Host that is not a
+    host and port: a path, a user, spaces, anything the upstream might read another way."""
+    if _HOST.fullmatch(value) is None:
+        shown = value[:100].decode("latin-1")
+        raise BadRequest(400, f"invalid Host header {shown!r}: expected host[:port]")
+    if len(_VALID_HOSTS) < 4096:  # bounded: a client inventing hosts cannot grow it
+        _VALID_HOSTS.add(value)
+
+
+def split_absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
+    """``(authority, origin-form target)`` of an absolute-form target
+    (``http://host:port/path?q``), or None for any other form. RFC 9112 section
+    3.2.2: the authority replaces the Host header, and the upstream is sent the path."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return None
+    end = len(rest)
+    for stop in (b"/", b"?", b"#"):
+        found = rest.find(stop)
+        if 0 <= found < end:
+            end = found
+    authority, path = rest[:end], rest[end:].partition(b"#")[0]
+    if not authority or b"@" in authority:
+        # RFC 9110 section 4.2.4: userinfo in an http URI is to be treated as an error.
+        raise BadRequest(400, "absolute-form target without a host, or with user information")
+    check_host(authority)
+    return authority, (path if path.startswith(b"/") else b"/" + path)
+
+
+def with_host(parts: RequestParts, host: bytes) -> RequestParts:
+    """``parts`` with ``host`` as its Host, in place of the one the client sent."""
+    kept = [(n, v) for n, v in parts.end_to_end if n.lower() != b"host"]
+    return dataclasses.replace(parts, host=host, end_to_end=[(b"Host", host), *kept])
+
+
+def only_offers_h2c(headers: Headers) -> bool:
+    """The request's Upgrade offers HTTP/2 over cleartext and nothing else: a server
+    may answer it as if Upgrade were absent (RFC 9113 section 3.2, RFC 9110 section 7.8)."""
+    offers = {token.strip().lower() for name, value in headers if name.lower() == b"upgrade"
+              for token in value.split(b",")}
+    return offers == {b"h2c"}
 
 
 _NO_BODY = RequestFraming(chunked=False, content_length=0)

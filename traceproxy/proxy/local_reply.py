@@ -19,6 +19,7 @@ _REASONS = {
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
 }
 
 
