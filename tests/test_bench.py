@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import argparse
 import os
 import signal
 import subprocess
@@ -119,6 +120,22 @@ def test_bench_rejects_unknown_scenario_and_target():
     result = _run_bench(["--targets", "direct,nginx"])
     assert result.returncode == 2
     assert "unknown target nginx" in result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--proxy-set", "pool.bogus=1"], "unknown key pool.bogus in --proxy-set"),
+    (["--proxy-set", "timeouts.connect=-1"], "timeouts.connect = '-1' (from --proxy-set)"),
+    (["--proxy-set", "nokey"], "expected KEY=VALUE"),
+    (["--scale", "inf"], "--scale must be a number > 0"),
+    (["--scale", "nan"], "--scale must be a number > 0"),
+    (["--scenarios", ","], "no scenario named"),
+    (["--json", "/nonexistent-dir/results.json"], "is not a writable directory"),
+], ids=["unknown-key", "bad-value", "no-equals", "scale-inf", "scale-nan", "no-scenario", "json-dir"])
+def test_bench_refuses_bad_arguments_before_starting_anything(argv, message):
+    result = _run_bench(argv)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert "\nbench: " not in result.stderr  # nothing was started: no progress lines
 
 
 # --- targets, the report, the proxy settings -------------------------------------------------
@@ -335,3 +352,11 @@ def test_children_are_stopped_by_process_group_even_on_error(tmp_path):
             pid = child.pid
             raise RuntimeError("boom")
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_top_level_help_names_every_command():
+    from traceproxy.cli import _parser
+
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(commands) <= set(parser.description.replace("|", " ").replace("`", " ").split())

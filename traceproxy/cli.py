@@ -1,4 +1,4 @@
-"""Command line: ``traceproxy serve | upstream | demo | top | bench``."""
+"""Command line: ``traceproxy serve | upstream | demo | bench | top | sim | repro | diagnose``."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="close idle keep-alive connections after this many seconds (0 = never)")
     upstream.set_defaults(run=_upstream)
 
-    demo = sub.add_parser("demo", help="run the built-in upstream and the proxy, and show a few turns through it")
+    demo = sub.add_parser("demo", help="the quick start: simulated prefill/decode workers behind the router, "
+                                       "traceproxy in front, and one injected fault at a time with its verdict")
     demo.set_defaults(run=_demo)
 
     sub.add_parser("bench", help="measure the proxy against a direct connection (see traceproxy bench --help)")

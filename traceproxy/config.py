@@ -157,11 +157,15 @@ class Settings:
 
     def replace(self, **dotted_overrides: Any) -> Settings:
         """A copy with some keys changed, e.g. replace(**{"timeouts.connect": 1.0}); validated like any source."""
+        return self.replace_from(dotted_overrides, "replace()")
+
+    def replace_from(self, dotted_overrides: Mapping[str, Any], source: str) -> Settings:
+        """``replace`` with the overrides' origin named in errors (e.g. a command-line option)."""
         raw = {s.dotted: (_as_raw(s.value_in(self)), "the settings being replaced") for s in SCHEMA}
         for dotted, value in dotted_overrides.items():
             if dotted not in _BY_DOTTED:
-                raise _unknown("key", dotted, _BY_DOTTED, "replace()")
-            raw[dotted] = (_as_raw(value), "replace()")
+                raise _unknown("key", dotted, _BY_DOTTED, source)
+            raw[dotted] = (_as_raw(value), source)
         return _build(raw)
 
 

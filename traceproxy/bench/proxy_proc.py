@@ -44,7 +44,8 @@ def logged_overrides(access_log_path: str) -> list[str]:
 
 def build_settings(upstream: str, overrides: list[str]):
     extra = dict(item.split("=", 1) for item in overrides)
-    return default_settings().replace(**{"listen": "127.0.0.1:0", "upstream": upstream, "admin": "off", **extra})
+    return default_settings().replace_from({"listen": "127.0.0.1:0", "upstream": upstream, "admin": "off", **extra},
+                                           "--proxy-set")
 
 
 async def serve(settings, port_file: str, admin_port_file: str | None = None) -> None:

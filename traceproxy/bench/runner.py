@@ -14,6 +14,7 @@ hangs through a proxy target but not direct (or a proxy died), 2 when it could n
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shutil
@@ -24,8 +25,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..config import ConfigError
 from . import report
 from .procs import ChildError, Children
+from .proxy_proc import build_settings
 from .scenarios import SCENARIOS, Scenario, select
 from .session import Session
 
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", type=float, metavar="F",
                         help="multiply connection counts, rounds and durations (default 1, or %g with --quick)"
                         % QUICK_SCALE)
-    parser.add_argument("--quick", action="store_true", help="a short smoke run (about 15 s)")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (about 30 s)")
     parser.add_argument("--reps", type=int, default=1, metavar="N",
                         help="runs of each target per scenario, in rotated order (default 1)")
     parser.add_argument("--targets", metavar="T1,T2", default=",".join(report.TARGETS),
@@ -65,14 +68,40 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
     parser = build_parser()
     args = parser.parse_args(argv)
     factor = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
-    if factor <= 0 or args.reps < 1 or args.load_procs < 1:
-        parser.error("--scale must be > 0, --reps and --load-procs >= 1")
+    if not (math.isfinite(factor) and factor > 0) or args.reps < 1 or args.load_procs < 1:
+        parser.error("--scale must be a number > 0, --reps and --load-procs >= 1")
     args.factor = factor
     try:
         args.targets = parse_targets(args.targets)
+        check_proxy_settings(args.proxy_set)
+        check_json_path(args.json)
         return args, select(args.scenarios, factor)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def check_proxy_settings(items: list[str]) -> None:
+    """``--proxy-set`` items checked now, as the proxy would read them, rather than
+    as a traceback from the proxy process once the run has started."""
+    for item in items:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--proxy-set {item!r}: expected KEY=VALUE, e.g. pool.idle_timeout=2")
+        try:
+            build_settings("http://127.0.0.1:9", [item])
+        except ConfigError as exc:
+            raise ValueError(f"--proxy-set {item!r}: {exc}") from None
+
+
+def check_json_path(path: str | None) -> None:
+    """The results file's directory exists and is writable, before the run, not after it."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--json {path}: {folder} is not a writable directory")
+    if os.path.isdir(path):
+        raise ValueError(f"--json {path}: is a directory")
 
 
 def parse_targets(text: str) -> tuple[str, ...]:

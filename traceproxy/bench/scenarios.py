@@ -131,6 +131,8 @@ def select(names: str | None, factor: float) -> list[Scenario]:
     else:
         wanted = [n.strip().upper() for n in names.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in BY_NAME]
+        if not wanted:
+            raise ValueError(f"no scenario named in {names!r}; choose from {', '.join(BY_NAME)}")
         if unknown:
             raise ValueError(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
         chosen = [BY_NAME[n] for n in dict.fromkeys(wanted)]
