@@ -310,3 +310,18 @@ def test_jaeger_spans_mapping():
     [found] = find_requests(list(spans.values()), "req-42")
     assert [a.span_id for a in found.attempts] == [FIRST, RESEND]
     assert [s.span_id for s in found.downstream] == [ENGINE]
+
+
+def test_a_client_that_left_a_stalled_request_points_at_the_stall():
+    from traceproxy.diagnose import Event, Span, _outcome_lines
+
+    stall = {"traceproxy.stall.outcome": "FBS", "traceproxy.stall.phase": "awaiting_upstream_headers",
+             "traceproxy.blame": "engine"}
+    server = Span(TRACE, SERVER, "", "POST /v1/chat/completions", "server", 0, 10,
+                  {"traceproxy.outcome": "DC", "traceproxy.outcome.name": "client disconnected",
+                   "traceproxy.blame": "client"},
+                  [Event("stall", 5, stall)])
+    text = "\n".join(_outcome_lines(server))
+    assert "outcome DC" in text and "stalled: FBS in awaiting_upstream_headers, blame engine" in text
+    server.events.append(Event("stall_resolved", 8, {"traceproxy.stall.outcome": "FBS"}))
+    assert "stalled" not in "\n".join(_outcome_lines(server))  # it had resolved: no hang to point at

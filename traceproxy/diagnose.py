@@ -396,7 +396,25 @@ def _outcome_lines(server: Span) -> list[str]:
     error = a.get(sc.ERROR_MESSAGE) or (server.status_message if server.status == "error" else "")
     if error:
         lines.append(f"  error: {error}")
+    cause = _open_stall(server) if a.get(sc.BLAME) == "client" else None
+    if cause is not None:
+        # A harness that gives up on a hung request ends it DC (blame client); the
+        # hang it gave up on is the stall still open when it left.
+        lines.append(f"  the client left while the request was stalled: {cause.get(sc.STALL_OUTCOME, '-')} in "
+                     f"{cause.get(sc.STALL_PHASE, '-')}, blame {cause.get(sc.BLAME, '-')}: that is the hang")
     return lines
+
+
+def _open_stall(server: Span) -> dict | None:
+    """The attributes of the last stall event not followed by its resolution, if any."""
+    open_stalls: dict[str, dict] = {}
+    for event in server.events:
+        code = event.attributes.get(sc.STALL_OUTCOME)
+        if event.name == STALL_EVENT:
+            open_stalls[code] = event.attributes
+        elif event.name == STALL_RESOLVED_EVENT:
+            open_stalls.pop(code, None)
+    return list(open_stalls.values())[-1] if open_stalls else None
 
 
 def _ledger_lines(server: Span) -> list[str]:
