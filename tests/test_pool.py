@@ -65,8 +65,41 @@ def test_a_resend_behind_a_full_pool_still_goes_out_on_a_new_connection(scripted
     second.send(b"GET /b HTTP/1.1\r\nHost: a\r\n\r\n")
     statuses = sorted([first.response().status, second.response().status])
     assert statuses == [200, 200]
-    assert proxy.ctx.pool.stats["stale_retried"] == 1
+    # /a's resend goes first, on a new connection; /b then reuses that one, which
+    # this upstream drops in turn, and /b is resent on a third.
+    assert proxy.ctx.pool.stats["stale_retried"] == 2
     assert up.connections == 3
+
+
+def test_a_resend_at_the_cap_keeps_its_place_in_the_queue(scripted_upstream, start_proxy):
+    # One connection allowed. A holds it; B and C queue in that order. B is handed the
+    # pooled connection, which the upstream closes as B's request arrives: B's resend
+    # takes the slot its dead connection frees, ahead of C.
+    served: list[bytes] = []
+
+    async def handler(reader, writer, upstream):
+        first_connection = upstream.connections == 1
+        while True:
+            head, _ = await reader.read_request()
+            path = head.split(b" ")[1]
+            if first_connection and path == b"/b":
+                writer.transport.abort()  # the keep-alive race, on B's turn
+                return
+            if path == b"/a":
+                await asyncio.sleep(0.3)  # B and C queue meanwhile
+            served.append(path)
+            writer.write(SMALL_OK)
+            await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(handler).url, **{"pool.max_connections": 1, "pool.keep_warm": 0})
+    clients = {name: RawClient(proxy.port) for name in ("warm", "a", "b", "c")}
+    assert clients["warm"].roundtrip("GET", "/warm").status == 200
+    for name in ("a", "b", "c"):
+        clients[name].send(b"GET /%s HTTP/1.1\r\nHost: x\r\n\r\n" % name.encode())
+        assert wait_until(lambda: len(proxy.ctx.in_flight) == "abc".index(name) + 1)
+    assert all(clients[name].response().status == 200 for name in ("a", "b", "c"))
+    assert served == [b"/warm", b"/a", b"/b", b"/c"]
+    assert proxy.ctx.pool.stats["stale_retried"] == 1
 
 
 def test_a_resend_after_the_upload_filled_the_dead_connection_finishes_the_upload(scripted_upstream, start_proxy):

@@ -164,3 +164,18 @@ def test_probe_says_fresh_hangs_too_when_the_engine_answers_nothing(scripted_ups
         assert proxy.prober.probes == 1  # one stall, one probe
     finally:
         client.close()
+
+
+def test_restarts_that_close_connections_of_the_same_ages_teach_nothing():
+    # Periodic traffic leaves the pool with the same idle ages before each restart:
+    # each restart is one event whose ages disagree, so neither counts.
+    learner = KeepAliveLearner(idle_timeout=4.0)
+    for restart_s in (10, 12):
+        for idle_age_s in (1.1, 0.6, 0.1):
+            learner.saw_idle_close(int(idle_age_s * SECOND_NS), restart_s * SECOND_NS + int(idle_age_s * 1e4))
+    assert learner.learned is None and not learner.misaligned
+    # Connections that went idle together and time out together are one event that counts.
+    for at_s in (20, 25):
+        for _ in range(3):
+            learner.saw_idle_close(int(3.0 * SECOND_NS), at_s * SECOND_NS)
+    assert learner.learned == 3.0 and learner.misaligned

@@ -161,15 +161,19 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool.forget(self)
             return
         self.user = None
-        self.pool.forget(self)
-        if self._complete:
-            return
-        if self._close_delimited and exc is None:
-            # No Content-Length, not chunked: the body ends at a clean EOF.
-            self._complete = True
-            user.upstream_response_complete(reusable=False)
-            return
-        user.upstream_lost(exc, self.bytes_received)
+        # The request hears first, the pool second: a resend then waits at the head of
+        # the queue (see acquire), and the slot this connection frees is its own.
+        try:
+            if self._complete:
+                return
+            if self._close_delimited and exc is None:
+                # No Content-Length, not chunked: the body ends at a clean EOF.
+                self._complete = True
+                user.upstream_response_complete(reusable=False)
+                return
+            user.upstream_lost(exc, self.bytes_received)
+        finally:
+            self.pool.forget(self)
 
     def pause_writing(self) -> None:
         if self.user is not None:
@@ -325,16 +329,20 @@ class KeepAliveLearner:
     Hazard: an upstream that restarts or shuts down closes every pooled connection
     at once, at whatever idle ages they had; taken as timeouts, those ages would
     raise a false alarm with bad advice (lower the pool timeout to near zero). So
-    an idle age counts only once confirmed: a second close, from a separate event
-    (at least ``DISTINCT_EVENTS_S`` later or earlier), at an idle age that agrees
-    (within 10 %, or ``AGREE_S``). A real idle timeout repeats at the same age;
-    a restart's ages are one event. The observed value is the smallest confirmed
-    age among the last ``WINDOW`` closes.
+    closes are grouped into events (those within ``SAME_EVENT_S`` of the first),
+    and an event whose idle ages disagree is a restart and counts for nothing: an
+    idle timeout closes each connection at the same age, so at one moment only
+    connections that went idle together. An event's age counts only once
+    confirmed by a separate event (at least ``DISTINCT_EVENTS_S`` apart) at an
+    age that agrees (within 10 %, or ``AGREE_S``): a lone restart of a pool of one
+    connection cannot be told apart, but two rarely close at the same age. The
+    observed value is the smallest confirmed age among the last ``WINDOW`` closes.
     """
 
     WINDOW = 32
     MARGIN_S = 0.5
     AGREE_S = 0.05
+    SAME_EVENT_S = 0.05
     DISTINCT_EVENTS_S = 0.25
 
     def __init__(self, idle_timeout: float, upstream: str = "") -> None:
@@ -342,7 +350,6 @@ class KeepAliveLearner:
         self.upstream = upstream
         self.header_timeout: float | None = None
         self.observed: collections.deque[tuple[float, int]] = collections.deque(maxlen=self.WINDOW)  # (age s, at ns)
-        self.confirmed: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self.learned: float | None = None
         self.misaligned = False
         self.warned = False
@@ -361,19 +368,37 @@ class KeepAliveLearner:
                 return
 
     def saw_idle_close(self, idle_age_ns: int, closed_ns: int) -> None:
-        if idle_age_ns <= 0:
-            return
-        age = idle_age_ns / 1e9
-        for other_age, other_closed_ns in self.observed:
-            separate = abs(closed_ns - other_closed_ns) >= self.DISTINCT_EVENTS_S * 1e9
-            if separate and abs(age - other_age) <= max(self.AGREE_S, 0.1 * other_age):
-                self.confirmed.append(min(age, other_age))
-                break
-        self.observed.append((age, closed_ns))
-        self._update()
+        if idle_age_ns > 0:
+            self.observed.append((idle_age_ns / 1e9, closed_ns))
+            self._update()
+
+    def _agree(self, age: float, other: float) -> bool:
+        return abs(age - other) <= max(self.AGREE_S, 0.1 * other)
+
+    def _events(self) -> list[tuple[float, int]]:
+        """(idle age, when) of each event of closes whose ages agree; restarts left out."""
+        events: list[tuple[float, int]] = []
+        group: list[tuple[float, int]] = []
+        for age, at in sorted(self.observed, key=lambda close: close[1]):
+            if group and at - group[0][1] > self.SAME_EVENT_S * 1e9:
+                events += self._as_event(group)
+                group = []
+            group.append((age, at))
+        return events + (self._as_event(group) if group else [])
+
+    def _as_event(self, group: list[tuple[float, int]]) -> list[tuple[float, int]]:
+        youngest = min(age for age, _ in group)
+        return [(youngest, group[0][1])] if all(self._agree(age, youngest) for age, _ in group) else []
+
+    def confirmed_age(self) -> float | None:
+        """The smallest idle age that two separate events agree on, if any."""
+        events = self._events()
+        agreed = [min(age, other) for i, (age, at) in enumerate(events) for other, other_at in events[i + 1:]
+                  if abs(other_at - at) >= self.DISTINCT_EVENTS_S * 1e9 and self._agree(age, other)]
+        return min(agreed, default=None)
 
     def _update(self) -> None:
-        known = [v for v in (self.header_timeout, min(self.confirmed, default=None)) if v is not None]
+        known = [v for v in (self.header_timeout, self.confirmed_age()) if v is not None]
         self.learned = min(known) if known else None
         if self.learned is None:
             self.misaligned = False
@@ -451,10 +476,15 @@ class UpstreamPool:
         if self.max_connections and self.open_count >= self.max_connections:
             if fresh and self.idle:
                 self.discard(self.idle.pop(0), "making room for a fresh connection")
+            elif fresh:
+                # A resend had its turn already: it goes first, not behind the
+                # requests that queued while its connection was failing.
+                self.waiters.appendleft(user)
+                self._fresh_waiters.add(user)
+                user.upstream_queued()
+                return None
             else:
                 self.waiters.append(user)
-                if fresh:
-                    self._fresh_waiters.add(user)
                 user.upstream_queued()
                 return None
         task = self._connect(user)
