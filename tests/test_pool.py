@@ -324,6 +324,26 @@ def test_keep_warm_renewing_never_opens_past_max_connections(monkeypatch):
     asyncio.run(main())
 
 
+def test_keep_warm_learns_an_upstream_that_closes_fresh_idle_connections_early_and_stops_renewing():
+    # The upstream closes every connection left idle for 0.3 s, including ones opened
+    # ahead that never carried a request: that is an idle timeout, not a failed connect.
+    async def main():
+        async def on_connect(reader, writer):
+            await asyncio.sleep(0.3)
+            writer.close()
+
+        async with _pool_on_server(on_connect, idle_timeout=2.0, keep_warm=30) as pool:
+            await _burst(pool, 2)
+            assert await _until(lambda: pool.keepalive.misaligned, timeout=5)
+            assert pool.stats["connect_failed"] == 0
+            assert 0.25 <= pool.keepalive.learned <= 0.4
+            opened_ahead = pool.stats["opened_ahead"]
+            await asyncio.sleep(1.5)  # three sweeps: nothing more is opened ahead to be closed the same way
+            assert pool.stats["opened_ahead"] == opened_ahead
+
+    asyncio.run(main())
+
+
 def test_keep_warm_backs_off_from_an_upstream_that_accepts_and_closes_and_learns_nothing_from_it():
     async def main():
         closing = False

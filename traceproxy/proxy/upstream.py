@@ -67,6 +67,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("traceproxy.upstream")
 
 
+# A connection opened ahead of demand that the upstream closes sooner than this after
+# accepting it was refused, not timed out.
+SPARE_CLOSED_AT_ONCE_NS = 100_000_000
+
+
 class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: "UpstreamPool") -> None:
         self.pool = pool
@@ -148,8 +153,10 @@ class UpstreamConnection(asyncio.Protocol):
         user = self.user
         if user is None:
             if self.opened_ahead and not self.record.requests and not self.discarded_by_pool and (
-                    self.record.closed_ns - self.record.opened_ns < self.pool.sweep_interval_ns):
-                self.pool._spare_refused()  # accepted, then closed at once: a failed connect
+                    self.record.closed_ns - self.record.opened_ns < SPARE_CLOSED_AT_ONCE_NS):
+                # Accepted, then closed at once (a balancer with no backend): a failed
+                # connect. Later, it is the upstream's idle timeout, and is learnt as one.
+                self.pool._spare_refused()
             elif not self.discarded_by_pool:
                 self.pool.stats["closed_by_upstream_while_idle"] += 1
                 # Learn only from closes of connections still pooled: one the pool
