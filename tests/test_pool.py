@@ -12,7 +12,7 @@ import time
 import pytest
 import uvloop
 
-from .support import SMALL_OK, RawClient, answers_then_drops_next_request, wait_until
+from .support import SMALL_OK, RawClient, admin_metric, answers_then_drops_next_request, wait_until
 
 
 
@@ -40,6 +40,9 @@ def test_stale_connection_and_request_too_big_to_resend_is_explicit_502(scripted
     assert error["code"] == "SRC"
     assert "retry_buffer_bytes" in error["message"] and "reused connection" in error["message"]
     assert up.connections == 1
+    # The race the client saw is counted, though nothing was resent.
+    assert admin_metric(proxy, "traceproxy_upstream_stale_connections_total") == 1
+    assert admin_metric(proxy, "traceproxy_upstream_retries_total") == 0
 
 
 def test_with_retry_buffer_zero_nothing_is_resent_not_even_a_request_without_body(scripted_upstream, start_proxy):

@@ -228,7 +228,9 @@ class ProxyMetrics:
                     [((), stats["reused"])])
         out.counter("upstream_stale_connections_total",
                     "Pooled upstream connections the upstream closed (or broke) while idle, plus reused ones "
-                    "that failed under a request which was then resent.", [((), stats["closed_by_upstream_while_idle"] + stats["stale_retried"])])
+                    "that failed under a request before any response byte (resent, or failed SRC when too "
+                    "large to resend).",
+                    [((), stats["closed_by_upstream_while_idle"] + stats["stale_retried"] + stats["stale_not_retried"])])
         out.counter("upstream_retries_total", "Requests resent on a fresh connection after a stale reused one.",
                     [((), stats["stale_retried"])])
         out.counter("upstream_connect_failures_total", "Upstream connection attempts that failed or timed out.",

@@ -412,6 +412,7 @@ class Exchange:
                 self._resend_on_fresh_connection(why)
                 return
             if attempt.index == 0:
+                self.ctx.pool.stats["stale_not_retried"] += 1
                 limit = self.ctx.retry_buffer_bytes
                 reason = (f"request of at least {self.sent_size} bytes exceeds pool.retry_buffer_bytes ({limit})"
                           if limit else "resending is off (pool.retry_buffer_bytes = 0)")
