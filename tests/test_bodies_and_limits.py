@@ -4,6 +4,7 @@ locking anyone out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import socket
@@ -11,6 +12,8 @@ import threading
 import time
 
 import pytest
+
+from traceproxy.sim.launch import free_port
 
 from .support import RawClient, recv_until, wait_until
 
@@ -168,3 +171,72 @@ def test_sse_events_are_forwarded_as_they_arrive(scripted_upstream, start_proxy,
             # Times out (fails) if the proxy holds the event back.
             received = recv_until(sock, b"data: token%d" % i, received)
             event.set()
+
+
+def test_a_large_request_that_failed_leaves_its_connection_readable(start_proxy):
+    # Its body was held for a connection (reading paused past 256 KiB); the upstream
+    # refused. The retry on the same keep-alive connection, as SDKs send it after a
+    # 502, must be read and answered, not left unread until the idle timeout.
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
+    client = RawClient(proxy.port, timeout=5)
+    body = b'{"prompt": "' + b"x" * 300_000 + b'"}'
+    for _ in range(2):
+        resp = client.roundtrip("POST", "/v1/completions", body=body)
+        assert resp.status == 502 and resp.headers["x-traceproxy-outcome"] == "UF"
+
+
+def test_a_client_half_close_while_its_response_is_backed_up_lets_the_engine_go(scripted_upstream, start_proxy):
+    # The client stops reading a long stream, then sends FIN: the proxy's writes can
+    # never drain, so a graceful close would never finish and the engine would keep
+    # the request. The upstream must see its connection end within a second.
+    async def streams(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        event = b"data: " + b"t" * 4096 + b"\n\n"
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100_000):  # bounded; the proxy's reset ends it long before
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+
+    up = scripted_upstream(streams)
+    proxy = start_proxy(up.url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        assert wait_until(lambda: any(r.downstream_paused_since_ns for r in proxy.ctx.in_flight.values()))
+        sock.shutdown(socket.SHUT_WR)
+        shut = time.monotonic()
+        assert up.closed.wait(5)
+        assert time.monotonic() - shut < 1.0
+    assert wait_until(lambda: not proxy.ctx.in_flight)
+
+
+def test_a_slow_upload_is_not_charged_to_the_upstream_header_timeout(scripted_upstream, start_proxy):
+    # The client sends its body a byte every 0.2 s, never silent for the body timeout;
+    # the upstream answers once it has the whole body. The header timeout counts from
+    # the last request byte, so it is not the engine's fault that this took 1.2 s.
+    async def answers_after_body(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(answers_after_body).url,
+                        **{"timeouts.upstream_headers": 0.5, "timeouts.client_body": 0.5})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 6\r\n\r\n")
+        for byte in b"abcdef":
+            time.sleep(0.2)
+            sock.sendall(bytes([byte]))
+        assert recv_until(sock, b"ok").startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_client_silent_mid_body_is_blamed_even_when_both_timeouts_are_equal(scripted_upstream, start_proxy):
+    async def waits_for_the_body(reader, writer, upstream):
+        await reader.read_request()
+
+    proxy = start_proxy(scripted_upstream(waits_for_the_body).url,
+                        **{"timeouts.upstream_headers": 0.3, "timeouts.client_body": 0.3})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nonly some")
+        reply = recv_until(sock, b"}")
+    assert reply.startswith(b"HTTP/1.1 408 ") and b'"DBT"' in reply

@@ -507,3 +507,25 @@ def test_a_connect_the_request_gave_up_on_is_not_reported():
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_request_that_never_got_a_connection_under_the_cap_is_the_proxys_504(scripted_upstream, start_proxy):
+    # The header timeout ran out while the request waited for pool.max_connections:
+    # the proxy's own limit, so the outcome is PWS (blame proxy), not the engine's UT.
+    async def slow(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")  # the head at once: no UT for it
+        await writer.drain()
+        await asyncio.sleep(2)
+        writer.write(b"ok")
+        await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(slow).url,
+                        **{"pool.max_connections": 1, "pool.keep_warm": 0, "timeouts.upstream_headers": 0.5})
+    holder, waiter = RawClient(proxy.port), RawClient(proxy.port)
+    holder.send(b"GET /holds HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert wait_until(lambda: proxy.ctx.pool.open_count == 1)
+    resp = waiter.roundtrip("GET", "/waits")
+    assert resp.status == 504 and resp.headers["x-traceproxy-outcome"] == "PWS"
+    error = json.loads(resp.body)["error"]
+    assert "pool.max_connections (1)" in error["message"]

@@ -38,7 +38,7 @@ def test_no_response_headers_in_time_is_504_ut(scripted_upstream, start_proxy):
     client = RawClient(proxy.port)
     resp = client.roundtrip("GET", "/")
     assert resp.status == 504 and _error(resp)["code"] == "UT"
-    assert "no response headers after 0.3 s" in _error(resp)["message"]
+    assert "no response headers within 0.3 s" in _error(resp)["message"]
     # The stuck upstream connection is closed, not left holding a slot.
     assert wait_until(lambda: len(up.closed_at) == 1, timeout=2)
     # The client connection survives a local error reply.

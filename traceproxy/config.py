@@ -426,8 +426,9 @@ SCHEMA: tuple[Setting, ...] = (
             "Level of the proxy's own log messages (stderr)."),
     Setting("timeouts", "connect", seconds(), 5.0, "Connecting to the upstream."),
     Setting("timeouts", "upstream_headers", seconds(zero="off"), 600.0,
-            "From sending the request upstream to receiving the response headers, else 504. "
-            "Long because a long prefill is normal."),
+            "From the client's last request byte (the end of its head, or the last body byte "
+            "received) to the response headers, else 504 (UT; PWS if no connection was free under "
+            "pool.max_connections). Long because a long prefill is normal."),
     Setting("timeouts", "upstream_read", seconds(zero="off"), 600.0,
             "Longest silence between upstream response body bytes before the response is aborted."),
     Setting("timeouts", "client_headers", seconds(), 30.0,

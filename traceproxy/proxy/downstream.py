@@ -147,6 +147,17 @@ class ClientConnection(asyncio.Protocol):
                 self.ctx.fanout.mark(self.parsing, MARK.DOWNSTREAM_CLOSED)
             self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
 
+    def eof_received(self) -> bool:
+        """A FIN from the client. With a request in progress it is a disconnect, as
+        nginx and Envoy take it: the connection is aborted at once, so the engine is
+        let go now. Closing instead would wait for buffered response bytes to drain,
+        which never happens while the client is not reading. Otherwise (idle, or only
+        a finished response draining) it is a normal close."""
+        if self.active is not None or self.queue or (self.parsing is not None and not self.parsing.finished):
+            self.closing = True
+            self.transport.abort()  # connection_lost follows and ends every request on it
+        return False
+
     def close(self) -> None:
         if not self.closing:
             self.closing = True
@@ -392,6 +403,10 @@ class ClientConnection(asyncio.Protocol):
 
     def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
         self.active = None
+        # Pauses the finished request made (its body queued for a connection, or the
+        # upstream not taking it) end with it: the next request must be read.
+        self.resume_reading("pending")
+        self.resume_reading("upstream")
         if not keep_alive or self.closing:
             self._drop_queue(Flag.LR, "the connection closed before this pipelined request's turn")
             self.close()

@@ -554,12 +554,15 @@ class Exchange:
         ctx, record = self.ctx, self.record
         due, outcome = 0, None
         if ctx.upstream_headers_ns and not self.response_started:
-            due, outcome = self._started_ns + ctx.upstream_headers_ns, Flag.UT
+            # Counted from the client's last request byte: its own upload time is
+            # never the upstream's (the body deadline covers that).
+            since = max(self._started_ns, record.last_downstream_rx_ns or 0)
+            due, outcome = since + ctx.upstream_headers_ns, Flag.UT
         if ctx.client_body_ns and not self.request_complete and self._expects_body:
             # Our own pause (the upstream not reading) is not client silence.
             last = now if self.client.reading_paused else (record.last_downstream_rx_ns or self._started_ns)
             body_due = last + ctx.client_body_ns
-            if outcome is None or body_due < due:
+            if outcome is None or body_due <= due:  # a tie is the client's: it went silent first
                 due, outcome = body_due, Flag.DBT
         if ctx.upstream_read_ns and self.response_started and not record.has(MARK.LAST_UPSTREAM_RX_BYTE):
             # Our own pause (the client not reading) is not upstream silence.
@@ -587,7 +590,13 @@ class Exchange:
             self.client.aim_exchange_timer(due, now)
         elif expired is Flag.UT:
             waited = self.ctx.timeouts.upstream_headers
-            self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers after {waited:g} s")
+            if self.record.has(MARK.POOL_QUEUED) and not self.record.has(MARK.POOL_ACQUIRED):
+                # Still queued for a connection at pool.max_connections: the proxy's own limit.
+                self._fail(Flag.PWS, f"no upstream connection free within {waited:g} s: pool.max_connections "
+                                     f"({self.ctx.pool.max_connections}) reached")
+            else:
+                self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers within {waited:g} s "
+                                    "of the client's last request byte")
         elif expired is Flag.DBT:
             silent = (now - (self.record.last_downstream_rx_ns or self._started_ns)) / 1e9
             self.keep_client_alive = False
