@@ -403,10 +403,11 @@ class ClientConnection(asyncio.Protocol):
 
     def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
         self.active = None
-        # Pauses the finished request made (its body queued for a connection, or the
-        # upstream not taking it) end with it: the next request must be read.
-        self.resume_reading("pending")
-        self.resume_reading("upstream")
+        if self.reading_paused_for:
+            # Pauses the finished request made (its body queued for a connection, or
+            # the upstream not taking it) end with it: the next request must be read.
+            self.resume_reading("pending")
+            self.resume_reading("upstream")
         if not keep_alive or self.closing:
             self._drop_queue(Flag.LR, "the connection closed before this pipelined request's turn")
             self.close()
