@@ -69,6 +69,12 @@ def test_failed_request_span_is_an_error_with_the_outcome(start_proxy):
     assert server.attributes[sc.OUTCOME] == "UF" and server.attributes[sc.BLAME] == "engine"
     assert server.attributes[sc.ERROR_TYPE] == "upstream_connection_failure"
     assert attempt.status_code == STATUS_ERROR
+    # The attempt never had a connection: its span still has a real id (OTLP: all
+    # zeros is invalid), spans the connect, and reports no status the engine never sent.
+    assert attempt.span_id != 0
+    assert server.start_unix_ns <= attempt.start_unix_ns < attempt.end_unix_ns <= server.end_unix_ns
+    assert sc.HTTP_RESPONSE_STATUS_CODE not in attempt.attributes
+    assert server.attributes[sc.HTTP_RESPONSE_STATUS_CODE] == 502
 
 
 def test_a_resend_is_a_second_client_span_with_resend_count(scripted_upstream, start_proxy):
@@ -82,6 +88,8 @@ def test_a_resend_is_a_second_client_span_with_resend_count(scripted_upstream, s
     assert fresh.attributes[sc.HTTP_REQUEST_RESEND_COUNT] == 1 and fresh.attributes[sc.OUTCOME] == "OK"
     assert server.attributes[sc.ATTEMPTS] == 2 and server.attributes[sc.OUTCOME] == "OK"
     assert stale.parent_span_id == fresh.parent_span_id == server.span_id
+    # The failed attempt ends when its connection went, before the resend started.
+    assert stale.end_unix_ns <= fresh.start_unix_ns
 
 
 def test_healthy_requests_sampled_by_ratio_errors_always_kept(fast_upstream, start_proxy):

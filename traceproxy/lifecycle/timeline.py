@@ -89,6 +89,7 @@ class Attempt:
     outcome: Outcome | None = None
     error: str | None = None
     span_id: int = 0  # this attempt's CLIENT span, the parent the upstream sees
+    started_ns: int = 0  # when it asked the pool for a connection
 
     def attach(self, conn: UpstreamConnectionRecord, reused: bool, now_ns: int) -> None:
         self.connection = conn
@@ -184,8 +185,8 @@ class RequestRecord:
         return self.marks.get(mark)
 
     # -- attempts and the end ----------------------------------------------
-    def new_attempt(self) -> Attempt:
-        attempt = Attempt(index=len(self.attempts))
+    def new_attempt(self, now_ns: int = 0, span_id: int = 0) -> Attempt:
+        attempt = Attempt(index=len(self.attempts), span_id=span_id, started_ns=now_ns)
         self.attempts.append(attempt)
         return attempt
 

@@ -33,6 +33,8 @@ _DOWNSTREAM_ZEROS, _UPSTREAM_ZEROS = (0,) * len(DOWNSTREAM_ORDER), (0,) * len(UP
 DOWNSTREAM_INDEX = {mark: i for i, mark in enumerate(DOWNSTREAM_ORDER)}
 UPSTREAM_INDEX = {mark: i for i, mark in enumerate(UPSTREAM_ORDER)}
 _LAST_UPSTREAM_RX = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_BYTE]
+_UPSTREAM_HEAD = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_HEADER_BYTE]
+_UPSTREAM_CLOSED = UPSTREAM_INDEX[Mark.UPSTREAM_CLOSED]
 _FIRST_DOWNSTREAM_TX_BODY = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE]
 TAIL_BYTES = 4096
 
@@ -56,6 +58,7 @@ class AttemptSummary(NamedTuple):
     marks: tuple[int, ...]  # UPSTREAM_ORDER, 0 = not reached
     outcome: str  # "" when the attempt was the request's last
     error: str
+    started_ns: int = 0  # when it asked for a connection (0: unknown)
 
 
 class RequestSummary(NamedTuple):
@@ -124,7 +127,7 @@ def _summarize_attempt(attempt) -> AttemptSummary:
     return AttemptSummary(
         attempt.span_id, attempt.index, conn.id if conn else 0, attempt.reused, attempt.idle_age_ns,
         attempt.connection_request_number, tuple(map(attempt.marks.get, UPSTREAM_ORDER, _UPSTREAM_ZEROS)),
-        attempt.outcome.code if attempt.outcome else "", attempt.error or "",
+        attempt.outcome.code if attempt.outcome else "", attempt.error or "", attempt.started_ns,
     )
 
 
@@ -150,9 +153,10 @@ def spans_for(s: RequestSummary) -> list[SpanData]:
 
 def _client_span(s: RequestSummary, a: AttemptSummary, route: str) -> SpanData:
     stamped = [t for t in a.marks if t]
-    start = min(stamped) if stamped else s.end_ns
-    last_rx = a.marks[_LAST_UPSTREAM_RX]
-    end = last_rx or s.end_ns  # a failed or cut attempt ends with the request
+    start = a.started_ns or (min(stamped) if stamped else s.end_ns)
+    # It ends at its last byte; one that failed and was resent, when its connection
+    # went; otherwise (failed or cut) with the request.
+    end = a.marks[_LAST_UPSTREAM_RX] or (a.outcome and a.marks[_UPSTREAM_CLOSED]) or s.end_ns
     outcome = a.outcome or s.outcome
     attrs = {
         sc.HTTP_REQUEST_METHOD: s.method,
@@ -170,9 +174,11 @@ def _client_span(s: RequestSummary, a: AttemptSummary, route: str) -> SpanData:
     }
     if a.index:
         attrs[sc.HTTP_REQUEST_RESEND_COUNT] = a.index
-    if s.status and not a.outcome:
-        attrs[sc.HTTP_RESPONSE_STATUS_CODE] = s.status
-    status = _status(outcome, s.status if not a.outcome else 0, a.error or s.error)
+    # The upstream's status only: not the proxy's own reply (502, 504) to a failed attempt.
+    upstream_status = s.status if not a.outcome and a.marks[_UPSTREAM_HEAD] else 0
+    if upstream_status:
+        attrs[sc.HTTP_RESPONSE_STATUS_CODE] = upstream_status
+    status = _status(outcome, upstream_status, a.error or s.error, client=True)
     if status[0] == STATUS_ERROR:
         attrs[sc.ERROR_TYPE] = BY_CODE[outcome].name
     return SpanData(
@@ -287,10 +293,12 @@ def _events(labels: tuple[str, ...], marks: tuple[int, ...], offset: int) -> tup
 _new_tuple = tuple.__new__
 
 
-def _status(outcome: str, http_status: int, error: str) -> tuple[int, str]:
+def _status(outcome: str, http_status: int, error: str, client: bool = False) -> tuple[int, str]:
+    """Span status by the HTTP semantic conventions: 5xx is an error; 4xx only on the
+    CLIENT side (the server side answered a bad request correctly)."""
     if outcome != "OK":
         return STATUS_ERROR, error or BY_CODE[outcome].meaning
-    if http_status >= 500:
+    if http_status >= (400 if client else 500):
         return STATUS_ERROR, f"HTTP {http_status}"
     return STATUS_UNSET, ""
 

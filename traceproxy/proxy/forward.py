@@ -129,7 +129,9 @@ class Exchange:
             self._acquire(fresh=False)
 
     def _acquire(self, fresh: bool) -> None:
-        self.record.new_attempt()
+        # Its CLIENT span exists from here, connection or not (a refused connect, a
+        # wait at the pool cap): the span id is the parent the upstream will see.
+        self.record.new_attempt(time.monotonic_ns(), tc.new_span_id())
         self.connect_task = self.ctx.pool.acquire(self, fresh=fresh)
 
     def upstream_queued(self) -> None:
@@ -161,7 +163,6 @@ class Exchange:
 
     def _upstream_head(self, attempt: Attempt) -> bytes:
         record, head = self.record, self.head
-        attempt.span_id = tc.new_span_id()
         extra = b"traceparent: %s\r\n" % tc.format_traceparent(record.trace_id, attempt.span_id, record.sampled)
         if record.tracestate:
             extra += b"tracestate: %s\r\n" % record.tracestate
