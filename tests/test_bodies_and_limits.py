@@ -15,7 +15,7 @@ import pytest
 
 from traceproxy.sim.launch import free_port
 
-from .support import RawClient, recv_until, wait_until
+from .support import RawClient, header_value, recv_until, wait_until
 
 MB = 1024 * 1024
 
@@ -98,7 +98,13 @@ def test_at_the_cap_with_no_idle_connection_new_clients_get_503(scripted_upstrea
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         await writer.drain()
 
-    proxy = start_proxy(scripted_upstream(held).url, **{"limits.max_client_connections": 3})
+    ended = []
+
+    class Ends:
+        def on_done(self, record):
+            ended.append(record)
+
+    proxy = start_proxy(scripted_upstream(held).url, observers=[Ends()], **{"limits.max_client_connections": 3})
     busy = [RawClient(proxy.port) for _ in range(3)]
     for client in busy:
         client.request("GET", "/")
@@ -106,6 +112,9 @@ def test_at_the_cap_with_no_idle_connection_new_clients_get_503(scripted_upstrea
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         reply = sock.recv(65536)
     assert reply.startswith(b"HTTP/1.1 503 ") and b'"DO"' in reply
+    # A refusal like any other: its ids on the reply, and an ended request to count and trace.
+    assert header_value(reply, b"x-request-id") and header_value(reply, b"traceresponse")
+    assert wait_until(lambda: [r.outcome.code for r in ended] == ["DO"])
     loop_thread.call(release.set)
     assert all(c.response().status == 200 for c in busy)
 

@@ -94,6 +94,20 @@ def test_malformed_traceparent_starts_a_new_trace_and_drops_tracestate(scripted_
     assert header_value(head, b"tracestate") is None
 
 
+@pytest.mark.parametrize("headers", [
+    [("tracestate", "vendor=abc")],
+    [("Connection", "traceparent"), ("traceparent", VALID), ("tracestate", "vendor=abc")],
+], ids=["tracestate-alone", "traceparent-named-in-connection"])
+def test_tracestate_without_a_valid_traceparent_is_dropped(scripted_upstream, start_proxy, headers):
+    # W3C trace context: a tracestate received without its traceparent is discarded.
+    up = _recording_upstream(scripted_upstream)
+    proxy = start_proxy(up.url)
+    RawClient(proxy.port).roundtrip("GET", "/", headers=headers)
+    head = _upstream_head(up)
+    assert tc.parse_traceparent(header_value(head, b"traceparent")).trace_id != int(TRACE, 16)
+    assert header_value(head, b"tracestate") is None
+
+
 def test_configured_request_id_headers(scripted_upstream, start_proxy):
     up = _recording_upstream(scripted_upstream)
     proxy = start_proxy(up.url, **{"request_id.headers": ["x-request-id", "x-correlation-id"]})
@@ -115,6 +129,20 @@ def test_proxy_errors_carry_the_ids(start_proxy):
     reply = raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nHost: a\r\nBad\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 400 ")
     assert header_value(reply, b"x-request-id") and header_value(reply, b"traceresponse")
+
+
+@pytest.mark.parametrize("line, rest", [
+    (b"GET / HTTP/1.1", b"Host: a\r\nHost: b\r\n"),  # two Hosts: refused once the head is read
+    (b"POST / HTTP/1.1", b"Host: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n"),  # llhttp refuses it
+    (b"GET / HTTP/2.0", b"Host: a\r\n"),
+], ids=["two-hosts", "conflicting-lengths", "http2-version"])
+def test_a_refused_head_still_carries_the_clients_ids(start_proxy, line, rest):
+    proxy = start_proxy("http://127.0.0.1:9")
+    ids = b"traceparent: %s\r\nx-request-id: my-rid-1\r\n" % VALID.encode()
+    reply = raw_exchange(proxy.port, line + b"\r\n" + ids + rest + b"\r\n")
+    assert reply[9:10] in (b"4", b"5")
+    assert header_value(reply, b"x-request-id") == b"my-rid-1"
+    assert header_value(reply, b"traceresponse").split(b"-")[1] == TRACE.encode()
 
 
 def test_a_resend_is_a_new_client_span_in_the_same_trace(scripted_upstream, start_proxy):

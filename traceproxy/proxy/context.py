@@ -126,7 +126,9 @@ class ServerContext:
         record.span_id = tc.new_span_id()
         if parts is not None and parts.user_agent is not None:
             record.user_agent = parts.user_agent.decode("latin-1")
-        if parts is not None and record.rejected_traceparent is None and parts.tracestates:
+        # W3C: tracestate belongs to the traceparent it came with; without a valid one
+        # (absent or rejected: a new trace starts) it is dropped.
+        if parts is not None and record.parent_span_id and parts.tracestates:
             record.tracestate = b",".join(parts.tracestates)
         if parts is not None and parts.request_id is not None:
             record.request_id = parts.request_id.decode("latin-1")

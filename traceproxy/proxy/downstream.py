@@ -115,9 +115,10 @@ class ClientConnection(asyncio.Protocol):
                                              opened_ns=time.monotonic_ns())
         self.forwarding = self.ctx.forwarding_for(self)
         if not self.ctx.admit(self):
-            self.closing = True
-            self.transport.write(error_response(503, Flag.DO, "too many client connections", keep_alive=False))
-            self.transport.close()
+            # Refused before its request is read; still a request that ended (DO),
+            # with ids on its 503 and in its span, like every other refusal.
+            self.rejection = (503, Flag.DO, "too many client connections")
+            self._send_rejection()
             return
         self.ctx.connection_idle(self)  # evictable until its first byte arrives
         self._arm_timer(self.ctx.timeouts.client_headers, self._on_idle_timeout)
@@ -310,6 +311,17 @@ class ClientConnection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        try:
+            self._head_complete()
+        except H.BadRequest:
+            record = self.parsing
+            if record is not None and not record.trace_id:
+                # Refused before its ids were taken: the refusal still carries the
+                # client's trace context and request id, so it can be found by them.
+                self.ctx.identify(record, H.ids_only(self._headers, self.ctx.request_id_names))
+            raise
+
+    def _head_complete(self) -> None:
         record = self.parsing
         self._in_head = self._head_timer_pending = False
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
@@ -465,7 +477,11 @@ class ClientConnection(asyncio.Protocol):
     def _send_rejection(self) -> None:
         status, outcome, reason = self.rejection
         record = self.parsing
+        # The header lines read before the refusal are this request's (llhttp refuses
+        # some heads itself, e.g. duplicate lengths): its ids come from them.
+        parts = H.ids_only(self._headers, self.ctx.request_id_names) if record is not None else None
         if record is None or record.finished:
+            parts = None
             now = time.monotonic_ns()
             sequence, idle_gap = self.record.next_request(now)
             record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
@@ -474,7 +490,7 @@ class ClientConnection(asyncio.Protocol):
         self.parsing = None
         record.status = status
         if not record.trace_id:
-            self.ctx.identify(record, None)
+            self.ctx.identify(record, parts)
         self.write(error_response(status, outcome, reason, keep_alive=False,
                                   extra_lines=self.ctx.response_ids(record)))
         self.ctx.end_request(record, outcome, reason)

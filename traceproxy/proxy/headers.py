@@ -261,6 +261,24 @@ def split_absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
     return authority, (path if path.startswith(b"/") else b"/" + path)
 
 
+def ids_only(headers: Headers, request_id_names: tuple[bytes, ...] = DEFAULT_REQUEST_ID_NAMES) -> RequestParts:
+    """The trace context, request id and user agent of a head that is being refused,
+    without judging the rest: the refusal then carries the client's own ids."""
+    traceparents, tracestates, request_ids, user_agent = [], [], {}, None
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"traceparent":
+            traceparents.append(value)
+        elif lname == b"tracestate":
+            tracestates.append(value)
+        elif lname == b"user-agent":
+            user_agent = value
+        elif lname in request_id_names:
+            request_ids.setdefault(lname, value)
+    request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
+    return RequestParts(_NO_BODY, None, None, [], [], traceparents, tracestates, request_id, user_agent)
+
+
 def with_host(parts: RequestParts, host: bytes) -> RequestParts:
     """``parts`` with ``host`` as its Host, in place of the one the client sent."""
     kept = [(n, v) for n, v in parts.end_to_end if n.lower() != b"host"]
