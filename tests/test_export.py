@@ -419,7 +419,7 @@ def test_frames_carry_spans_and_request_summaries_unchanged():
         error="", start_ns=1, end_ns=9, clock_offset_ns=10**18, marks=(1, 2, 3, 0, 5, 9), client_peer="127.0.0.1:5",
         client_connection_id=3, sequence=2, idle_gap_ns=-1, user_agent="ua", server=("127.0.0.1", 80),
         upstream=("127.0.0.1", 81), request_body_bytes=4, response_body_bytes=5, chunks=1, max_chunk_gap_ns=0,
-        request_body_head=b'{"x":1}', response_tail=b"\x00\xff", stalls=(("FBS", "first_byte", 1, 2, 0),),
+        request_body_head=b'{"x":1}', response_tail=b"\x00\xff", request_body_tail=b"", stalls=(("FBS", "first_byte", 1, 2, 0),),
         attempts=(AttemptSummary(11, 0, 4, True, 100, 3, (0, 2, 2, 2, 3, 4, 5, 6), "", ""),), keep_spans=False,
     )
     items = [summary, *sample_trace()]

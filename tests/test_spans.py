@@ -12,7 +12,7 @@ from traceproxy.observe.spans import spans_for
 from traceproxy.observe.tracing import RateCeiling, TracingObserver, healthy_ratio_from_environment
 from traceproxy.proxy import tracecontext as tc
 
-from .support import ListSink, RawClient, answers_then_drops_next_request, header_value, wait_until
+from .support import ListSink, RawClient, answers_in_parts, answers_then_drops_next_request, header_value, wait_until
 
 
 def _traced_proxy(start_proxy, upstream_url, ratio=1.0, **overrides):
@@ -168,3 +168,53 @@ def test_sample_ratio_from_otel_environment():
     assert healthy_ratio_from_environment(None, {"OTEL_TRACES_SAMPLER": "always_off"}) == 0.0
     assert healthy_ratio_from_environment(0.5, {"OTEL_TRACES_SAMPLER": "always_off"}) == 0.5
     assert healthy_ratio_from_environment(None, {}) == 1.0
+
+
+def test_genai_attributes_of_a_long_conversation(fast_upstream, start_proxy):
+    # A multi-turn chat far past the kept head of the body, with the fields an SDK
+    # writes after the messages, and a tool schema that names "model" and "stream" too.
+    messages = [{"role": "user", "content": f'turn {i}: say "model": "x" ' + "words " * 40} for i in range(100)]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"}}}}}]
+    body = json.dumps({"messages": messages, "model": "m-70b", "max_tokens": 3, "stream": True,
+                       "tools": tools}).encode()
+    assert len(body) > 20_000
+    proxy, sink = _traced_proxy(start_proxy, fast_upstream().url)
+    assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=body).complete
+    assert wait_until(lambda: sink.items)
+    attrs = spans_for(sink.items[0])[0].attributes
+    assert attrs[sc.GEN_AI_REQUEST_MODEL] == "m-70b" and attrs[sc.GEN_AI_REQUEST_STREAM] is True
+    assert attrs[sc.GEN_AI_REQUEST_MAX_TOKENS] == 3 and attrs[sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] > 0
+    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "length"
+
+
+def test_genai_usage_and_finish_reason_of_a_long_non_streamed_answer():
+    from traceproxy.observe.spans import _response_attributes
+
+    answer = json.dumps({"id": "c-1", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "a" * 20_000}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 34}}).encode()
+    attrs: dict = {}
+    _response_attributes(answer[-8192:], attrs)  # what is kept of it: its last reads
+    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "stop"
+    assert (attrs[sc.GEN_AI_USAGE_INPUT_TOKENS], attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS]) == (12, 34)
+
+
+def test_finish_reason_usage_and_done_in_separate_reads_are_all_seen(scripted_upstream, start_proxy):
+    # stream_options.include_usage: the finish chunk, the usage chunk and [DONE] can
+    # each arrive in a read of its own at the end of the stream.
+    events = [b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n',
+              b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+              b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n',
+              b"data: [DONE]\n\n"]
+    parts = [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    parts += [b"%x\r\n%s\r\n" % (len(event), event) for event in events]
+    parts[-1] += b"0\r\n\r\n"
+    proxy, sink = _traced_proxy(start_proxy, scripted_upstream(answers_in_parts(*parts, pause=0.05)).url)
+    body = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True},
+                       "messages": []}).encode()
+    assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=body).complete
+    assert wait_until(lambda: sink.items)
+    attrs = spans_for(sink.items[0])[0].attributes
+    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "stop" and attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 1
+    assert attrs[sc.DONE_SEEN] is True

@@ -46,11 +46,16 @@ class Fanout:
         self.mark_observers: list[Observer] = []
         self.done_observers: list[Observer] = []
         self.observer_errors = 0
+        # How much of the end of a long request body an observer wants kept on the
+        # record (``request_body_tail``): the most any observer asked for, 0 when none.
+        self.request_body_tail_bytes = 0
         for observer in observers or []:
             self.add(observer)
 
     def add(self, observer: Observer) -> None:
         self.observers.append(observer)
+        self.request_body_tail_bytes = max(self.request_body_tail_bytes,
+                                           getattr(observer, "request_body_tail_bytes", 0))
         for hook, group in (("on_request_start", self.start_observers), ("on_mark", self.mark_observers),
                             ("on_done", self.done_observers)):
             if callable(getattr(observer, hook, None)):

@@ -141,11 +141,13 @@ class RequestRecord:
     rejected_traceparent: bytes | None = None
     request_id: str = ""
     user_agent: str = ""
-    # Cheap evidence for span attributes, read once at the end: the first bytes of
-    # the request body and the last two upstream reads (an SSE stream's usage event
-    # and [DONE] arrive at its end).
+    # Cheap evidence for span attributes, read once at the end: the first and (past
+    # those, when spans are on) the last bytes of the request body, and the last three
+    # upstream reads (an SSE stream's finish reason, usage event and [DONE] arrive at
+    # its end, each in its own read when the engine is slow).
     request_body_head: bytes = b""
-    response_tail: tuple[bytes, bytes] = (b"", b"")
+    request_body_tail: bytes = b""
+    response_tail: tuple[bytes, bytes, bytes] = (b"", b"", b"")
     max_chunk_gap_ns: int = 0
     stalls: list[StallEntry] = field(default_factory=list)
     # The I/O object that can end this request early (``abort(outcome, message)``),

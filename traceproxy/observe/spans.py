@@ -92,6 +92,7 @@ class RequestSummary(NamedTuple):
     max_chunk_gap_ns: int
     request_body_head: bytes
     response_tail: bytes
+    request_body_tail: bytes
     attempts: tuple[AttemptSummary, ...]
     stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
     keep_spans: bool = True  # False: sampled out or shed, sent only for its access log line
@@ -101,11 +102,10 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
               upstream: tuple[str, int], keep_spans: bool = True) -> RequestSummary:
     marks = record.marks
     if keep_spans:
-        previous, last = record.response_tail
-        head = record.request_body_head
-        tail = previous[-TAIL_BYTES:] + last[-TAIL_BYTES:] if previous else last[-TAIL_BYTES:]
+        head, request_tail = record.request_body_head, record.request_body_tail
+        tail = b"".join(read[-TAIL_BYTES:] for read in record.response_tail)
     else:
-        head = tail = b""  # only its access log line is wanted: the GenAI evidence is not copied
+        head = tail = request_tail = b""  # only its access log line is wanted: no GenAI evidence
     return RequestSummary(
         record.trace_id, record.span_id, record.parent_span_id, record.sampled,
         record.tracestate.decode("latin-1"), (record.rejected_traceparent or b"").decode("latin-1"),
@@ -115,7 +115,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.connection.peer, record.connection.id, record.sequence,
         -1 if record.idle_gap_ns is None else record.idle_gap_ns, record.user_agent, server, upstream,
         record.downstream_rx_body_bytes, record.downstream_tx_body_bytes, record.upstream_rx_chunks,
-        record.max_chunk_gap_ns, head, tail,
+        record.max_chunk_gap_ns, head, tail, request_tail,
         tuple(_summarize_attempt(a) for a in record.attempts),
         tuple((e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls),
         keep_spans,
@@ -315,8 +315,9 @@ def genai_attributes(path: str, s: RequestSummary) -> dict:
         return {}
     attrs: dict = {sc.GEN_AI_OPERATION_NAME: operation}
     request = _json_object(s.request_body_head)
-    if request is not None:
-        _request_attributes(request, attrs)
+    if request is None:  # a body longer than its kept head: what its fields say
+        request = _fields_of_cut_json(s.request_body_head + b"\n" + s.request_body_tail, _REQUEST_FIELDS)
+    _request_attributes(request, attrs)
     first_chunk = s.marks[_FIRST_DOWNSTREAM_TX_BODY]
     if first_chunk and attrs.get(sc.GEN_AI_REQUEST_STREAM):
         attrs[sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (first_chunk - s.start_ns) / 1e9
@@ -344,7 +345,8 @@ def _response_attributes(tail: bytes, attrs: dict) -> None:
         attrs[sc.DONE_SEEN] = b"[DONE]" in events
         objects = [o for o in (_json_object(e) for e in events if e != b"[DONE]") if o is not None]
     else:
-        objects = [o for o in [_json_object(tail)] if o is not None]
+        whole = _json_object(tail)
+        objects = [whole if whole is not None else _fields_of_cut_json(tail, _RESPONSE_FIELDS)]
     finish_reasons, usage = [], None
     for obj in objects:
         usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else usage
@@ -368,6 +370,39 @@ def _response_attributes(tail: bytes, attrs: dict) -> None:
                           ("completion_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS)):
             if isinstance(usage.get(key), int):
                 attrs[name] = usage[key]
+
+
+# Fields read out of JSON that was kept only in part (the head and tail of a long
+# body): each with a value of the type it must have. That type is what keeps a
+# nested namesake out: a tool's JSON schema has "model": {...}, never a string, and
+# text inside a message has its quotes escaped, so it never matches.
+_STRING, _BOOL, _INT = rb'"((?:[^"\\]|\\.)*)"', rb"(true|false)", rb"(\d+)"
+_REQUEST_FIELDS = {"model": _STRING, "stream": _BOOL, "max_tokens": _INT, "max_completion_tokens": _INT,
+                   "max_new_tokens": _INT}
+_RESPONSE_FIELDS = {"finish_reason": _STRING, "prompt_tokens": _INT, "completion_tokens": _INT}
+_FIELD_PATTERNS = {name: re.compile(rb'"%s"\s*:\s*%s' % (name.encode(), value))
+                   for name, value in {**_REQUEST_FIELDS, **_RESPONSE_FIELDS}.items()}
+
+
+def _fields_of_cut_json(data: bytes, fields: dict) -> dict:
+    """The first value of each field found, as a dict shaped like the whole object."""
+    found: dict = {}
+    for name in fields:
+        match = _FIELD_PATTERNS[name].search(data)
+        if match is None:
+            continue
+        raw = match.group(1)
+        value = (raw == b"true" if fields[name] is _BOOL else int(raw) if fields[name] is _INT
+                 else raw.decode("utf-8", "replace"))
+        found[name] = value
+    if "max_new_tokens" in found:
+        found["sampling_params"] = {"max_new_tokens": found.pop("max_new_tokens")}
+    if "finish_reason" in found:
+        found["choices"] = [{"finish_reason": found.pop("finish_reason")}]
+    usage = {key: found.pop(key) for key in ("prompt_tokens", "completion_tokens") if key in found}
+    if usage:
+        found["usage"] = usage
+    return found
 
 
 def _json_object(data: bytes) -> dict | None:

@@ -60,6 +60,8 @@ class TracingObserver:
                  healthy_max_per_second: int = 0) -> None:
         self.sink = sink
         self.spans = spans  # tracing is on
+        # GenAI attributes read the end of long request bodies too (see Fanout).
+        self.request_body_tail_bytes = 4096 if spans else 0
         self.access_log = access_log  # every request's summary is wanted for its log line
         self.server = server
         self.upstream = upstream

@@ -185,8 +185,14 @@ class Exchange:
         record = self.record
         record.downstream_rx_body_bytes += len(data)
         record.last_downstream_rx_ns = time.monotonic_ns()
-        if len(record.request_body_head) < BODY_HEAD_BYTES:
-            record.request_body_head += data[: BODY_HEAD_BYTES - len(record.request_body_head)]
+        room = BODY_HEAD_BYTES - len(record.request_body_head)
+        if room > 0:
+            record.request_body_head += data[:room]
+        if len(data) > room and self.ctx.fanout.request_body_tail_bytes:
+            # Past the head: the top-level fields an SDK writes after a long messages
+            # list (model, stream, max_tokens) are near the end.
+            keep = self.ctx.fanout.request_body_tail_bytes
+            record.request_body_tail = (record.request_body_tail + data[-keep:])[-keep:]
         if self._rewrite is not None:
             self._rewrite.append(data)
             return
@@ -311,7 +317,8 @@ class Exchange:
             self._stamp(now, MARK.FIRST_UPSTREAM_RX_BODY_BYTE, MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE)
         elif now - record.last_upstream_rx_ns > record.max_chunk_gap_ns:
             record.max_chunk_gap_ns = now - record.last_upstream_rx_ns
-        record.response_tail = (record.response_tail[1], data)
+        tail = record.response_tail
+        record.response_tail = (tail[1], tail[2], data)
         record.upstream_rx_chunks += 1
         record.upstream_rx_body_bytes += len(data)
         record.last_upstream_rx_ns = now
@@ -375,7 +382,7 @@ class Exchange:
             return Flag.PFE, (f"wrote {record.downstream_tx_body_bytes} body bytes under "
                               f"Content-Length {self._declared_length}")
         if self._sse and record.status == 200:
-            previous, last = record.response_tail
+            _, previous, last = record.response_tail
             last = last[-2048:]
             if b"[DONE]" not in last:  # the usual ending is found without joining the two reads
                 tail = previous[-512:] + last
