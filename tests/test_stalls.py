@@ -15,7 +15,7 @@ import urllib.request
 from traceproxy.observe.spandata import KIND_INTERNAL
 from traceproxy.observe.tracing import TracingObserver
 
-from .support import ListSink, RawClient, answers_in_parts, never_answers, wait_until
+from .support import ListSink, RawClient, answers_in_parts, header_value, never_answers, recv_until, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -136,6 +136,22 @@ def test_header_stall_from_a_client_that_stops_mid_head(fast_upstream, start_pro
         assert wait_until(lambda: sink.now_items, timeout=3)
     assert sink.now_items[0].attributes["traceproxy.stall.outcome"] == "DHS"
     assert sink.now_items[0].attributes["traceproxy.blame"] == "client"
+
+
+def test_a_head_stall_span_and_its_request_share_one_trace(fast_upstream, start_proxy):
+    # The watchdog gives a request stalled mid-head its ids for the stall span; when
+    # the head then completes (no trace context of its own), the request keeps them.
+    proxy, sink = _proxy(start_proxy, fast_upstream().url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n")
+        assert wait_until(lambda: sink.now_items, timeout=3)
+        sock.sendall(b"Connection: close\r\n\r\n")
+        reply = recv_until(sock, b"\r\n\r\n")
+    assert wait_until(lambda: sink.items)
+    stall, summary = sink.now_items[0], sink.items[0]
+    assert stall.trace_id == summary.trace_id and stall.parent_span_id == summary.span_id
+    assert stall.attributes["traceproxy.request_id"] == summary.request_id
+    assert header_value(reply, b"x-request-id").decode() == summary.request_id
 
 
 def test_no_false_alarms_for_2000_healthy_streams_with_jitter(fast_upstream, start_proxy, loop_thread):

@@ -116,14 +116,22 @@ class ServerContext:
             self.fanout.done(record)
 
     def identify(self, record: RequestRecord, parts: RequestParts | None) -> bool:
-        """Stamp the trace and request ids; True when the request id was generated here."""
+        """Stamp the trace and request ids; True when the request id was generated here.
+
+        A request whose head stalled already has ids, given by the watchdog for its
+        stall span and log line: it keeps them, so that its spans join that stall
+        span, unless the client's own valid trace context is to be continued."""
+        stalled_ids = record.trace_id != 0
         if parts is None or not parts.traceparents:
-            record.trace_id = tc.new_trace_id()  # a new trace, sampled (the fields' defaults)
+            if not stalled_ids:
+                record.trace_id = tc.new_trace_id()  # a new trace, sampled (the fields' defaults)
+                record.span_id = tc.new_span_id()
         else:
             decision = tc.continue_or_start(parts.traceparents)
-            record.trace_id, record.parent_span_id = decision.trace_id, decision.parent_span_id
+            if decision.parent_span_id or not stalled_ids:
+                record.trace_id, record.parent_span_id = decision.trace_id, decision.parent_span_id
+                record.span_id = tc.new_span_id()
             record.sampled, record.rejected_traceparent = decision.sampled, decision.rejected
-        record.span_id = tc.new_span_id()
         if parts is not None and parts.user_agent is not None:
             record.user_agent = parts.user_agent.decode("latin-1")
         # W3C: tracestate belongs to the traceparent it came with; without a valid one
@@ -133,7 +141,7 @@ class ServerContext:
         if parts is not None and parts.request_id is not None:
             record.request_id = parts.request_id.decode("latin-1")
             return False
-        record.request_id = tc.new_request_id()
+        record.request_id = record.request_id or tc.new_request_id()
         return True
 
     def response_ids(self, record: RequestRecord) -> bytes:
