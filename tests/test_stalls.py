@@ -15,7 +15,8 @@ import urllib.request
 from traceproxy.observe.spandata import KIND_INTERNAL
 from traceproxy.observe.tracing import TracingObserver
 
-from .support import ListSink, RawClient, answers_in_parts, header_value, never_answers, recv_until, wait_until
+from .support import (ListSink, RawClient, answers_in_parts, header_value, never_answers, raw_exchange, recv_until,
+                      wait_until)
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -186,3 +187,47 @@ def test_no_false_alarms_for_2000_healthy_streams_with_jitter(fast_upstream, sta
     assert sink.now_items == []
     assert all(not r.stalls for r in sink.items) if sink.items else True
     assert proxy.watchdog.open == {}
+
+
+def test_a_pipelined_request_waiting_its_turn_is_not_a_stall_and_never_aborted(scripted_upstream, start_proxy):
+    # The first request streams slowly but steadily; the second, sent with it, has
+    # nothing left to send: nobody owes it a byte until its turn. An abort written
+    # for it would land inside the first response's body.
+    async def slow_stream(reader, writer, upstream):
+        for _ in range(2):
+            head, _ = await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(8 if b"/slow" in head else 1):
+                await asyncio.sleep(0.15)
+                writer.write(b"3\r\ntok\r\n")
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(slow_stream).url,
+                         **{"stall.stream_gap": 1.0, "stall.action": "abort"})
+    reply = raw_exchange(proxy.port, b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n"
+                                     b"GET /second HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert reply.count(b"HTTP/1.1 200 OK") == 2 and b" 408 " not in reply and not sink.now_items
+    assert reply.count(b"3\r\ntok\r\n") == 9
+
+
+def test_a_shorter_stall_after_a_longer_wait_is_found_at_its_own_threshold(scripted_upstream, start_proxy, caplog):
+    # First byte allowed 3 s; the head and a token come after 0.5 s, then silence:
+    # the stream-gap stall (0.3 s) is due long before the first-byte deadline the
+    # watchdog aimed at when it last looked.
+    async def stalls_mid_stream(reader, writer, upstream):
+        await reader.read_request()
+        await asyncio.sleep(0.5)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
+        await writer.drain()
+        await reader.read(1)
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(stalls_mid_stream).url, **{"stall.first_byte": 3.0})
+    client = RawClient(proxy.port)
+    started = time.monotonic()
+    client.request("POST", "/v1/chat/completions", body=b"{}")
+    assert wait_until(lambda: sink.now_items, timeout=5)
+    assert sink.now_items[0].attributes["traceproxy.stall.outcome"] == "MSS"
+    assert time.monotonic() - started < 1.5  # the gap threshold plus at most a quarter of the smallest
+    client.close()

@@ -97,3 +97,30 @@ def test_judge_all_reports_stalls_and_the_earliest_deadline_ahead():
     stalled, earliest = judge_all([stuck, healthy, quiet], 12 * S, THRESHOLDS)
     assert {j.record.id for j in stalled} == {stuck.id, quiet.id}
     assert earliest == 16 * S
+
+
+def test_a_request_queued_at_the_cap_that_then_connects_is_a_connect_wait():
+    record = request(*HEAD, Mark.POOL_QUEUED)  # queued at t=3
+    assert judge(record, 4 * S, THRESHOLDS).verdict.outcome is Flag.PWS
+    record.attempt.connecting_since_ns = 5 * S  # given a slot, now connecting
+    found = judge(record, 6 * S, THRESHOLDS)
+    assert found.verdict.outcome is Flag.UCS and found.verdict.since_ns == 5 * S
+
+
+def test_a_resend_connect_wait_counts_from_the_resend():
+    record = request(*HEAD)
+    record.new_attempt(now_ns=7 * S)
+    assert judge(record, 8 * S, THRESHOLDS).verdict.since_ns == 7 * S
+
+
+def test_the_body_wait_does_not_count_the_time_the_upstream_was_not_reading():
+    record = request(*HEAD, Mark.POOL_ACQUIRED, Mark.FIRST_UPSTREAM_TX_BYTE, last_downstream_rx_ns=4)
+    record.upstream_resumed_ns = 9 * S  # paused from 4 s (the client held) until 9 s
+    found = judge(record, 10 * S, THRESHOLDS)
+    assert found.verdict.outcome is Flag.DBS and found.verdict.since_ns == 9 * S and not found.stalled
+
+
+def test_a_pipelined_request_waiting_its_turn_has_no_verdict():
+    record = request(*HEAD)
+    record.waiting_turn = True
+    assert judge(record, 100 * S, THRESHOLDS) is None

@@ -36,6 +36,8 @@ class Verdict(NamedTuple):
 
 
 def verdict(record: RequestRecord) -> Verdict | None:
+    if record.waiting_turn:
+        return None  # nobody owes this one a byte yet: the request ahead of it is judged
     phase = phase_of(record)
     rule = _RULES.get(phase)
     return rule(record, phase) if rule else None
@@ -54,15 +56,19 @@ def _awaiting_connection(r: RequestRecord, phase: Phase) -> Verdict:
     headers_done = r.marks[Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE]
     if attempt is None:  # the body is held (rid injection) before a connection is taken
         return _awaiting_body(r, phase)
+    if attempt.connecting_since_ns is not None:  # it waited at the cap, and now connects
+        return Verdict(phase, Flag.UCS, attempt.connecting_since_ns, "pool_wait")
     if Mark.POOL_QUEUED in attempt.marks:
         return Verdict(phase, Flag.PWS, attempt.marks[Mark.POOL_QUEUED], "pool_wait")
-    return Verdict(phase, Flag.UCS, headers_done, "pool_wait")
+    return Verdict(phase, Flag.UCS, attempt.started_ns or headers_done, "pool_wait")
 
 
 def _awaiting_body(r: RequestRecord, phase: Phase) -> Verdict:
     if r.upstream_paused_since_ns is not None:
         return Verdict(phase, Flag.FBS, r.upstream_paused_since_ns, "first_byte")
     since = _first(r.last_downstream_rx_ns, r.marks.get(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE))
+    if r.upstream_resumed_ns is not None and r.upstream_resumed_ns > since:
+        since = r.upstream_resumed_ns  # the proxy itself was not reading until then
     return Verdict(phase, Flag.DBS, since, "client_body")
 
 

@@ -90,6 +90,7 @@ class Attempt:
     error: str | None = None
     span_id: int = 0  # this attempt's CLIENT span, the parent the upstream sees
     started_ns: int = 0  # when it asked the pool for a connection
+    connecting_since_ns: int | None = None  # queued at the cap, then given a slot to connect
 
     def attach(self, conn: UpstreamConnectionRecord, reused: bool, now_ns: int) -> None:
         self.connection = conn
@@ -109,6 +110,7 @@ class StallEntry:
     since_ns: int  # when the silence began
     detected_ns: int  # when the watchdog judged it a stall
     resolved_ns: int | None = None  # when the awaited byte came after all
+    attempt: int = 0  # the upstream attempt it was judged on (a resend ends it unresolved)
 
 
 @dataclass(slots=True)
@@ -160,6 +162,9 @@ class RequestRecord:
     last_downstream_tx_ns: int | None = None
     downstream_paused_since_ns: int | None = None  # the client is not reading our response
     upstream_paused_since_ns: int | None = None  # the upstream is not reading our request
+    upstream_resumed_ns: int | None = None  # when the upstream last took the request again
+    # A pipelined request waiting for the responses before it: its wait is theirs.
+    waiting_turn: bool = False
 
     # -- marks -------------------------------------------------------------
     def mark(self, mark: Mark, now_ns: int) -> None:

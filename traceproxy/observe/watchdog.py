@@ -3,12 +3,16 @@
 Theory of operation
 -------------------
 One timer, aimed at the earliest stall deadline over all in-flight requests
-(``lifecycle.stall.judge_all``); it does not poll. A new request can bring a
-deadline earlier than the one aimed at, so ``on_request_start`` pulls the timer in
-to ``now + the smallest threshold`` when needed: the watchdog fires for a lone
-stuck request on an idle proxy, and for a request whose marks never moved.
-While stalls are open it also wakes every ``RECHECK_S`` to notice the ones that
-resolve by themselves.
+(``lifecycle.stall.judge_all``). A new request can bring a deadline earlier than
+the one aimed at, so ``on_request_start`` pulls the timer in to ``now + the
+smallest threshold`` when needed: the watchdog fires for a lone stuck request on
+an idle proxy, and for a request whose marks never moved. A request's deadline
+also moves earlier when its wait changes kind (first byte, then a stream gap with
+a shorter threshold; a resend that connects anew), which nothing reports here: so
+while requests are in flight the timer is never aimed further out than a quarter
+of the smallest threshold, which bounds how late such a stall is found. While
+stalls are open it also wakes every ``RECHECK_S`` to notice the ones that resolve
+by themselves.
 
 On a new stall: the record gets a ``StallEntry``, ``on_stall`` goes to every stall
 listener (log line, metric, stall span), and with the abort action the request is
@@ -33,6 +37,7 @@ from ..lifecycle.timeline import RequestRecord, StallEntry
 
 log = logging.getLogger("traceproxy.watchdog")
 RECHECK_S = 0.25
+TICK_FLOOR_NS = 50_000_000
 
 
 class StallListener(Protocol):
@@ -98,6 +103,9 @@ class Watchdog:
                 self._report(judgement, now)
         if self.open:
             earliest = min(earliest or now + int(RECHECK_S * 1e9), now + int(RECHECK_S * 1e9))
+        if self._min_threshold_ns and len(self.in_flight()):
+            tick = now + max(self._min_threshold_ns // 4, TICK_FLOOR_NS)
+            earliest = tick if earliest is None else min(earliest, tick)
         if earliest is not None:
             self._aim(earliest)
 
@@ -109,7 +117,8 @@ class Watchdog:
             # line and the stall span can be found.
             record.trace_id, record.span_id = new_trace_id(), new_span_id()
             record.request_id = record.request_id or new_request_id()
-        entry = StallEntry(found.outcome.code, found.phase.value, found.since_ns, now)
+        entry = StallEntry(found.outcome.code, found.phase.value, found.since_ns, now,
+                           attempt=len(record.attempts) - 1)
         record.stalls.append(entry)
         self.open[record.id] = (record, entry)
         for listener in self.listeners:
@@ -130,8 +139,10 @@ class Watchdog:
                     and current.verdict.since_ns == entry.since_ns)
             if not same:
                 del self.open[record_id]
+                if len(record.attempts) - 1 != entry.attempt:
+                    continue  # its attempt failed and was resent: it ended, but no byte came
                 resolved_at = current.verdict.since_ns if current is not None else now
-                self._resolve(record, entry, resolved_at, finished=False)
+                self._resolve(record, entry, max(resolved_at, entry.since_ns), finished=False)
 
     def _resolve(self, record: RequestRecord, entry: StallEntry, at_ns: int | None, finished: bool) -> None:
         # A request that ended because of its stall (aborted, timed out) did not resolve it.

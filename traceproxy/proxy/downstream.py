@@ -368,6 +368,7 @@ class ClientConnection(asyncio.Protocol):
         if self.active is None:
             self._begin(exchange)
         else:
+            record.waiting_turn = True
             self.queue.append(exchange)
             self.pause_reading("pipeline")
 
@@ -405,6 +406,7 @@ class ClientConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------
     def _begin(self, exchange: Exchange) -> None:
         self.active = exchange
+        exchange.record.waiting_turn = False
         if exchange.head.expect_continue and not exchange.request_complete:
             # We answer Expect ourselves and strip it upstream: the body is
             # streamed as soon as it comes, whatever the upstream is doing.

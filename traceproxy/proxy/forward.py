@@ -139,6 +139,7 @@ class Exchange:
 
     def upstream_connecting(self, task: asyncio.Task) -> None:
         self.connect_task = task
+        self.record.attempt.connecting_since_ns = time.monotonic_ns()
 
     def upstream_ready(self, conn: "UpstreamConnection", reused: bool) -> None:
         self.connect_task = None
@@ -265,6 +266,7 @@ class Exchange:
 
     def upstream_write_resumed(self) -> None:
         self.record.upstream_paused_since_ns = None
+        self.record.upstream_resumed_ns = time.monotonic_ns()
         self.client.resume_reading("upstream")
 
     # ---------------------------------------------------------------------------
