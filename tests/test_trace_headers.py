@@ -193,3 +193,13 @@ def test_rid_left_alone_by_default(scripted_upstream, start_proxy):
     proxy = start_proxy(up.url)
     RawClient(proxy.port).roundtrip("POST", "/generate", body=GENERATE)
     assert up.bodies[0] == GENERATE
+
+
+def test_an_empty_request_id_is_no_request_id(scripted_upstream, start_proxy):
+    up = _recording_upstream(scripted_upstream)
+    proxy = start_proxy(up.url)
+    resp = RawClient(proxy.port).roundtrip("GET", "/", headers=[("x-request-id", "")])
+    head = _upstream_head(up)
+    generated = header_value(head, b"x-request-id")
+    assert head.lower().count(b"x-request-id:") == 1 and len(generated) == 32
+    assert resp.headers["x-request-id"] == generated.decode()

@@ -142,13 +142,15 @@ def parse_request_headers(
     for name, value in headers:
         lname = name.lower()
         if lname not in _REQUEST_SPECIAL:
-            kept.append((name, value))
             if lname in request_id_names:
+                if not value.strip():
+                    continue  # an empty id is no id: one is generated, and this line dropped
                 if request_ids is None:
                     request_ids = {}
                 request_ids.setdefault(lname, value)
             elif lname == b"user-agent":
                 user_agent = value
+            kept.append((name, value))
         elif lname == b"host":
             hosts.append(value)
             kept.append((name, value))
