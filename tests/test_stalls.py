@@ -231,3 +231,22 @@ def test_a_shorter_stall_after_a_longer_wait_is_found_at_its_own_threshold(scrip
     assert sink.now_items[0].attributes["traceproxy.stall.outcome"] == "MSS"
     assert time.monotonic() - started < 1.5  # the gap threshold plus at most a quarter of the smallest
     client.close()
+
+
+def test_a_client_not_reading_is_disconnected_when_its_stall_aborts_the_stream(scripted_upstream, start_proxy):
+    # A clean close would wait for the client to drain what is buffered, which a
+    # client that is not reading never does: the connection would stay open.
+    async def big_stream(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        block = b"x" * 65536
+        for _ in range(2000):  # far more than socket buffers hold
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(big_stream).url, **{"stall.abort_on": ["client_drain"]})
+    client = RawClient(proxy.port)
+    client.request("GET", "/big")  # and never read
+    assert wait_until(lambda: sink.now_items, timeout=5)
+    assert wait_until(lambda: not proxy.ctx.connections, timeout=3)
+    client.close()

@@ -509,9 +509,11 @@ class Exchange:
             # The response already started: end it short so the client can tell.
             self._client_out.clear()
             self.keep_client_alive = False
-            if self.response_framing == H.ResponseFraming.CLOSE:
-                # The body ends where the connection ends: a clean close would read
-                # as a complete response, so the connection is reset instead.
+            if self.response_framing == H.ResponseFraming.CLOSE or self.client.write_paused:
+                # Close-delimited: the body ends where the connection ends, and a clean
+                # close would read as a complete response. A client not reading: a
+                # clean close waits for it to drain what is buffered, which it may
+                # never do. Either way the connection is reset instead.
                 self.client.reset()
         self._finish(outcome, message, hand_back=not linger)
         if linger:
