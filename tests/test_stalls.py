@@ -250,3 +250,23 @@ def test_a_client_not_reading_is_disconnected_when_its_stall_aborts_the_stream(s
     assert wait_until(lambda: sink.now_items, timeout=5)
     assert wait_until(lambda: not proxy.ctx.connections, timeout=3)
     client.close()
+
+
+def test_a_stall_resolved_by_the_end_of_a_stream_without_done_is_resolved(scripted_upstream, start_proxy):
+    # The engine goes silent mid-stream, then ends it cleanly but without [DONE] (NDN):
+    # the awaited bytes came, so the stall resolved; NDN is about the ending, not it.
+    pauses_then_ends = answers_in_parts(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"b\r\ndata: one\n\n\r\n", b"b\r\ndata: two\n\n\r\n0\r\n\r\n", pause=0.8)
+    done = []
+
+    class Done:
+        def on_done(self, record):
+            done.append(record)
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(pauses_then_ends).url)
+    proxy.fanout.add(Done())
+    assert RawClient(proxy.port).roundtrip("GET", "/").complete
+    assert wait_until(lambda: done)
+    assert done[0].outcome.code == "NDN"
+    assert done[0].stalls and done[0].stalls[0].code == "MSS" and done[0].stalls[0].resolved_ns is not None

@@ -145,8 +145,9 @@ class Watchdog:
                 self._resolve(record, entry, max(resolved_at, entry.since_ns), finished=False)
 
     def _resolve(self, record: RequestRecord, entry: StallEntry, at_ns: int | None, finished: bool) -> None:
-        # A request that ended because of its stall (aborted, timed out) did not resolve it.
-        if finished and record.outcome is not Flag.OK:
+        # A request that ended because of its stall (aborted, timed out) did not resolve
+        # it; one whose response ended cleanly did, [DONE] or not (NDN).
+        if finished and record.outcome is not Flag.OK and record.outcome is not Flag.NDN:
             return
         entry.resolved_ns = at_ns or time.monotonic_ns()
         for listener in self.listeners:
