@@ -179,3 +179,13 @@ def test_restarts_that_close_connections_of_the_same_ages_teach_nothing():
         for _ in range(3):
             learner.saw_idle_close(int(3.0 * SECOND_NS), at_s * SECOND_NS)
     assert learner.learned == 3.0 and learner.misaligned
+
+
+def test_a_learnt_timeout_survives_a_restart_that_closes_a_full_window():
+    learner = KeepAliveLearner(idle_timeout=4.0)
+    for at_s in (100, 110):
+        learner.saw_idle_close(int(3.0 * SECOND_NS), at_s * SECOND_NS)
+    assert learner.learned == 3.0 and learner.misaligned
+    for i in range(40):  # one restart: forty pooled connections of mixed ages at once
+        learner.saw_idle_close(int((0.1 + i * 0.05) * SECOND_NS), 200 * SECOND_NS + i * 1000)
+    assert learner.learned == 3.0 and learner.misaligned

@@ -417,3 +417,12 @@ def test_an_h2c_offer_with_a_body_is_refused(fast_upstream, start_proxy):
                                      b"Content-Length: 3\r\n\r\nabc")
     assert reply.startswith(b"HTTP/1.1 501 ") and b"without Upgrade" in reply
     assert up.requests == 0
+
+
+def test_many_pipelined_h2c_offers_in_one_read_are_all_answered(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url)
+    offer = b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AA\r\n\r\n"
+    count = 1500  # each offer stops llhttp once: parsing must go on without nesting a call per request
+    reply = raw_exchange(proxy.port, offer * count + b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+                         timeout=30)
+    assert reply.count(b"HTTP/1.1 200 ") == count + 1

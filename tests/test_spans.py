@@ -218,3 +218,15 @@ def test_finish_reason_usage_and_done_in_separate_reads_are_all_seen(scripted_up
     attrs = spans_for(sink.items[0])[0].attributes
     assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "stop" and attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 1
     assert attrs[sc.DONE_SEEN] is True
+
+
+def test_the_client_span_status_is_the_upstreams_not_the_proxys_reply(scripted_upstream, start_proxy):
+    # The head (200) and a malformed chunk come in one read: the client gets a 502 UPE,
+    # but the upstream answered 200, and that is what its CLIENT span says.
+    proxy, sink = _traced_proxy(start_proxy, scripted_upstream(
+        answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n")).url)
+    assert RawClient(proxy.port).roundtrip("GET", "/v1/models").status == 502
+    assert wait_until(lambda: sink.items)
+    server, attempt = spans_for(sink.items[0])
+    assert server.attributes[sc.HTTP_RESPONSE_STATUS_CODE] == 502
+    assert attempt.attributes[sc.HTTP_RESPONSE_STATUS_CODE] == 200 and attempt.status_code == STATUS_ERROR

@@ -270,3 +270,45 @@ def test_a_stall_resolved_by_the_end_of_a_stream_without_done_is_resolved(script
     assert wait_until(lambda: done)
     assert done[0].outcome.code == "NDN"
     assert done[0].stalls and done[0].stalls[0].code == "MSS" and done[0].stalls[0].resolved_ns is not None
+
+
+def test_a_head_stall_resolves_when_the_head_arrives(scripted_upstream, start_proxy):
+    done = []
+
+    class Done:
+        def on_done(self, record):
+            done.append(record)
+
+    async def answers_later(reader, writer, upstream):
+        await reader.read_request()
+        await asyncio.sleep(0.6)  # the watchdog looks again before the request ends
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(answers_later).url, **{"stall.first_byte": 5.0})
+    proxy.fanout.add(Done())
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\n")
+        assert wait_until(lambda: sink.now_items, timeout=3)
+        sock.sendall(b"Connection: close\r\n\r\n")
+        assert recv_until(sock, b"ok").startswith(b"HTTP/1.1 200 ")
+    assert wait_until(lambda: done)
+    stall = done[0].stalls[0]
+    assert stall.code == "DHS" and stall.resolved_ns is not None
+
+
+def test_a_refused_pipelined_request_waiting_its_turn_is_not_a_stall(scripted_upstream, start_proxy):
+    async def slow_stream(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            await asyncio.sleep(0.15)
+            writer.write(b"3\r\ntok\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(slow_stream).url, **{"stall.stream_gap": 1.0})
+    reply = raw_exchange(proxy.port, b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /second HTTP/1.1\r\nHost: a/b\r\n\r\n")
+    assert reply.count(b"3\r\ntok\r\n") == 8 and b"HTTP/1.1 400 " in reply
+    assert not sink.now_items

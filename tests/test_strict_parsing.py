@@ -251,3 +251,16 @@ def test_bad_chunk_in_the_active_request_body_fails_it_at_once(scripted_upstream
                                      b"3\r\nabc\r\nzz\r\n", timeout=5)
     assert reply.startswith(b"HTTP/1.1 400 ") and b'"DPE"' in reply
     assert time.monotonic() - started < 1.5  # closed at once, no lingering on a dead parser
+
+
+def test_whitespace_padding_counts_toward_the_head_limit_across_reads(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"limits.max_header_bytes": 1024})
+    padded = b"".join(b"X-%d:%sv\r\n" % (i, b" " * 500) for i in range(20)) + b"\r\n"
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n")
+        assert wait_until(lambda: proxy.ctx.in_flight)  # the first read was parsed on its own
+        sock.sendall(padded)
+        reply = recv_until(sock, b"\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 431 ")
+    assert up.requests == 0

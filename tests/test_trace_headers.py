@@ -131,16 +131,16 @@ def test_proxy_errors_carry_the_ids(start_proxy):
     assert header_value(reply, b"x-request-id") and header_value(reply, b"traceresponse")
 
 
-@pytest.mark.parametrize("line, rest", [
-    (b"GET / HTTP/1.1", b"Host: a\r\nHost: b\r\n"),  # two Hosts: refused once the head is read
-    (b"POST / HTTP/1.1", b"Host: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n"),  # llhttp refuses it
-    (b"GET / HTTP/2.0", b"Host: a\r\n"),
+@pytest.mark.parametrize("line, rest, status", [
+    (b"GET / HTTP/1.1", b"Host: a\r\nHost: b\r\n", b"400"),  # two Hosts: refused once the head is read
+    (b"POST / HTTP/1.1", b"Host: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n", b"400"),  # by llhttp
+    (b"GET / HTTP/2.0", b"Host: a\r\n", b"505"),
 ], ids=["two-hosts", "conflicting-lengths", "http2-version"])
-def test_a_refused_head_still_carries_the_clients_ids(start_proxy, line, rest):
+def test_a_refused_head_still_carries_the_clients_ids(start_proxy, line, rest, status):
     proxy = start_proxy("http://127.0.0.1:9")
     ids = b"traceparent: %s\r\nx-request-id: my-rid-1\r\n" % VALID.encode()
     reply = raw_exchange(proxy.port, line + b"\r\n" + ids + rest + b"\r\n")
-    assert reply[9:10] in (b"4", b"5")
+    assert reply.startswith(b"HTTP/1.1 %s " % status)
     assert header_value(reply, b"x-request-id") == b"my-rid-1"
     assert header_value(reply, b"traceresponse").split(b"-")[1] == TRACE.encode()
 
@@ -203,3 +203,9 @@ def test_an_empty_request_id_is_no_request_id(scripted_upstream, start_proxy):
     generated = header_value(head, b"x-request-id")
     assert head.lower().count(b"x-request-id:") == 1 and len(generated) == 32
     assert resp.headers["x-request-id"] == generated.decode()
+
+
+def test_a_refusal_with_an_empty_request_id_gets_a_generated_one(start_proxy):
+    proxy = start_proxy("http://127.0.0.1:9")
+    reply = raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nx-request-id: \r\nHost: a/b\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400 ") and len(header_value(reply, b"x-request-id")) == 32

@@ -91,6 +91,7 @@ class Attempt:
     span_id: int = 0  # this attempt's CLIENT span, the parent the upstream sees
     started_ns: int = 0  # when it asked the pool for a connection
     connecting_since_ns: int | None = None  # queued at the cap, then given a slot to connect
+    status: int = 0  # the status of the response head the upstream sent on it
 
     def attach(self, conn: UpstreamConnectionRecord, reused: bool, now_ns: int) -> None:
         self.connection = conn

@@ -33,7 +33,6 @@ _DOWNSTREAM_ZEROS, _UPSTREAM_ZEROS = (0,) * len(DOWNSTREAM_ORDER), (0,) * len(UP
 DOWNSTREAM_INDEX = {mark: i for i, mark in enumerate(DOWNSTREAM_ORDER)}
 UPSTREAM_INDEX = {mark: i for i, mark in enumerate(UPSTREAM_ORDER)}
 _LAST_UPSTREAM_RX = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_BYTE]
-_UPSTREAM_HEAD = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_HEADER_BYTE]
 _UPSTREAM_CLOSED = UPSTREAM_INDEX[Mark.UPSTREAM_CLOSED]
 _FIRST_DOWNSTREAM_TX_BODY = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE]
 TAIL_BYTES = 4096
@@ -59,6 +58,7 @@ class AttemptSummary(NamedTuple):
     outcome: str  # "" when the attempt was the request's last
     error: str
     started_ns: int = 0  # when it asked for a connection (0: unknown)
+    status: int = 0  # the upstream's response status on it (0: no head came)
 
 
 class RequestSummary(NamedTuple):
@@ -127,7 +127,7 @@ def _summarize_attempt(attempt) -> AttemptSummary:
     return AttemptSummary(
         attempt.span_id, attempt.index, conn.id if conn else 0, attempt.reused, attempt.idle_age_ns,
         attempt.connection_request_number, tuple(map(attempt.marks.get, UPSTREAM_ORDER, _UPSTREAM_ZEROS)),
-        attempt.outcome.code if attempt.outcome else "", attempt.error or "", attempt.started_ns,
+        attempt.outcome.code if attempt.outcome else "", attempt.error or "", attempt.started_ns, attempt.status,
     )
 
 
@@ -175,7 +175,7 @@ def _client_span(s: RequestSummary, a: AttemptSummary, route: str) -> SpanData:
     if a.index:
         attrs[sc.HTTP_REQUEST_RESEND_COUNT] = a.index
     # The upstream's status only: not the proxy's own reply (502, 504) to a failed attempt.
-    upstream_status = s.status if not a.outcome and a.marks[_UPSTREAM_HEAD] else 0
+    upstream_status = a.status
     if upstream_status:
         attrs[sc.HTTP_RESPONSE_STATUS_CODE] = upstream_status
     status = _status(outcome, upstream_status, a.error or s.error, client=True)

@@ -139,8 +139,6 @@ class Watchdog:
                     and current.verdict.since_ns == entry.since_ns)
             if not same:
                 del self.open[record_id]
-                if len(record.attempts) - 1 != entry.attempt:
-                    continue  # its attempt failed and was resent: it ended, but no byte came
                 resolved_at = current.verdict.since_ns if current is not None else now
                 self._resolve(record, entry, max(resolved_at, entry.since_ns), finished=False)
 
@@ -149,6 +147,8 @@ class Watchdog:
         # it; one whose response ended cleanly did, [DONE] or not (NDN).
         if finished and record.outcome is not Flag.OK and record.outcome is not Flag.NDN:
             return
+        if entry.attempt >= 0 and len(record.attempts) - 1 != entry.attempt:
+            return  # its upstream attempt failed and was resent: it ended, but no byte came
         entry.resolved_ns = at_ns or time.monotonic_ns()
         for listener in self.listeners:
             try:

@@ -79,6 +79,8 @@ class ClientConnection(asyncio.Protocol):
         self._read_size = 0  # length of the read being fed
         self._data = b""  # the read being fed
         self._at_request_start = False  # the read being fed began at a request's first byte
+        self._continues_head = False  # ... or inside a head begun in an earlier read
+        self._head_tail = b""  # the last bytes of the last read counted into the head
         self._begun = 0  # requests begun during the read being fed
         self._chunked_body = False  # a chunked request body is being parsed
         self._body_in_read = False  # the read being fed carried body bytes
@@ -220,9 +222,15 @@ class ClientConnection(asyncio.Protocol):
     # Parsing
     # ---------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        rest = self._feed(data)
+        while rest:  # what followed requests that offered h2c (see _ignore_upgrade_offer)
+            rest = self._feed(rest)
+
+    def _feed(self, data: bytes) -> bytes | None:
+        """Parse one read; returns the bytes llhttp left after an ignored h2c offer."""
         if self.closing or self.rejection is not None:
-            return
-        continues_head = self.parsing is not None and self._in_head
+            return None
+        continues_head = self._continues_head = self.parsing is not None and self._in_head
         self._at_request_start = self.parsing is None
         self._read_size, self._data, self._begun, self._body_in_read = len(data), data, 0, False
         rest = b""
@@ -252,11 +260,10 @@ class ClientConnection(asyncio.Protocol):
             if self.active is not None:
                 self.active.flush_upstream()
         if rest:
-            self.data_received(rest)
-            return
+            return rest
         if self.parsing is not None:
             if self._in_head:
-                if self._head_too_long(len(data), continues_head):
+                if self._head_too_long(data, continues_head):
                     self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
                     return
             elif self._chunked_body and self._framing_too_long(len(data)):
@@ -266,14 +273,15 @@ class ClientConnection(asyncio.Protocol):
             self._head_timer_pending = False
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
-    def _head_too_long(self, size: int, continues_head: bool) -> bool:
+    def _head_too_long(self, data: bytes, continues_head: bool) -> bool:
         """Counts the bytes of a head still incomplete at the end of a read."""
         if continues_head and not self._begun:
-            self._head_bytes += size  # the whole read belongs to the head begun earlier
+            self._head_bytes += len(data)  # the whole read belongs to the head begun earlier
         elif self._at_request_start and self._begun == 1:
-            self._head_bytes = size  # the head began at the read's first byte
+            self._head_bytes = len(data)  # the head began at the read's first byte
         else:
             return False  # it began behind other requests' bytes: counted from the next read on
+        self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
         return self._head_bytes > self._max_head_bytes
 
     def _framing_too_long(self, size: int) -> bool:
@@ -383,13 +391,20 @@ class ClientConnection(asyncio.Protocol):
         self._upgrade_offer_ignored = True
 
     def _head_size(self) -> int:
-        """The head's size: exact when it began at the read's first byte (it ends at the
-        first empty line); else its target and header lines as ``name: value`` lines
-        would count them (without the whitespace llhttp strips)."""
+        """The head's size: exact when it began at the read's first byte, or in earlier
+        reads all counted whole (it ends at the first empty line); else (it began behind
+        another request in a read) its target and header lines as ``name: value`` lines
+        would count them, without the whitespace llhttp strips."""
         if self._at_request_start and self._begun == 1:
             end = self._data.find(b"\r\n\r\n")
             if end >= 0:
                 return end + 4
+        elif self._continues_head and not self._begun and self._head_bytes:
+            # Begun in earlier reads, counted whole: it ends at the first empty line here.
+            joined = self._head_tail + self._data
+            end = joined.find(b"\r\n\r\n")
+            if end >= 0:
+                return self._head_bytes - len(self._head_tail) + end + 4
         return len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._headers)
 
     def on_body(self, body: bytes) -> None:
@@ -453,6 +468,8 @@ class ClientConnection(asyncio.Protocol):
         """Refuse the request being parsed; nothing of it has been forwarded."""
         self.rejection = (status, outcome, reason)
         self.pause_reading("rejected")
+        if self.parsing is not None and (self.active is not None or self.queue):
+            self.parsing.waiting_turn = True  # its refusal goes out after the responses before it
         broken = self.parsing_exchange
         if broken is not None and broken is self.active:
             # The bad bytes are inside the body of the active request (e.g. a bad

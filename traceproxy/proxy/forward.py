@@ -283,7 +283,7 @@ class Exchange:
         record = self.record
         self._stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, now)
         self._stamp(now, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE)
-        record.status = status
+        record.status = record.attempts[-1].status = status
         self.sent_log = None
         framing, length = H.response_framing(status, self.head.method, parts, self.head.http11)
         self.response_framing = framing

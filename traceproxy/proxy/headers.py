@@ -275,7 +275,7 @@ def ids_only(headers: Headers, request_id_names: tuple[bytes, ...] = DEFAULT_REQ
             tracestates.append(value)
         elif lname == b"user-agent":
             user_agent = value
-        elif lname in request_id_names:
+        elif lname in request_id_names and value.strip():
             request_ids.setdefault(lname, value)
     request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
     return RequestParts(_NO_BODY, None, None, [], [], traceparents, tracestates, request_id, user_agent)

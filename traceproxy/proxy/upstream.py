@@ -357,6 +357,9 @@ class KeepAliveLearner:
         self.upstream = upstream
         self.header_timeout: float | None = None
         self.observed: collections.deque[tuple[float, int]] = collections.deque(maxlen=self.WINDOW)  # (age s, at ns)
+        # Ages confirmed so far, kept apart from the closes that confirmed them: a
+        # restart closing a full window's worth of connections does not erase them.
+        self.confirmed: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self.learned: float | None = None
         self.misaligned = False
         self.warned = False
@@ -377,6 +380,9 @@ class KeepAliveLearner:
     def saw_idle_close(self, idle_age_ns: int, closed_ns: int) -> None:
         if idle_age_ns > 0:
             self.observed.append((idle_age_ns / 1e9, closed_ns))
+            confirmed = self.confirmed_age()
+            if confirmed is not None:
+                self.confirmed.append(confirmed)
             self._update()
 
     def _agree(self, age: float, other: float) -> bool:
@@ -405,7 +411,7 @@ class KeepAliveLearner:
         return min(agreed, default=None)
 
     def _update(self) -> None:
-        known = [v for v in (self.header_timeout, self.confirmed_age()) if v is not None]
+        known = [v for v in (self.header_timeout, min(self.confirmed, default=None)) if v is not None]
         self.learned = min(known) if known else None
         if self.learned is None:
             self.misaligned = False
