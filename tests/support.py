@@ -325,6 +325,17 @@ def answers_in_parts(*parts: bytes, pause: float = 0.0) -> Callable:
     return handler
 
 
+async def streams_without_end(reader, writer, upstream) -> None:
+    """Reads one request and streams 64 KiB chunks, far more than socket buffers hold,
+    as fast as the proxy takes them: a client that does not read backs it up."""
+    await reader.read_request()
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    block = b"x" * 65536
+    for _ in range(2000):
+        writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+        await writer.drain()
+
+
 def answers_partly_then_resets(partial: bytes, after: float = 0.05) -> Callable:
     """Reads one request, writes ``partial`` (a response cut short), then resets the
     connection ``after`` seconds later: an upstream dying mid-response."""

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from .otlp_receiver import OtlpHttpReceiver
-from .support import RawClient, admin_get, answers_in_parts, never_answers, wait_until
+from .support import RawClient, admin_get, answers_in_parts, never_answers, streams_without_end, wait_until
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -26,15 +26,6 @@ def receiver():
 
 
 _one_token_then_silence = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
-
-
-async def _endless_stream(reader, writer, upstream):
-    await reader.read_request()
-    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-    block = b"x" * 65536
-    for _ in range(2000):
-        writer.write(b"%x\r\n%s\r\n" % (len(block), block))
-        await writer.drain()
 
 
 async def _answers_after_a_while(reader, writer, upstream):
@@ -88,7 +79,7 @@ def _start_scenario(code, scripted_upstream, start_proxy, receiver, keep):
         keep.append(first)
         assert wait_until(lambda: proxy.ctx.pool.open_count == 1)
     else:
-        handler = {"MSS": _one_token_then_silence, "DNR": _endless_stream}.get(code, never_answers)
+        handler = {"MSS": _one_token_then_silence, "DNR": streams_without_end}.get(code, never_answers)
         proxy = start_proxy(scripted_upstream(handler).url, **tracing)
     sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
     keep.append(sock)

@@ -16,7 +16,7 @@ from traceproxy.observe.spandata import KIND_INTERNAL
 from traceproxy.observe.tracing import TracingObserver
 
 from .support import (ListSink, RawClient, answers_in_parts, header_value, never_answers, raw_exchange, recv_until,
-                      wait_until)
+                      streams_without_end, wait_until)
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -28,6 +28,18 @@ def _proxy(start_proxy, upstream_url, **overrides):
     proxy = start_proxy(upstream_url, observers=[tracer], **{**FAST, **overrides})
     proxy.watchdog.listeners.append(tracer)
     return proxy, sink
+
+
+def _ended(proxy) -> list:
+    """The records of the requests ``proxy`` ends from now on, as they end."""
+    ended = []
+
+    class Ended:
+        def on_done(self, record):
+            ended.append(record)
+
+    proxy.fanout.add(Ended())
+    return ended
 
 
 def _inflight(proxy) -> list[dict]:
@@ -58,15 +70,7 @@ def test_lone_stuck_request_on_an_idle_proxy_is_reported_while_stuck(scripted_up
 
 
 def test_slow_reader_is_blamed_on_the_client_not_the_engine(scripted_upstream, start_proxy):
-    async def big_stream(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        block = b"x" * 65536
-        for _ in range(2000):  # far more than socket buffers hold
-            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
-            await writer.drain()
-
-    proxy, sink = _proxy(start_proxy, scripted_upstream(big_stream).url)
+    proxy, sink = _proxy(start_proxy, scripted_upstream(streams_without_end).url)
     client = RawClient(proxy.port)
     client.request("GET", "/big")  # and never read
     assert wait_until(lambda: sink.now_items, timeout=5)
@@ -92,14 +96,8 @@ def test_a_stall_that_resolves_is_recorded_with_its_duration(scripted_upstream, 
     pauses_then_finishes = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n",
                                             b"3\r\ntwo\r\n0\r\n\r\n", pause=0.8)
 
-    done = []
-
-    class Done:
-        def on_done(self, record):
-            done.append(record)
-
     proxy, sink = _proxy(start_proxy, scripted_upstream(pauses_then_finishes).url)
-    proxy.fanout.add(Done())
+    done = _ended(proxy)
     resp = RawClient(proxy.port).roundtrip("GET", "/")
     assert resp.complete and resp.body == b"onetwo"
     assert wait_until(lambda: done)
@@ -236,15 +234,7 @@ def test_a_shorter_stall_after_a_longer_wait_is_found_at_its_own_threshold(scrip
 def test_a_client_not_reading_is_disconnected_when_its_stall_aborts_the_stream(scripted_upstream, start_proxy):
     # A clean close would wait for the client to drain what is buffered, which a
     # client that is not reading never does: the connection would stay open.
-    async def big_stream(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        block = b"x" * 65536
-        for _ in range(2000):  # far more than socket buffers hold
-            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
-            await writer.drain()
-
-    proxy, sink = _proxy(start_proxy, scripted_upstream(big_stream).url, **{"stall.abort_on": ["client_drain"]})
+    proxy, sink = _proxy(start_proxy, scripted_upstream(streams_without_end).url, **{"stall.abort_on": ["client_drain"]})
     client = RawClient(proxy.port)
     client.request("GET", "/big")  # and never read
     assert wait_until(lambda: sink.now_items, timeout=5)
@@ -258,14 +248,8 @@ def test_a_stall_resolved_by_the_end_of_a_stream_without_done_is_resolved(script
     pauses_then_ends = answers_in_parts(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"b\r\ndata: one\n\n\r\n", b"b\r\ndata: two\n\n\r\n0\r\n\r\n", pause=0.8)
-    done = []
-
-    class Done:
-        def on_done(self, record):
-            done.append(record)
-
     proxy, sink = _proxy(start_proxy, scripted_upstream(pauses_then_ends).url)
-    proxy.fanout.add(Done())
+    done = _ended(proxy)
     assert RawClient(proxy.port).roundtrip("GET", "/").complete
     assert wait_until(lambda: done)
     assert done[0].outcome.code == "NDN"
@@ -273,12 +257,6 @@ def test_a_stall_resolved_by_the_end_of_a_stream_without_done_is_resolved(script
 
 
 def test_a_head_stall_resolves_when_the_head_arrives(scripted_upstream, start_proxy):
-    done = []
-
-    class Done:
-        def on_done(self, record):
-            done.append(record)
-
     async def answers_later(reader, writer, upstream):
         await reader.read_request()
         await asyncio.sleep(0.6)  # the watchdog looks again before the request ends
@@ -286,7 +264,7 @@ def test_a_head_stall_resolves_when_the_head_arrives(scripted_upstream, start_pr
         await writer.drain()
 
     proxy, sink = _proxy(start_proxy, scripted_upstream(answers_later).url, **{"stall.first_byte": 5.0})
-    proxy.fanout.add(Done())
+    done = _ended(proxy)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\n")
         assert wait_until(lambda: sink.now_items, timeout=3)
