@@ -76,7 +76,6 @@ class ClientConnection(asyncio.Protocol):
         self._url = b""
         self._headers: H.Headers = []
         self._head_bytes = 0  # bytes of the current head counted so far (see _head_too_long)
-        self._read_size = 0  # length of the read being fed
         self._data = b""  # the read being fed
         self._at_request_start = False  # the read being fed began at a request's first byte
         self._continues_head = False  # ... or inside a head begun in an earlier read
@@ -232,7 +231,7 @@ class ClientConnection(asyncio.Protocol):
             return None
         continues_head = self._continues_head = self.parsing is not None and self._in_head
         self._at_request_start = self.parsing is None
-        self._read_size, self._data, self._begun, self._body_in_read = len(data), data, 0, False
+        self._data, self._begun, self._body_in_read = data, 0, False
         rest = b""
         self.feeding = True
         try:
@@ -319,17 +318,6 @@ class ClientConnection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        try:
-            self._head_complete()
-        except H.BadRequest:
-            record = self.parsing
-            if record is not None and not record.trace_id:
-                # Refused before its ids were taken: the refusal still carries the
-                # client's trace context and request id, so it can be found by them.
-                self.ctx.identify(record, H.ids_only(self._headers, self.ctx.request_id_names))
-            raise
-
-    def _head_complete(self) -> None:
         record = self.parsing
         self._in_head = self._head_timer_pending = False
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
@@ -339,7 +327,7 @@ class ClientConnection(asyncio.Protocol):
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.ctx.fanout.mark_observers:
             self.ctx.fanout.mark(record, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE)
-        if self._head_bytes + self._read_size > self._max_head_bytes and self._head_size() > self._max_head_bytes:
+        if self._head_bytes + len(self._data) > self._max_head_bytes and self._head_size() > self._max_head_bytes:
             raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         if version != "1.1" and version != "1.0":
             # llhttp reads a request line without a version as HTTP/0.9.
@@ -496,8 +484,9 @@ class ClientConnection(asyncio.Protocol):
     def _send_rejection(self) -> None:
         status, outcome, reason = self.rejection
         record = self.parsing
-        # The header lines read before the refusal are this request's (llhttp refuses
-        # some heads itself, e.g. duplicate lengths): its ids come from them.
+        # The header lines read before the refusal are this request's, whoever refused
+        # it (our checks, or llhttp's, e.g. duplicate lengths): the refusal carries the
+        # client's trace context and request id from them, so it can be found by them.
         parts = H.ids_only(self._headers, self.ctx.request_id_names) if record is not None else None
         if record is None or record.finished:
             parts = None

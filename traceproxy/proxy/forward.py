@@ -403,8 +403,12 @@ class Exchange:
         if reusable:
             self.ctx.pool.release(conn)
         else:
-            self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
-            self.ctx.pool.discard(conn, "not reusable after this response")
+            self._let_go(conn, "not reusable after this response")
+
+    def _let_go(self, conn: "UpstreamConnection", why: str, reset: bool = False) -> None:
+        """Close this attempt's connection for good, and mark when."""
+        self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
+        self.ctx.pool.discard(conn, why, reset=reset)
 
     # ---------------------------------------------------------------------------
     # Failures
@@ -478,9 +482,8 @@ class Exchange:
     def _fail(self, outcome: Outcome, message: str, client_gone: bool = False, status: int | None = None) -> None:
         conn, self.upstream = self.upstream, None
         if conn is not None:
-            self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
             # A reset: the engine sees it now, even behind request bytes it has not read.
-            self.ctx.pool.discard(conn, outcome.name, reset=True)
+            self._let_go(conn, outcome.name, reset=True)
         if self.connect_task is not None:
             self.connect_task.cancel()
             self.connect_task = None

@@ -195,9 +195,7 @@ def parse_request_headers(
     if hosts and hosts[0] not in _VALID_HOSTS:
         check_host(hosts[0])
     framing = _framing(lengths, codings, http_version)
-    request_id = None
-    if request_ids is not None:
-        request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
+    request_id = _first_request_id(request_ids, request_id_names) if request_ids is not None else None
     return RequestParts(framing, hosts[0] if hosts else None, expect, kept, forwarded,
                         traceparents, tracestates, request_id, user_agent)
 
@@ -263,6 +261,12 @@ def split_absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
     return authority, (path if path.startswith(b"/") else b"/" + path)
 
 
+def _first_request_id(found: dict[bytes, bytes], names: tuple[bytes, ...]) -> bytes | None:
+    """The request id under the first configured name present: the order of
+    ``request_id.headers`` decides, not the order of the lines."""
+    return next((found[name] for name in names if name in found), None)
+
+
 def ids_only(headers: Headers, request_id_names: tuple[bytes, ...] = DEFAULT_REQUEST_ID_NAMES) -> RequestParts:
     """The trace context, request id and user agent of a head that is being refused,
     without judging the rest: the refusal then carries the client's own ids."""
@@ -277,7 +281,7 @@ def ids_only(headers: Headers, request_id_names: tuple[bytes, ...] = DEFAULT_REQ
             user_agent = value
         elif lname in request_id_names and value.strip():
             request_ids.setdefault(lname, value)
-    request_id = next((request_ids[n] for n in request_id_names if n in request_ids), None)
+    request_id = _first_request_id(request_ids, request_id_names)
     return RequestParts(_NO_BODY, None, None, [], [], traceparents, tracestates, request_id, user_agent)
 
 

@@ -489,15 +489,14 @@ class UpstreamPool:
         if self.max_connections and self.open_count >= self.max_connections:
             if fresh and self.idle:
                 self.discard(self.idle.pop(0), "making room for a fresh connection")
-            elif fresh:
-                # A resend had its turn already: it goes first, not behind the
-                # requests that queued while its connection was failing.
-                self.waiters.appendleft(user)
-                self._fresh_waiters.add(user)
-                user.upstream_queued()
-                return None
             else:
-                self.waiters.append(user)
+                if fresh:
+                    # A resend had its turn already: it goes first, not behind the
+                    # requests that queued while its connection was failing.
+                    self.waiters.appendleft(user)
+                    self._fresh_waiters.add(user)
+                else:
+                    self.waiters.append(user)
                 user.upstream_queued()
                 return None
         task = self._connect(user)
