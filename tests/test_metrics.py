@@ -127,6 +127,16 @@ def test_exposition_parses_and_declares_every_family(fast_upstream, start_proxy)
     assert result.value("traceproxy_spans_exported_total") == 0
 
 
+def test_span_shedding_has_no_samples_while_only_the_access_log_is_on(fast_upstream, start_proxy, tmp_path):
+    # The access log alone keeps a tracing observer, which never sheds: the docs
+    # promise no samples while tracing is off, not a zero that looks like a gauge of health.
+    proxy = start_proxy(fast_upstream().url, **{"access_log.path": str(tmp_path / "access.log")})
+    RawClient(proxy.port).roundtrip("GET", "/health")
+    result = scrape(proxy)
+    assert result.types.get("traceproxy_spans_shed_total") == "counter"
+    assert result.series("traceproxy_spans_shed_total") == []
+
+
 def test_label_values_are_escaped():
     assert format_labels((("outcome", 'a"b\\c\nd'),)) == '{outcome="a\\"b\\\\c\\nd"}'
     line = "traceproxy_x" + format_labels((("a", '"'), ("b", "\\"))) + " 1"

@@ -258,7 +258,9 @@ class ProxyMetrics:
         out.counter("spans_dropped_total", "Span items (a finished request's spans, or one stall span) dropped because the export queue "
                     "was full or the exporter process was gone.",
                     [((), spans.get("spans_dropped", 0))])
-        shed = self.tracing.shed if self.tracing is not None else {}  # no samples when tracing is off
+        # No samples when tracing is off: the observer may still exist for the access
+        # log alone, and never sheds then.
+        shed = self.tracing.shed if self.tracing is not None and self.tracing.spans else {}
         out.counter("spans_shed_total", "Healthy requests whose spans were not exported: past "
                     "tracing.healthy_max_per_second (reason=rate) or while the exporter was behind, its queue "
                     "past half full (reason=backlog); errored and stalled requests are never shed.",
