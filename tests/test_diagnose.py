@@ -134,6 +134,21 @@ def test_unknown_id_exits_1_and_a_missing_file_2(traced, tmp_path):
     assert missing.returncode == 2 and "no span file" in missing.stderr
 
 
+def test_lines_of_the_wrong_shape_are_skipped_not_a_traceback(traced, tmp_path):
+    spans, responses = traced
+    wanted = responses[0].headers["x-request-id"]
+    mixed = tmp_path / "mixed.jsonl"
+    foreign = [json.dumps({"resourceSpans": wanted}), json.dumps(
+        {"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": 5, "name": wanted}]}]}]}), json.dumps([wanted])]
+    mixed.write_text("\n".join(foreign) + "\n" + spans.read_text())
+    done = diagnose(wanted, "--spans", str(mixed))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    only_foreign = tmp_path / "foreign.jsonl"
+    only_foreign.write_text("\n".join(foreign) + "\n")
+    done = diagnose(wanted, "--spans", str(only_foreign))
+    assert done.returncode == 1 and "no request" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_request_still_hung_shows_its_stall_span(loop_thread, tmp_path):
     async def never_answer(reader, writer, upstream):
         await reader.read_request()
@@ -297,6 +312,26 @@ def test_jaeger_not_found_and_unreachable(jaeger):
     assert code == 1
     code, _, err = _jaeger_run("http://127.0.0.1:9", "req-42")
     assert code == 2 and "cannot reach Jaeger" in err
+    code, _, err = _jaeger_run("notaurl", "req-42")
+    assert code == 2 and "http(s) URL" in err
+
+
+def test_each_stall_shows_its_own_resolution_and_the_last_open_one_is_the_hang():
+    from traceproxy.diagnose import Event, Span, _stalls_from_events
+
+    def stall(at, code="MSS"):
+        return Event("stall", at, {"traceproxy.stall.outcome": code, "traceproxy.stall.phase": "streaming_response",
+                                   "traceproxy.stall.waited_s": 0.5, "traceproxy.blame": "engine"})
+
+    def resolved(at, duration, code="MSS"):
+        return Event("stall_resolved", at, {"traceproxy.stall.outcome": code, "traceproxy.stall.duration_s": duration})
+
+    server = Span(TRACE, SERVER, "", "GET /sse", "server", 0, 10, {"traceproxy.outcome": "DC"},
+                  [stall(1), resolved(2, 0.801), stall(3), resolved(4, 0.9), stall(5)])
+    lines = _stalls_from_events(server)
+    assert len(lines) == 3
+    assert "resolved after 801" in lines[0] and "resolved after 900" in lines[1]
+    assert lines[2].endswith("not resolved (the request ended stalled)")
 
 
 def test_jaeger_spans_mapping():

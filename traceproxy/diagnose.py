@@ -168,17 +168,19 @@ def _otlp_span(raw: dict, service: str) -> Span:
 
 
 def _scan_file(path: Path, needles: set[str]) -> Iterator[Span]:
-    """Spans of the lines that contain any needle; a torn last line is skipped."""
+    """Spans of the lines that contain any needle; a torn or foreign line is skipped."""
     with open(path, encoding="utf-8", errors="replace") as lines:
         for line in lines:
             if not any(needle in line for needle in needles):
                 continue
             try:
                 document = json.loads(line)
-            except ValueError:
+                # A line that is JSON but not an OTLP traces document is skipped like
+                # a torn one: the file is the proxy's, but anything can be appended to it.
+                spans = list(otlp_spans(document)) if isinstance(document, dict) else []
+            except (ValueError, TypeError, AttributeError):
                 continue
-            if isinstance(document, dict):
-                yield from otlp_spans(document)
+            yield from spans
 
 
 def file_spans(path: str | Path, ident: str) -> list[Span]:
@@ -261,6 +263,10 @@ def _jaeger_event(log: dict) -> Event:
 
 def fetch_jaeger(base_url: str, ident: str, service: str = DEFAULT_SERVICE) -> list[Span]:
     """The spans Jaeger holds for the trace id or request id ``ident``; raises DiagnoseError."""
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise DiagnoseError(f"--jaeger takes the query API's http(s) URL, such as http://127.0.0.1:16686, "
+                            f"not {base_url!r}")
     base = base_url.rstrip("/")
     if is_trace_id(ident):
         found = _jaeger_get(f"{base}/api/traces/{ident.lower()}")
@@ -287,7 +293,10 @@ def _jaeger_get(url: str) -> list[Span]:
         document = json.loads(body)
     except ValueError:
         raise DiagnoseError(f"Jaeger's answer for {url} is not JSON") from None
-    return jaeger_spans(document) if isinstance(document, dict) else []
+    try:
+        return jaeger_spans(document) if isinstance(document, dict) else []
+    except (ValueError, TypeError, AttributeError):
+        raise DiagnoseError(f"Jaeger's answer for {url} is not a traces document") from None
 
 
 def _opener(url: str) -> urllib.request.OpenerDirector:
@@ -513,25 +522,32 @@ def _stall_lines(found: RequestSpans) -> list[str]:
 
 
 def _stalls_from_events(server: Span) -> list[str]:
-    resolved = {}
-    for event in server.events:
-        if event.name == STALL_RESOLVED_EVENT:
-            resolved[event.attributes.get(sc.STALL_OUTCOME)] = event.attributes.get(sc.STALL_DURATION)
+    """One line per stall event, with the resolution that followed it: the same code
+    can stall, resolve and stall again on one request (a stream with two long gaps),
+    and only the last one may be the hang."""
+    stalls: list[tuple[dict, object]] = []  # (stall attributes, its resolution's duration or None)
+    open_by_code: dict[object, int] = {}  # code -> index of its stall not yet resolved
+    for event in sorted(server.events, key=lambda e: e.time_ns):
+        code = event.attributes.get(sc.STALL_OUTCOME)
+        if event.name == STALL_EVENT:
+            open_by_code[code] = len(stalls)
+            stalls.append((event.attributes, None))
+        elif event.name == STALL_RESOLVED_EVENT and code in open_by_code:
+            index = open_by_code.pop(code)
+            stalls[index] = (stalls[index][0], event.attributes.get(sc.STALL_DURATION))
     ended_ok = server.attributes.get(sc.OUTCOME) == "OK"
     texts = []
-    for event in server.events:
-        if event.name != STALL_EVENT:
-            continue
-        a = event.attributes
-        code = a.get(sc.STALL_OUTCOME, "-")
-        if code in resolved:
-            state = f"resolved after {_seconds(resolved[code])}"
+    for index, (a, duration) in enumerate(stalls):
+        if duration is not None:
+            state = f"resolved after {_seconds(duration)}"
         elif ended_ok:
             state = "no resolution recorded, and the request then finished OK"
-        else:
+        elif index in open_by_code.values():
             state = "not resolved (the request ended stalled)"
-        texts.append(f"{code} in {a.get(sc.STALL_PHASE, '-')}: detected after {_seconds(a.get(sc.STALL_WAITED))}, "
-                     f"blame {a.get(sc.BLAME, '-')}; {state}")
+        else:
+            state = "no resolution recorded"  # a later stall of the same code replaced it (a resend)
+        texts.append(f"{a.get(sc.STALL_OUTCOME, '-')} in {a.get(sc.STALL_PHASE, '-')}: detected after "
+                     f"{_seconds(a.get(sc.STALL_WAITED))}, blame {a.get(sc.BLAME, '-')}; {state}")
     return texts
 
 
