@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 
-from .support import RawClient, wait_until
+from .support import RawClient, raw_exchange, wait_until
 
 
 def _lines(path):
@@ -38,3 +38,25 @@ def test_one_json_line_per_request_with_timings_outcome_and_ledger(fast_upstream
     assert len(first["trace_id"]) == 32 and first["time"].endswith("Z") and first["chunks"] >= 1
     assert failed["status"] == 502 and failed["outcome"] == "UF" and failed["blame"] == "engine"
     assert "refused" in failed["error"] and failed["upstream_connection"] is None
+
+
+def test_the_proxys_own_replies_count_their_body_and_first_byte(fast_upstream, start_proxy, tmp_path):
+    # Like nginx's $body_bytes_sent for an error page: the JSON error body the proxy
+    # wrote is what the client received, whether the upstream failed or the request
+    # was refused before anything went upstream.
+    log = tmp_path / "access.log"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    failing = start_proxy(f"http://127.0.0.1:{dead}", **{"access_log.path": str(log)})
+    refused_by_upstream = RawClient(failing.port).roundtrip("GET", "/v1/models")
+    proxy = start_proxy(fast_upstream().url, **{"access_log.path": str(log)})
+    refused_here = raw_exchange(proxy.port, b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n"
+                                            b"Content-Length: 2\r\n\r\nxy")
+    assert wait_until(lambda: len(_lines(log)) == 2, timeout=5)
+    upstream_failed, bad_request = _lines(log)
+    assert upstream_failed["status"] == 502 and upstream_failed["response_bytes"] == len(refused_by_upstream.body) > 0
+    assert refused_here.startswith(b"HTTP/1.1 400 ")
+    assert bad_request["status"] == 400 and bad_request["outcome"] == "DPE"
+    assert bad_request["response_bytes"] == len(refused_here.split(b"\r\n\r\n", 1)[1]) > 0
+    assert 0 <= bad_request["time_to_first_byte"] <= bad_request["request_time"] + 1e-6

@@ -48,7 +48,7 @@ from . import headers as H
 from . import sockets
 from .context import ServerContext
 from .forward import Exchange, RequestHead
-from .local_reply import error_response
+from .local_reply import body_size, error_response
 
 log = logging.getLogger("traceproxy.downstream")
 
@@ -499,8 +499,13 @@ class ClientConnection(asyncio.Protocol):
         record.status = status
         if not record.trace_id:
             self.ctx.identify(record, parts)
-        self.write(error_response(status, outcome, reason, keep_alive=False,
-                                  extra_lines=self.ctx.response_ids(record)))
+        reply = error_response(status, outcome, reason, keep_alive=False, extra_lines=self.ctx.response_ids(record))
+        self.write(reply)
+        record.downstream_tx_body_bytes += body_size(reply)
+        sent = time.monotonic_ns()
+        for mark in (MARK.FIRST_DOWNSTREAM_TX_BYTE, MARK.LAST_DOWNSTREAM_TX_BYTE):
+            if record.mark_once(mark, sent) and self.ctx.fanout.mark_observers:
+                self.ctx.fanout.mark(record, mark)
         self.ctx.end_request(record, outcome, reason)
         self.close()
 

@@ -33,7 +33,7 @@ from ..lifecycle.timeline import Attempt, RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
-from .local_reply import error_response
+from .local_reply import body_size, error_response
 
 if TYPE_CHECKING:
     from .downstream import ClientConnection, ServerContext
@@ -502,9 +502,11 @@ class Exchange:
                 linger = outcome not in (Flag.DBT, Flag.DPE)
                 self.keep_client_alive = self.keep_client_alive and linger and self._rest_of_body_drainable()
             status = status or outcome.local_status or 502
-            self.client.write(error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
-                                             extra_lines=self.ctx.response_ids(self.record)))
+            reply = error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
+                                   extra_lines=self.ctx.response_ids(self.record))
+            self.client.write(reply)
             self.record.status = status
+            self.record.downstream_tx_body_bytes += body_size(reply)
             now = time.monotonic_ns()
             self._stamp_once(MARK.FIRST_DOWNSTREAM_TX_BYTE, now)
             self._stamp(now, MARK.LAST_DOWNSTREAM_TX_BYTE)

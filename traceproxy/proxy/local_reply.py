@@ -53,3 +53,8 @@ def error_response(
     lines.append(b"\r\n")
     lines.append(body)
     return b"".join(lines)
+
+
+def body_size(response: bytes) -> int:
+    """The body bytes of a reply built here: counted as sent, like an upstream body."""
+    return len(response) - response.index(b"\r\n\r\n") - 4
