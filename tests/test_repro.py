@@ -217,6 +217,12 @@ def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, 
     assert main(["repro", "--url", "https://127.0.0.1:1"]) == 2
     assert main(["repro", "--url", url, "--conversations", "0"]) == 2
     assert main(["repro", "--url", url, "--header", "no colon"]) == 2
+    capsys.readouterr()
+    # What h11 cannot send is refused before any turn, not a traceback inside one.
+    assert main(["repro", "--url", url, "--path", "/a b"]) == 2
+    assert "Illegal target characters: '/a b'" in capsys.readouterr().err
+    assert main(["repro", "--url", url, "--json", "--header", "X A: b"]) == 2
+    assert "Illegal header name" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["repro", "--url", url, "--mode", "sometimes"])
     assert exc.value.code == 2

@@ -345,6 +345,15 @@ def _judge(answer: Exchange, record: TurnRecord) -> str:
 # ----------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------
+def _check_sendable(path: str, headers: tuple) -> None:
+    """A path or header h11 would refuse to send is a usage error, found before any turn runs."""
+    try:
+        h11.Request(method="POST", target=path, headers=[("Host", "localhost"), *headers])
+    except h11.LocalProtocolError as exc:
+        detail = f"{exc}: {path!r}" if "target" in str(exc) else str(exc)
+        raise UsageError(f"cannot send this request: {detail}") from None
+
+
 def run_repro(url: str, admin: str | None = None, conversations: int = 2, turns: int = 3,
               turn_timeout: float = 30.0, mode: str = BOTH, extra_headers=None, *,
               path: str = DEFAULT_PATH, model: str = "traceproxy-repro", max_tokens: int = 16,
@@ -360,6 +369,8 @@ def run_repro(url: str, admin: str | None = None, conversations: int = 2, turns:
         raise UsageError(f"max_tokens must be 1..1000000, got {max_tokens}")
     if not path.startswith("/"):
         raise UsageError(f"the path must start with '/', got {path!r}")
+    headers = tuple((extra_headers or {}).items() if isinstance(extra_headers, dict) else extra_headers or ())
+    _check_sendable(path, headers)
     host, port = parse_url(url)
     admin_address = None
     if admin:
@@ -368,7 +379,6 @@ def run_repro(url: str, admin: str | None = None, conversations: int = 2, turns:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     _check_reachable(host, port, admin_address)
-    headers = tuple((extra_headers or {}).items() if isinstance(extra_headers, dict) else extra_headers or ())
     plan = Plan(host, port, path, admin_address, turns, turn_timeout, model, max_tokens, think, headers,
                 secrets.token_hex(3), Numbering(), on_turn, threading.Event())
     result = ReproResult(url, admin, modes, conversations, turns, turn_timeout)
