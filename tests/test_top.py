@@ -245,3 +245,80 @@ def test_engine_gauges_and_the_orphan_verdict_are_shown():
     assert "scrape failing (connection refused)" in fields[1]
     assert fields[2].startswith("EOR engine_orphan: 1") and "blame engine" in fields[2]
     assert engine_fields({"requests": []}) == []
+
+
+class _OddAdmin:
+    """A loopback server answering every connection with ``answer(sock)``, in a thread, until closed."""
+
+    def __init__(self, answer) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.answer, self.stopping = answer, False
+        self.thread = __import__("threading").Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                try:
+                    self.answer(conn, self)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stopping = True
+        self.sock.close()
+
+
+def _trickle(conn, server) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+    for _ in range(60):  # a byte every 0.2 s, for at most 12 s
+        if server.stopping:
+            return
+        time.sleep(0.2)
+        conn.sendall(b" ")
+
+
+def test_once_gives_up_on_an_admin_that_trickles_its_answer():
+    # Each read gets a byte well within the per-read timeout: only a deadline for the
+    # whole answer ends the wait, as --once promises (exit 2 when unreachable).
+    server = _OddAdmin(_trickle)
+    try:
+        started = time.monotonic()
+        result = _top("--admin", f"127.0.0.1:{server.port}", "--once", timeout=30)
+        took = time.monotonic() - started
+    finally:
+        server.close()
+    assert result.returncode == 2 and "no complete answer within 3 s" in result.stderr, result.stderr
+    assert took < 10
+
+
+@pytest.mark.parametrize("document", [{"requests": [1, 2]}, {"requests": [{"age_s": "abc"}]},
+                                      {"requests": [], "engines": [1]}])
+def test_once_reports_an_answer_of_the_wrong_shape_instead_of_a_traceback(document):
+    body = json.dumps(document).encode()
+
+    def answer(conn, server):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+
+    server = _OddAdmin(answer)
+    try:
+        result = _top("--admin", f"127.0.0.1:{server.port}", "--once", "--no-color", timeout=30)
+    finally:
+        server.close()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "is this the admin port?" in result.stderr
+
+
+@pytest.mark.parametrize("interval", ["inf", "1e300", "nan", "0"])
+def test_an_interval_that_cannot_be_slept_is_a_usage_error(interval):
+    result = _top("--admin", "127.0.0.1:1", "--interval", interval, "--once", timeout=30)
+    assert result.returncode == 2 and "expected a number of seconds above 0" in result.stderr

@@ -17,20 +17,22 @@ keyboard input except Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
+import math
 import os
 import shutil
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-FETCH_TIMEOUT_S = 3.0
+from .repro.client import COMPLETE, TIMEOUT, simple_get
+
+FETCH_TIMEOUT_S = 3.0  # for a whole answer, not per read: a server trickling bytes is cut off too
+MAX_INTERVAL_S = 3600.0
 UNREACHABLE_EXIT = 2
 
 # --- ANSI ---
@@ -86,13 +88,14 @@ def admin_address(text: str) -> str:
 
 
 def positive_seconds(text: str) -> float:
-    """A refresh interval: seconds above 0; raises ArgumentTypeError."""
+    """A refresh interval: seconds above 0, at most an hour; raises ArgumentTypeError."""
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    if not (value > 0 and math.isfinite(value) and value <= MAX_INTERVAL_S):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds above 0 and at most {MAX_INTERVAL_S:g}, got {text!r}")
     return value
 
 
@@ -115,10 +118,6 @@ class Snapshot:
     health_error: str = ""
 
 
-# The admin listener is local: never send its requests through an http_proxy from the environment.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 def _json_object(body: bytes) -> dict | None:
     try:
         value = json.loads(body)
@@ -128,20 +127,22 @@ def _json_object(body: bytes) -> dict | None:
 
 
 def fetch_json(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict:
-    """GET url -> its JSON object. A JSON error body (such as /healthz's 503 while draining) counts."""
+    """GET url -> its JSON object, within ``timeout`` for the whole answer. A JSON error
+    body (such as /healthz's 503 while draining) counts. The admin listener is local:
+    the request goes straight to it, never through a proxy from the environment."""
+    parts = urllib.parse.urlsplit(url)
     try:
-        with _OPENER.open(url, timeout=timeout) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as exc:
-        body = exc.read()
-        if _json_object(body) is None:
-            raise AdminUnreachable(url, f"HTTP {exc.code} {exc.reason}") from None
-    except urllib.error.URLError as exc:
-        raise AdminUnreachable(url, str(exc.reason)) from None
-    except (OSError, ValueError, http.client.HTTPException) as exc:  # timeouts, resets, not HTTP
+        answer = simple_get(parts.hostname or "", parts.port or 80, parts.path or "/", timeout)
+    except (OSError, ValueError) as exc:  # refused, unreachable, a bad port
         raise AdminUnreachable(url, str(exc) or type(exc).__name__) from None
-    found = _json_object(body)
+    if answer.ending == TIMEOUT:
+        raise AdminUnreachable(url, f"no complete answer within {timeout:g} s")
+    if answer.ending != COMPLETE:
+        raise AdminUnreachable(url, answer.error or answer.ending)
+    found = _json_object(bytes(answer.body))
     if found is None:
+        if answer.status is not None and answer.status >= 400:
+            raise AdminUnreachable(url, f"HTTP {answer.status}")
         raise AdminUnreachable(url, "the answer is not a JSON object (is this the admin port?)")
     return found
 
@@ -413,14 +414,24 @@ def _wants_color(args: argparse.Namespace) -> bool:
     return not args.no_color and "NO_COLOR" not in os.environ
 
 
+def _frame(snapshot: Snapshot, base_url: str, width: int, use_color: bool, height: int | None = None) -> list[str]:
+    """render_frame, with an answer of the wrong shape (fields of other types: not
+    traceproxy's admin listener, or another version of it) reported as unreachable."""
+    try:
+        return render_frame(snapshot, base_url, width, _clock(), use_color, height)
+    except (AttributeError, TypeError, ValueError, KeyError):
+        raise AdminUnreachable(f"{base_url}/debug/inflight",
+                               "the answer is not what traceproxy's admin listener sends (is this the admin port?)"
+                               ) from None
+
+
 def run_once(base_url: str, use_color: bool) -> int:
     try:
-        snapshot = fetch_snapshot(base_url)
+        lines = _frame(fetch_snapshot(base_url), base_url, shutil.get_terminal_size().columns, use_color)
     except AdminUnreachable as exc:
         print(f"traceproxy top: {exc}", file=sys.stderr)
         return UNREACHABLE_EXIT
-    width = shutil.get_terminal_size().columns
-    print("\n".join(render_frame(snapshot, base_url, width, _clock(), use_color)))
+    print("\n".join(lines))
     return 0
 
 
@@ -434,9 +445,9 @@ def _next_frame(base_url: str, interval: float, use_color: bool) -> list[str]:
     size = shutil.get_terminal_size()
     try:
         snapshot = fetch_snapshot(base_url, min(FETCH_TIMEOUT_S, max(interval, 1.0)))
+        return _frame(snapshot, base_url, size.columns, use_color, size.lines)
     except AdminUnreachable as exc:
         return render_unreachable(exc, size.columns, _clock(), interval)
-    return render_frame(snapshot, base_url, size.columns, _clock(), use_color, size.lines)
 
 
 def run_live(base_url: str, interval: float, use_color: bool) -> int:
