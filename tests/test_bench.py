@@ -24,7 +24,7 @@ import pytest
 
 from traceproxy.bench import report
 from traceproxy.bench.client import Conn, Recorder
-from traceproxy.bench.procs import Children, python_module, wait_port_file
+from traceproxy.bench.procs import Child, Children, python_module, wait_port_file
 from traceproxy.bench.proxy_proc import build_settings, logged_overrides, minimal_overrides, traced_overrides
 from traceproxy.bench.runner import parse_targets, run_order
 from traceproxy.bench.scenarios import BY_NAME, RequestSpec, scaled, select
@@ -67,7 +67,7 @@ def test_bench_smoke_run_end_to_end(tmp_path):
 
     summary = json.loads(report_path.read_text())["summary"]
     for name in ("S1", "S5"):
-        assert set(summary[name]) == {"direct", "proxy", "error_kinds"}
+        assert set(summary[name]) == {"direct", "proxy", "error_kinds", "never_started"}
         for target in ("direct", "proxy"):
             assert summary[name][target]["ok"] > 0, (name, target)
     assert summary["S5"]["proxy"]["errors"] == 0
@@ -130,7 +130,12 @@ def test_bench_rejects_unknown_scenario_and_target():
     (["--scale", "nan"], "--scale must be a number > 0"),
     (["--scenarios", ","], "no scenario named"),
     (["--json", "/nonexistent-dir/results.json"], "is not a writable directory"),
-], ids=["unknown-key", "bad-value", "no-equals", "scale-inf", "scale-nan", "no-scenario", "json-dir"])
+    (["--json", "/proc/results.json"], "--json /proc/results.json: cannot write it"),
+    (["--scale", "1e308"], "--scale must be a number > 0 and at most 100"),
+    (["--proxy-cmd", "{foo}"], "only {port} and {upstream_port} are filled in"),
+    (["--proxy-cmd", "nginx -g {port"], "only {port} and {upstream_port} are filled in"),
+], ids=["unknown-key", "bad-value", "no-equals", "scale-inf", "scale-nan", "no-scenario", "json-dir",
+        "json-unwritable", "scale-huge", "cmd-unknown-field", "cmd-open-brace"])
 def test_bench_refuses_bad_arguments_before_starting_anything(argv, message):
     result = _run_bench(argv)
     assert result.returncode == 2
@@ -360,3 +365,42 @@ def test_top_level_help_names_every_command():
     parser = _parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert set(commands) <= set(parser.description.replace("|", " ").replace("`", " ").split())
+
+
+def test_a_child_interrupted_while_stopping_is_still_killed_on_the_way_out(tmp_path):
+    # SIGTERM ignored: the stop waits its grace; Ctrl-C then must not orphan the child.
+    script = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+             "print('ready', file=sys.stderr, flush=True); time.sleep(60)"
+    with pytest.raises(KeyboardInterrupt):
+        with Children(tmp_path) as children:
+            child = children.start("stubborn", [sys.executable, "-c", script])
+            pid = child.pid
+            deadline = time.monotonic() + 10
+            while "ready" not in child.log_tail() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            original = Child.stop
+
+            def interrupted(self, *args, **kwargs):
+                os.kill(self.pid, signal.SIGTERM)  # ignored by the child
+                raise KeyboardInterrupt  # as if Ctrl-C landed during the grace period
+
+            Child.stop = interrupted
+            try:
+                children.stop(child)
+            finally:
+                Child.stop = original
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_requests_never_started_are_hangs_in_the_log_and_noted_apart_from_errors():
+    from traceproxy.bench.runner import _error_kinds, _hangs, _never_started
+
+    result = {"hangs": 2, "skipped": 12, "errors": {"status 502": 3}}
+    assert _hangs(result) == "14 (12 never started)"
+    assert _error_kinds([result]) == {"status 502": 3}
+    assert _never_started([result, result]) == 24
+    lines = report.notes({"S5": {"proxy": {}, "error_kinds": {"proxy": {"status 502": 3}},
+                                 "never_started": {"proxy": 12}}})
+    assert lines == ["S5 proxy errors: status 502×3",
+                     "S5 proxy: 12 requests never started within the scenario's time budget; "
+                     "they are counted as hangs."]

@@ -103,9 +103,12 @@ class Children:
         return child
 
     def stop(self, child: Child, leader_grace: float = 0.0) -> int | None:
+        # Registered until it is gone: an interrupt during its grace period must still
+        # leave it to ``__exit__``, which escalates to SIGKILL.
+        code = child.stop(leader_grace=leader_grace)
         if child in self.started:
             self.started.remove(child)
-        return child.stop(leader_grace=leader_grace)
+        return code
 
     def __enter__(self) -> "Children":
         return self

@@ -286,6 +286,10 @@ def notes(summary: dict[str, dict]) -> list[str]:
             kinds = s.get("error_kinds", {}).get(target)
             if kinds:
                 out.append(f"{name} {target} errors: " + ", ".join(f"{k}×{n}" for k, n in sorted(kinds.items())))
+            never = s.get("never_started", {}).get(target)
+            if never:
+                out.append(f"{name} {target}: {never} requests never started within the scenario's time "
+                           "budget; they are counted as hangs.")
     return out
 
 

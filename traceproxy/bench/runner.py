@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import platform
+import shlex
 import shutil
 import signal
 import sys
@@ -33,6 +34,7 @@ from .scenarios import SCENARIOS, Scenario, select
 from .session import Session
 
 QUICK_SCALE = 0.25
+MAX_SCALE = 100.0  # connection counts, rounds and durations times this must stay countable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,16 +70,30 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
     parser = build_parser()
     args = parser.parse_args(argv)
     factor = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
-    if not (math.isfinite(factor) and factor > 0) or args.reps < 1 or args.load_procs < 1:
-        parser.error("--scale must be a number > 0, --reps and --load-procs >= 1")
+    if not (math.isfinite(factor) and 0 < factor <= MAX_SCALE) or args.reps < 1 or args.load_procs < 1:
+        parser.error(f"--scale must be a number > 0 and at most {MAX_SCALE:g}, --reps and --load-procs >= 1")
     args.factor = factor
     try:
         args.targets = parse_targets(args.targets)
         check_proxy_settings(args.proxy_set)
+        check_proxy_cmd(args.proxy_cmd)
         check_json_path(args.json)
         return args, select(args.scenarios, factor)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def check_proxy_cmd(template: str | None) -> None:
+    """The ``--proxy-cmd`` template fills in now, with sample ports, as it will at the start."""
+    if template is None:
+        return
+    try:
+        argv = shlex.split(template.format(port=1, upstream_port=2))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"--proxy-cmd {template!r}: only {{port}} and {{upstream_port}} are filled in, "
+                         f"and a literal brace is written twice ({exc})") from None
+    if not argv:
+        raise ValueError("--proxy-cmd is empty")
 
 
 def check_proxy_settings(items: list[str]) -> None:
@@ -102,6 +118,15 @@ def check_json_path(path: str | None) -> None:
         raise ValueError(f"--json {path}: {folder} is not a writable directory")
     if os.path.isdir(path):
         raise ValueError(f"--json {path}: is a directory")
+    # Permission bits do not tell (a read-only mount, /proc, root): open it, as the end will.
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--json {path}: cannot write it ({exc.strerror or exc})") from None
+    if not existed:
+        os.remove(path)
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
@@ -154,7 +179,7 @@ def run_scenarios(session: Session, scenarios: list[Scenario], reps: int,
                 result = session.measure(scenario, target)
                 runs[scenario.name][target].append(result)
                 _log(f"{scenario.name} {target} rep {rep + 1}: ok {result['ok']}, "
-                     f"errors {sum(result['errors'].values())}, hangs {result['hangs']} "
+                     f"errors {sum(result['errors'].values())}, hangs {_hangs(result)} "
                      f"({time.monotonic() - started:.1f} s)")
     return runs, problems
 
@@ -165,8 +190,15 @@ def summarize(scenarios: list[Scenario], runs: dict) -> dict[str, dict]:
         by_target = runs[scenario.name]
         entry = {t: report.combine([report.figures(r) for r in results]) for t, results in by_target.items()}
         entry["error_kinds"] = {t: _error_kinds(results) for t, results in by_target.items()}
+        entry["never_started"] = {t: _never_started(results) for t, results in by_target.items()}
         summary[scenario.name] = entry
     return summary
+
+
+def _hangs(result: dict) -> str:
+    """Hangs as the table counts them: requests never started within the time budget included."""
+    total = result["hangs"] + result["skipped"]
+    return f"{total} ({result['skipped']} never started)" if result["skipped"] else str(total)
 
 
 def _error_kinds(results: list[dict]) -> dict[str, int]:
@@ -174,9 +206,11 @@ def _error_kinds(results: list[dict]) -> dict[str, int]:
     for result in results:
         for kind, n in result["errors"].items():
             kinds[kind] = kinds.get(kind, 0) + n
-        if result["skipped"]:
-            kinds["skipped"] = kinds.get("skipped", 0) + result["skipped"]
     return kinds
+
+
+def _never_started(results: list[dict]) -> int:
+    return sum(result["skipped"] for result in results)
 
 
 def table_rows(scenarios: list[Scenario], summary: dict, memory: dict,
