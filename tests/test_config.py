@@ -320,6 +320,10 @@ ERROR_CASES = [
     ("invalid-toml", {"toml": "[timeouts]\nconnect = \n"}, ["{path}", "not valid TOML", "line 2"]),
     ("probe-path-without-slash", {"argv": ["--engines-probe-path", "health"]},
      ["engines.probe_path", "'health' is not a path starting with /", "a URL path starting with /"]),
+    ("probe-path-not-ascii", {"argv": ["--engines-probe-path", "/h\u20acalth"]},
+     ["engines.probe_path", "in printable ASCII (percent-encode the rest)"]),
+    ("probe-path-control-char", {"argv": ["--engines-probe-path", "/health\x00"]},
+     ["engines.probe_path", "in printable ASCII"]),
 ]
 
 

@@ -215,3 +215,66 @@ def test_dead_and_slow_endpoints_are_counted_and_requests_keep_flowing(loop_thre
     view = inflight(proxy)["engines"]
     assert view[dead]["error"] and view[f"{slow.url}/metrics"]["error"].startswith("TimeoutError")
     assert max(lags) < 0.5, lags  # generous: the loop never waited on a scrape
+
+
+# ----------------------------------------------------------------------------------
+# Answers that must not read as "the engines hold nothing" or stall the proxy
+# ----------------------------------------------------------------------------------
+def test_exposition_tokens_split_by_tabs_and_non_finite_work_skipped():
+    text = 'sglang:num_running_reqs\t4\nsglang:num_queue_reqs{a="b"}\t5\t1700000000\n' \
+           'sglang:num_prefill_inflight_queue_reqs NaN\nsmg_router_active_requests +Inf\n'
+    assert prometheus_totals(text, correlation.is_kept, finite_only=True) == {
+        "sglang:num_running_reqs": 4.0, "sglang:num_queue_reqs": 5.0}
+    # Our own exposition says "not known yet" with NaN: read as it is when asked for everything.
+    assert str(prometheus_totals("x NaN\n")["x"]) == "nan"
+
+
+def test_an_answer_without_samples_is_a_scrape_failure_and_an_empty_one_is_not():
+    from traceproxy.observe.engines import _parse
+
+    with pytest.raises(ValueError, match="no Prometheus samples"):
+        _parse(b"<html><body>Not the metrics</body></html>\n")
+    assert _parse(b"") == {}
+    assert _parse(b"# only comments\n") == {}
+    assert _parse(b"other_metric 1\n") == {}  # Prometheus text, just none of the engine gauges
+
+
+async def answers_too_much(reader, writer, upstream):
+    await reader.readuntil(b"\r\n\r\n")
+    size = 6 << 20
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % size)
+    line = b"x_filler_metric 1\n"
+    for _ in range(size // len(line)):
+        writer.write(line)
+    await writer.drain()
+    await asyncio.sleep(3600)
+
+
+async def answers_html(reader, writer, upstream):
+    await reader.readuntil(b"\r\n\r\n")
+    body = b"<html><body>login</body></html>"
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+
+
+def test_an_oversized_or_html_metrics_answer_is_an_error_and_proxying_does_not_wait(loop_thread, start_proxy,
+                                                                                    fast_upstream,
+                                                                                    scripted_upstream):
+    up = fast_upstream()
+    huge, html = scripted_upstream(answers_too_much), scripted_upstream(answers_html)
+    proxy = start_proxy(up.url, **{"engines.metrics_urls": [f"{huge.url}/metrics", f"{html.url}/metrics"],
+                                   "engines.scrape_interval": 0.2, "engines.scrape_timeout": 2.0})
+    assert wait_until(lambda: all(ep.errors >= 1 for ep in proxy.engines.endpoints.values()), timeout=10)
+    view = inflight(proxy)["engines"]
+    assert "larger than 4 MiB" in view[f"{huge.url}/metrics"]["error"]
+    assert "no Prometheus samples" in view[f"{html.url}/metrics"]["error"]
+    assert inflight(proxy)["correlation"]["engine_in_flight"] is None  # nothing known, not "zero work"
+
+
+def test_debug_inflight_json_has_no_nan_or_infinity():
+    from traceproxy.admin import _dumps
+
+    text = _dumps({"engines": {"u": {"gauges": {"a": float("nan"), "b": float("inf"), "c": 1.5}}},
+                   "requests": [{"age_s": float("-inf")}]})
+    document = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert document == {"engines": {"u": {"gauges": {"a": None, "b": None, "c": 1.5}}}, "requests": [{"age_s": None}]}

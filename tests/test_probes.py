@@ -189,3 +189,13 @@ def test_a_learnt_timeout_survives_a_restart_that_closes_a_full_window():
     for i in range(40):  # one restart: forty pooled connections of mixed ages at once
         learner.saw_idle_close(int((0.1 + i * 0.05) * SECOND_NS), 200 * SECOND_NS + i * 1000)
     assert learner.learned == 3.0 and learner.misaligned
+
+
+def test_a_probe_that_fails_on_our_side_says_why_instead_of_vanishing(fast_upstream, loop_thread):
+    # The config refuses such a path; the probe still never fails silently if one gets by.
+    from traceproxy.observe.probe import StallProber
+
+    up = fast_upstream()
+    prober = StallProber("127.0.0.1", up.port, "/h\u20acalth", 1.0, f"127.0.0.1:{up.port}")
+    status, error = loop_thread.run(prober._probe())
+    assert status is None and error.startswith("failed (UnicodeEncodeError")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -16,7 +17,19 @@ from .proxy.context import ServerContext
 
 
 def _dumps(value) -> str:
-    return json.dumps(value, indent=1)
+    return json.dumps(_finite(value), indent=1)
+
+
+def _finite(value):
+    """NaN and infinities as null: JSON (RFC 8259) has no such numbers, and jq or a
+    strict parser would refuse the whole answer or read a huge number instead."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=None,

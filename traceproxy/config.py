@@ -333,8 +333,10 @@ def http_urls() -> Kind:
 def url_path() -> Kind:
     def parse(raw: Any) -> str:
         value = _str(raw).strip()
-        if not value.startswith("/") or any(c.isspace() for c in value):
-            raise _Rejected(f"{value!r} is not a path starting with /")
+        # Sent as is on a request line: printable ASCII only (RFC 3986; anything else
+        # would be percent-encoded by the operator, as a URL in a request line must be).
+        if not value.startswith("/") or not all(c.isascii() and c.isprintable() and not c.isspace() for c in value):
+            raise _Rejected(f"{value!r} is not a path starting with / in printable ASCII (percent-encode the rest)")
         return value
 
     return Kind(parse, "a URL path starting with /, e.g. /health", "PATH")

@@ -38,6 +38,9 @@ from .metrics import prometheus_totals
 
 log = logging.getLogger("traceproxy.engines")
 
+# An engine's exposition is tens to hundreds of KiB; far past that, the URL is wrong.
+MAX_BODY_BYTES = 4 << 20
+
 
 @dataclass
 class Endpoint:
@@ -46,6 +49,17 @@ class Endpoint:
     scraped_ns: int | None = None  # last successful scrape
     error: str | None = None  # the last scrape's failure; None when it succeeded
     errors: int = 0  # failed scrapes
+
+
+def _parse(body: bytes) -> dict[str, float]:
+    """The kept gauges of one answer; raises ValueError for an answer that is not
+    Prometheus text (an HTML page at a wrong URL must not read as engines holding nothing)."""
+    text = body.decode("utf-8")
+    gauges = prometheus_totals(text, correlation.is_kept, finite_only=True)
+    if not gauges and text.strip() and not prometheus_totals(text) and \
+            not any(line.startswith("#") for line in text.splitlines()):
+        raise ValueError("the answer holds no Prometheus samples (is this a /metrics URL?)")
+    return gauges
 
 
 def proxy_upstream_count(records: Iterable[RequestRecord]) -> int:
@@ -110,22 +124,30 @@ class EngineScraper:
         try:
             # wait_for as well as the session timeout: a server that accepts and never
             # answers must not hold this task past the timeout whatever aiohttp does.
-            text = await asyncio.wait_for(self._get(ep.url), self.timeout)
+            body = await asyncio.wait_for(self._get(ep.url), self.timeout)
+            # Parsed in a thread: even a body at the size cap is tens of milliseconds of
+            # Python, which on the loop would hold up every request for that long.
+            gauges = await asyncio.to_thread(_parse, body)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of one endpoint is that endpoint's state
             self._failed(ep, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return
-        ep.gauges, ep.scraped_ns = prometheus_totals(text, correlation.is_kept), time.monotonic_ns()
+        ep.gauges, ep.scraped_ns = gauges, time.monotonic_ns()
         if ep.error is not None:
             log.info("engine metrics %s answer again", ep.url)
         ep.error = None
 
-    async def _get(self, url: str) -> str:
+    async def _get(self, url: str) -> bytes:
         async with self._session.get(url) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}")
-            return await resp.text()
+            body = bytearray()
+            async for piece in resp.content.iter_chunked(65536):
+                body += piece
+                if len(body) > MAX_BODY_BYTES:
+                    raise ValueError(f"the answer is larger than {MAX_BODY_BYTES >> 20} MiB")
+            return bytes(body)
 
     def _failed(self, ep: Endpoint, error: str) -> None:
         ep.errors += 1

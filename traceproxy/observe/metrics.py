@@ -308,10 +308,13 @@ def phase_counts(records: Iterable[RequestRecord]) -> dict[Phase, int]:
 Labels = tuple[tuple[str, str], ...]
 
 
-def prometheus_totals(text: str, keep: Callable[[str], bool] | None = None) -> dict[str, float]:
+def prometheus_totals(text: str, keep: Callable[[str], bool] | None = None,
+                      finite_only: bool = False) -> dict[str, float]:
     """Each metric name of a Prometheus text body with its samples summed over label
     sets; with ``keep``, only the names it accepts. A malformed line is skipped, so one
-    bad series never costs the rest; a sample's trailing timestamp is ignored."""
+    bad series never costs the rest; a sample's trailing timestamp is ignored. With
+    ``finite_only``, NaN and infinite samples are skipped: for totals that are counts of
+    work, NaN says nothing and would make every total it joins NaN."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -322,13 +325,15 @@ def prometheus_totals(text: str, keep: Callable[[str], bool] | None = None) -> d
             # The last "}" closes the labels: a value or timestamp never holds one.
             rest = rest.rpartition("}")[2]
         else:
-            name, _, rest = line.partition(" ")
+            name, _, rest = line.replace("\t", " ").partition(" ")  # tokens are split by blanks or tabs
         name = name.strip()
         if keep is not None and not keep(name):
             continue
         try:
             value = float(rest.split()[0])
         except (IndexError, ValueError):
+            continue
+        if finite_only and not math.isfinite(value):
             continue
         out[name] = out.get(name, 0.0) + value
     return out

@@ -123,6 +123,8 @@ class StallProber:
             return None, f"got no answer within {self.timeout:g} s"
         except OSError as exc:
             return None, f"failed ({exc.strerror or type(exc).__name__})"
+        except Exception as exc:  # whatever else went wrong is this probe's result, never silence
+            return None, f"failed ({type(exc).__name__}: {exc})"
         finally:
             if writer is not None:
                 writer.transport.abort()
