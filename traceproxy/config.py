@@ -522,7 +522,8 @@ SCHEMA: tuple[Setting, ...] = (
             "nothing is scraped and nothing is correlated."),
     Setting("engines", "scrape_interval", seconds(), 5.0, "Seconds between scrapes of every metrics URL."),
     Setting("engines", "scrape_timeout", seconds(), 2.0,
-            "A scrape that takes longer fails (counted and shown); proxying never waits for it."),
+            "A scrape that takes longer fails (counted and shown); so does an answer over 4 MiB or "
+            "without Prometheus samples. Proxying never waits for it."),
     Setting("engines", "orphan_after", seconds(), 30.0,
             "Engine work that no proxied request explains for this long is reported as an orphan (EOR)."),
     Setting("engines", "probe_on_stall", boolean(), False,
