@@ -206,7 +206,8 @@ def test_fault_table_parses_every_fault_and_rejects_bad_specs(capsys):
     assert parse_faults("decode_stall:7, idle_close:0.5") == {"decode_stall": ("decode_stall", 7),
                                                               "idle_close": ("idle_close", 0.5)}
     assert str(parse_fault("slow_first_token:1500")) == "slow_first_token:1500"
-    for bad in ("no_such_fault", "decode_stall:x", "decode_stall:-1", "no_done:3", "malformed_sse:json"):
+    for bad in ("no_such_fault", "decode_stall:x", "decode_stall:-1", "no_done:3", "malformed_sse:json",
+                "slow_first_token:inf", "slow_first_token:nan", "idle_close:nan"):  # inf: a hang nothing ends
         with pytest.raises(FaultError):
             parse_fault(bad)
     assert split_by_home(["prefill_stall", "decode_stall:3", "idle_close:1"]) == {
@@ -232,10 +233,29 @@ def test_worker_answers_what_the_router_probes(start_worker):
     for path in ("/health", "/health_generate"):
         assert http_get(prefill.url + path) == b""
     metrics = http_get(prefill.url + "/metrics").decode()
-    for name in (*GAUGE_NAMES, "sglang:num_bootstrap_failed_reqs"):
-        assert f"# TYPE {name} " in metrics
+    for name in GAUGE_NAMES:
+        assert f"# TYPE {name} gauge" in metrics
+    # As prometheus_client writes a counter: HELP, TYPE and the sample all name it with _total.
+    assert "# HELP sglang:num_bootstrap_failed_reqs_total " in metrics
+    assert "# TYPE sglang:num_bootstrap_failed_reqs_total counter" in metrics
     for name in GAUGE_NAMES:
         assert f'{name}{{model_name="probe-model"}} 0' in metrics
+
+
+@pytest.mark.parametrize("path, payload, field", [
+    ("/v1/chat/completions", {"messages": [], "max_tokens": "abc"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [], "stream": "no"}, "stream"),
+    ("/generate", {}, "text or input_ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens"),
+])
+def test_requests_sglang_would_refuse_get_a_400_naming_the_field(start_worker, path, payload, field):
+    worker = start_worker("decode")
+    status, body = http_post_json(worker.url + path, payload)
+    assert status == 400 and field in body["error"]["message"]
+    assert worker.requests == []  # refused before any generation
 
 
 def test_admin_faults_can_be_read_replaced_and_cleared(start_worker):
@@ -641,3 +661,16 @@ def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, star
     entry = inflight_entry(proxy, "FBS")
     assert entry["verdict"]["blame"] == "engine" and entry["phase"] == "awaiting_upstream_headers"
     client.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no-router", "--faulty-proxy", "--hang-after", "0"], "--hang-after must be at least 1 turn"),
+    (["--no-router", "--hang-after", "3-1"], "LOW <= HIGH"),
+    (["--no-router", "--hang-after", "x"], "--hang-after takes N or LOW-HIGH"),
+    (["--no-router", "--decode-tps", "0"], "--decode-tps must be a number of tokens per second above 0"),
+    (["worker", "--role", "decode", "--listen", "127.0.0.1:abc"], "--listen takes HOST:PORT"),
+])
+def test_bad_sim_arguments_are_one_line_errors_with_exit_2(capsys, argv, message):
+    assert cli_main(["sim", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

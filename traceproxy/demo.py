@@ -15,6 +15,7 @@ verdict is that the request never reached traceproxy: the hang is in front of it
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 
@@ -147,6 +148,10 @@ def _print_table(rows) -> None:
 
 def run_demo() -> int:
     started = time.monotonic()
-    code = uvloop.run(_demo())
+    try:
+        code = uvloop.run(_demo())
+    except KeyboardInterrupt:  # what it started is stopped as _demo unwinds
+        print("demo interrupted", file=sys.stderr)
+        return 130
     print(f"demo finished in {time.monotonic() - started:.1f} s")
     return code

@@ -8,6 +8,7 @@ The fault list in ``--help`` is read from the one fault table in ``faults.py``.
 from __future__ import annotations
 
 import argparse
+import math
 import asyncio
 import logging
 import sys
@@ -80,19 +81,42 @@ def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _hang_after(text: str) -> int | tuple[int, int]:
     low, sep, high = text.partition("-")
-    return (int(low), int(high)) if sep else int(low)
+    try:
+        value = (int(low), int(high)) if sep else int(low)
+    except ValueError:
+        raise ValueError(f"--hang-after takes N or LOW-HIGH (whole turns), not {text!r}") from None
+    low_n, high_n = value if sep else (value, value)
+    if not 1 <= low_n <= high_n:
+        raise ValueError(f"--hang-after must be at least 1 turn, and LOW <= HIGH, not {text!r}")
+    return value
+
+
+def _check_rates(args: argparse.Namespace) -> None:
+    for flag, value in (("--prefill-tps", args.prefill_tps), ("--decode-tps", args.decode_tps)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a number of tokens per second above 0, not {value:g}")
+
+
+def _listen_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen takes HOST:PORT (port 0 picks a free one), not {text!r}")
+    return host or "127.0.0.1", int(port)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         parse_faults(args.fault)
+        _check_rates(args)
+        # Checked whether or not --faulty-proxy is given: a bad value is a mistake either way.
         hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1
+        listen = _listen_address(args.listen) if args.sim_command == "worker" else None
     except (FaultError, ValueError) as exc:
         print(f"traceproxy sim: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.sim_command == "worker":
-        return _run_worker(args)
+        return _run_worker(args, listen)
     from .launch import SimDeployment, router_importable, run_deployment
 
     router = not args.no_router
@@ -111,12 +135,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-def _run_worker(args: argparse.Namespace) -> int:
+def _run_worker(args: argparse.Namespace, listen: tuple[str, int]) -> int:
     from .engine import SimWorker
     from .launch import run_worker
 
-    host, _, port = args.listen.rpartition(":")
-    worker = SimWorker(args.role, host or "127.0.0.1", int(port or 0), model=args.model,
+    worker = SimWorker(args.role, *listen, model=args.model,
                        prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
                        default_faults=args.fault, bootstrap_port=args.bootstrap_port,
                        otlp_endpoint=args.otlp_endpoint, prefill_url=args.prefill_url)

@@ -43,7 +43,7 @@ from .bootstrap import BootstrapServer, Rooms, poll_handler, register_local, unr
 from .faults import FaultError, applies, parse_faults, request_fault_specs
 from .generation import Job, serve
 from .otel import end_request_span, make_tracing, request_span
-from .shapes import Reply, max_tokens, prompt_tokens, request_rid
+from .shapes import Reply, check_request, max_tokens, prompt_tokens, request_rid
 
 INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 RECORD_LIMIT = 1000  # requests remembered per worker
@@ -250,6 +250,7 @@ class SimWorker:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
+            check_request(request.path, body)
             request_faults = parse_faults(request_fault_specs(request.headers, body))
         except ValueError as exc:  # FaultError and JSONDecodeError are ValueErrors
             return web.json_response({"error": {"message": str(exc), "type": "BadRequest", "code": 400}}, status=400)

@@ -24,6 +24,8 @@ fault to the right worker.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -106,6 +108,9 @@ def parse_fault(spec: str) -> Fault:
         arg = kind.convert(raw.strip())
     except ValueError:
         raise FaultError(f"fault {kind.name}:{kind.metavar} needs a {kind.convert.__name__}, got {raw!r}") from None
+    if isinstance(arg, float) and not math.isfinite(arg):
+        # An infinite delay would be a hang nothing ends (not even /admin/release).
+        raise FaultError(f"fault {kind.name}: {kind.metavar} must be a finite number, got {raw!r}")
     if isinstance(arg, (int, float)) and arg < 0:
         raise FaultError(f"fault {kind.name}: {kind.metavar} must not be negative, got {raw!r}")
     if kind.name == "malformed_sse" and arg not in MALFORMED_KINDS:

@@ -56,7 +56,7 @@ class EngineMetrics:
         for name, help_text in GAUGES.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name}{label} {self.gauges[name]}"]
         for name, help_text in COUNTERS.items():
-            lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name} counter",
+            lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter",
                       f"{name}_total{label} {self.counters[name]}"]
         return "\n".join(lines) + "\n"
 

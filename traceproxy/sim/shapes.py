@@ -66,6 +66,34 @@ def max_tokens(path: str, body: dict) -> int:
     return min(wanted, MAX_TOKENS_CAP)
 
 
+def check_request(path: str, body: dict) -> None:
+    """Refuse what SGLang (and the OpenAI API it imitates) refuses, with the field named;
+    raises ValueError. Only what the simulator reads is checked: the router adds its own
+    fields (bootstrap host, port and room), and unknown fields are ignored, as SGLang does."""
+    if path == "/generate":
+        if body.get("text") is None and body.get("input_ids") is None:
+            raise ValueError("either text or input_ids should be provided")
+        params = body.get("sampling_params", {})
+        if not isinstance(params, dict):
+            raise ValueError("sampling_params must be an object")
+        _check_count(params, "max_new_tokens")
+    elif path == "/v1/chat/completions":
+        if not isinstance(body.get("messages"), list):
+            raise ValueError("messages is required and must be a list of message objects")
+        if not all(isinstance(m, dict) for m in body["messages"]):
+            raise ValueError("each entry of messages must be an object")
+    for key in ("max_tokens", "max_completion_tokens"):
+        _check_count(body, key)
+    if not isinstance(body.get("stream", False), bool):
+        raise ValueError(f"stream must be true or false, got {body['stream']!r}")
+
+
+def _check_count(fields: dict, key: str) -> None:
+    value = fields.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+
+
 def request_rid(body: dict) -> str:
     rid = body.get("rid")
     return rid if isinstance(rid, str) and rid else uuid.uuid4().hex
