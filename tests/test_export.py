@@ -350,6 +350,16 @@ def test_export_failures_are_counted_by_the_child(start_pipe, loop_thread):
         pipe = start_pipe(make_config(otlp_endpoint=receiver.endpoint, export_timeout=0.5))
         loop_thread.call(pipe.submit_now, sample_trace())
         assert wait_until(lambda: stats_of(loop_thread, pipe)["spans_failed"] == 2)
+        # ... and shown: spans the collector refused are in no other counter.
+        from types import SimpleNamespace
+
+        from traceproxy.observe.metrics import Exposition, ProxyMetrics
+
+        out = Exposition()
+        fake = SimpleNamespace(span_export=pipe, tracing=None, watchdog=None,
+                               ctx=SimpleNamespace(fanout=SimpleNamespace(observer_errors=0)))
+        loop_thread.call(ProxyMetrics._render_internals, fake, out)
+        assert "traceproxy_spans_failed_total 2" in out.text()
         receiver.mode = "ok"
         loop_thread.call(pipe.submit_now, sample_trace(TRACE_ID + 1))
         assert_sample_trace(receiver.wait_for_spans(2), TRACE_ID + 1)
@@ -470,3 +480,81 @@ def test_a_queue_smaller_than_a_batch_still_sends(start_pipe, loop_thread, tmp_p
     pipe = start_pipe(make_config("file", file_path=str(path), queue_spans=2, batch_spans=512, flush_interval=5.0))
     loop_thread.call(pipe.submit, sample_trace())  # a full batch of 2: sent without waiting for the timer
     assert wait_until(lambda: path.exists() and path.read_text().endswith("\n"))
+
+
+def test_a_failed_file_write_leaves_whole_lines_and_the_next_batch_its_own(tmp_path):
+    # A full disk takes half a line: it must be cut off, not left for the next batch
+    # to be glued onto (a line that no OTLP/JSON reader can parse).
+    import errno
+
+    from traceproxy.observe.export_sinks import FileSink
+    from traceproxy.observe.otlp_proto import OtlpEncoder
+
+    path = tmp_path / "spans.jsonl"
+    sink = FileSink(path, OtlpEncoder({"service.name": "t"}, "traceproxy", "0"))
+    real = sink._file
+
+    class FullOnce:
+        calls = 0
+
+        def fileno(self):
+            return real.fileno()
+
+        def write(self, data):
+            FullOnce.calls += 1
+            if FullOnce.calls == 1:
+                real.write(bytes(data[: len(data) // 2]))
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real.write(data)
+
+        def close(self):
+            real.close()
+
+    sink._file = FullOnce()
+    assert sink.export(sample_trace()) is False
+    assert sink.export(sample_trace()) is True
+    sink.shutdown()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 and len(json.loads(lines[0])["resourceSpans"][0]["scopeSpans"][0]["spans"]) == 2
+
+
+def test_export_errors_are_logged_once_per_episode():
+    import logging
+
+    from traceproxy.observe.exporter_main import EXPORT_LOGGER, FailureEpisode
+
+    episode = FailureEpisode()
+
+    def record(name, level=logging.ERROR):
+        return logging.LogRecord(name, level, __file__, 1, "failed", None, None)
+
+    otlp = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+    assert episode.filter(record(otlp)) is True  # the first failure is logged
+    assert episode.filter(record(otlp)) is False and episode.filter(record(EXPORT_LOGGER)) is False
+    assert episode.filter(record("traceproxy.exporter")) is True  # other trouble is not this episode's
+    assert episode.filter(record(otlp, logging.INFO)) is True
+    episode.delivered()  # a batch got through: the next failure is news again
+    assert episode.filter(record(EXPORT_LOGGER)) is True
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"tracing.exporter": "file", "tracing.file_path": "/proc/no-such-dir/spans.jsonl", "access_log.path": ""},
+     "tracing.file_path"),
+    ({"tracing.exporter": "off", "access_log.path": "/proc/no-such-dir/access.log"}, "access_log.path"),
+])
+def test_a_span_file_or_access_log_that_cannot_be_written_is_a_startup_error(overrides, key):
+    # Not an exporter process that dies after startup, taking the access log with it.
+    from traceproxy.app import tracing_export_config
+    from traceproxy.config import ConfigError, default_settings
+
+    settings = default_settings().replace(**{"upstream": "http://127.0.0.1:9", **overrides})
+    with pytest.raises(ConfigError, match=f"{re.escape(key)} = .*cannot append to it"):
+        tracing_export_config(settings, environ={})
+
+
+def test_serve_names_the_span_file_key_and_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "traceproxy", "serve", "--listen", "127.0.0.1:0", "--upstream",
+                           "http://127.0.0.1:9", "--admin", "off", "--tracing-exporter", "file",
+                           "--tracing-file-path", "/proc/no-such-dir/spans.jsonl"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and "tracing.file_path" in done.stderr and "Traceback" not in done.stderr

@@ -23,7 +23,7 @@ COUNTERS = ("traceproxy_requests_total", "traceproxy_stalls_total", "traceproxy_
             "traceproxy_upstream_connections_opened_total", "traceproxy_upstream_connections_reused_total",
             "traceproxy_upstream_stale_connections_total", "traceproxy_upstream_retries_total",
             "traceproxy_upstream_connect_failures_total", "traceproxy_spans_dropped_total",
-            "traceproxy_spans_exported_total", "traceproxy_observer_errors_total")
+            "traceproxy_spans_exported_total", "traceproxy_spans_failed_total", "traceproxy_observer_errors_total")
 GAUGES = ("traceproxy_requests_in_flight", "traceproxy_stalls_open", "traceproxy_upstream_connections_open",
           "traceproxy_upstream_connections_idle", "traceproxy_client_connections_open")
 
@@ -125,6 +125,7 @@ def test_exposition_parses_and_declares_every_family(fast_upstream, start_proxy)
     # Tracing is off in tests: the span counters are present and zero.
     assert result.value("traceproxy_spans_dropped_total") == 0
     assert result.value("traceproxy_spans_exported_total") == 0
+    assert result.value("traceproxy_spans_failed_total") == 0
 
 
 def test_span_shedding_has_no_samples_while_only_the_access_log_is_on(fast_upstream, start_proxy, tmp_path):

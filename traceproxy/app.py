@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from aiohttp import web
 
@@ -55,6 +56,10 @@ def tracing_export_config(settings: Settings, environ=os.environ):
     if exporter == "otlp" and protocol not in ("grpc", "http/protobuf"):
         raise ConfigError(f"OTLP protocol {protocol!r} (from tracing.otlp_protocol or OTEL_EXPORTER_OTLP_"
                           f"[TRACES_]PROTOCOL): expected grpc or http/protobuf")
+    if exporter == "file":
+        _check_appendable(tracing.file_path, "tracing.file_path")
+    if access_log and access_log != "-":
+        _check_appendable(access_log, "access_log.path")
     return ExportConfig(
         exporter=exporter,
         otlp_endpoint=tracing.otlp_endpoint,
@@ -66,6 +71,18 @@ def tracing_export_config(settings: Settings, environ=os.environ):
         nice=tracing.exporter_nice,
         access_log_path=access_log,
     )
+
+
+def _check_appendable(path: str, key: str) -> None:
+    """Open the file as the exporter process will (its folder made), so that a path it
+    cannot write is a startup error naming the key, not an exporter that dies later and
+    takes the access log with it."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key} = {path!r}: cannot append to it ({exc.strerror or exc})") from None
 
 
 def _resource_attributes(raw: str) -> dict[str, str]:

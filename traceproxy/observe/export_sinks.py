@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ from traceproxy import __version__
 from .export_wire import ExportConfig
 from .otlp_proto import OtlpEncoder
 from .spandata import SpanData
+
+log = logging.getLogger("traceproxy.export")
 
 DEFAULT_SERVICE_NAME = SCOPE_NAME = "traceproxy"
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -155,12 +158,35 @@ class FileSink:
 
     def __init__(self, path: Path, encoder: OtlpEncoder) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
+        # Unbuffered: a write that fails (a full disk) must not stay in a buffer, to go
+        # out glued to the next batch's line.
+        self._file = open(path, "ab", buffering=0)
+        self._path = path
         self._encoder = encoder
+        self._failing = False
 
     def export(self, spans: list[SpanData]) -> bool:
-        self._file.write(otlp_json_line(self._encoder.encode(spans)) + "\n")
-        self._file.flush()
+        line = (otlp_json_line(self._encoder.encode(spans)) + "\n").encode("utf-8")
+        end = os.fstat(self._file.fileno()).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as exc:
+            # Cut off what part of the line did get written: every line stays a whole
+            # OTLP/JSON document, and the batch counts as failed.
+            try:
+                os.ftruncate(self._file.fileno(), end)
+            except OSError:
+                pass
+            if not self._failing:
+                log.warning("span file %s: cannot write (%s); batches are dropped until it can",
+                            self._path, exc.strerror or exc)
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("span file %s: writing again", self._path)
+            self._failing = False
         return True
 
     def shutdown(self) -> None:

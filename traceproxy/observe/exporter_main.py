@@ -119,12 +119,46 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
     return spans
 
 
+class FailureEpisode(logging.Filter):
+    """Export errors are logged once per episode, not once per batch: a collector down
+    for an hour must not write a line (or a traceback) every second. Attached to the
+    loggers of the OTLP exporters too, which log every failed batch themselves; the
+    episode ends with the next batch delivered, which is logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not (
+                record.name == EXPORT_LOGGER or record.name.startswith("opentelemetry.exporter")):
+            return True
+        if self.failing:
+            self.suppressed += 1
+            return False
+        self.failing = True
+        return True
+
+    def delivered(self) -> None:
+        if self.failing:
+            log.warning("exporting works again (%d more failure messages were not logged)", self.suppressed)
+        self.failing, self.suppressed = False, 0
+
+
+EXPORT_LOGGER = "traceproxy.export"  # the sinks' logger, and failed batches'
+EPISODE = FailureEpisode()
+
+
 def export_batch(sink, batch: list) -> bool:
     try:
-        return sink.export(batch)
+        delivered = sink.export(batch)
     except Exception:  # one bad batch must not end the exporter
-        log.exception("exporting %d spans failed", len(batch))
+        logging.getLogger(EXPORT_LOGGER).exception("exporting %d spans failed", len(batch))
         return False
+    if delivered:
+        EPISODE.delivered()
+    return delivered
 
 
 def lower_priority(increment: int) -> None:
@@ -151,6 +185,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="traceproxy-exporter[%(process)d] %(levelname)s %(name)s: %(message)s"
     )
+    for handler in logging.getLogger().handlers:  # a logger's own filter would miss its children's records
+        handler.addFilter(EPISODE)
     counters = Counters()
     reporter = StatsReporter(int(stats_fd), counters)
     terminate_on_sigterm(reporter)

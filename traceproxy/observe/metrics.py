@@ -267,6 +267,9 @@ class ProxyMetrics:
                     [((("reason", reason),), count) for reason, count in shed.items()])
         out.counter("spans_exported_total", "Spans the exporter process delivered.",
                     [((), spans.get("spans_exported", 0))])
+        out.counter("spans_failed_total", "Spans the exporter process could not deliver: the collector "
+                    "refused or was unreachable, or the span file could not be written.",
+                    [((), spans.get("spans_failed", 0))])
         out.counter("observer_errors_total", "Exceptions raised by lifecycle observers (caught; proxying went on).",
                     [((), self.ctx.fanout.observer_errors)])
         listener_errors = self.watchdog.listener_errors if self.watchdog is not None else 0
