@@ -339,24 +339,41 @@ def test_split_and_percentiles():
 
 def test_children_never_share_the_bench_stdout_and_run_in_the_workdir(tmp_path):
     """A child that writes a lot to stdout (an access log to "-") must never block on a pipe."""
-    script = "import sys; sys.stdout.write('x' * (4 << 20)); sys.stdout.flush(); open('here', 'w').close()"
+    script = ("import os, sys; sys.stdout.write('x' * (4 << 20)); sys.stdout.flush(); "
+              "open('here', 'w').write(os.readlink('/proc/self/fd/1'))")
     with Children(tmp_path) as children:
         child = children.start("chatty", [sys.executable, "-c", script])
         deadline = time.monotonic() + 30
         while child.alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert child.proc.returncode == 0
-        assert child.proc.stdout is None
-    assert (tmp_path / "here").exists()
+    # The child's stdout was /dev/null: not the bench's own (the table), not a pipe.
+    assert (tmp_path / "here").read_text() == os.devnull
 
 
 def test_children_are_stopped_by_process_group_even_on_error(tmp_path):
+    # The child starts a process of its own (as a proxy starts its exporter): the whole
+    # group is stopped, not only the process the bench started.
+    script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(60)']); open('grandchild', 'w').write(str(p.pid)); time.sleep(60)")
     with pytest.raises(RuntimeError):
         with Children(tmp_path) as children:
-            child = children.start("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+            child = children.start("sleeper", [sys.executable, "-c", script])
             pid = child.pid
+            deadline = time.monotonic() + 30
+            while not (tmp_path / "grandchild").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            grandchild = int((tmp_path / "grandchild").read_text())
             raise RuntimeError("boom")
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+    def gone(p: int) -> bool:
+        return not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+
+    assert gone(pid)
+    deadline = time.monotonic() + 10
+    while not gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(grandchild)
 
 
 def test_top_level_help_names_every_command():

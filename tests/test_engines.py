@@ -214,7 +214,9 @@ def test_dead_and_slow_endpoints_are_counted_and_requests_keep_flowing(loop_thre
     assert admin_metric(proxy, "traceproxy_engine_scrape_errors_total") >= 3
     view = inflight(proxy)["engines"]
     assert view[dead]["error"] and view[f"{slow.url}/metrics"]["error"].startswith("TimeoutError")
-    assert max(lags) < 0.5, lags  # generous: the loop never waited on a scrape
+    # Below the scrape timeout (0.2 s): a scrape that blocked the loop would show as a
+    # lag of up to that long; a healthy loop wakes within milliseconds.
+    assert max(lags) < 0.15, lags
 
 
 # ----------------------------------------------------------------------------------
@@ -257,9 +259,8 @@ async def answers_html(reader, writer, upstream):
     await writer.drain()
 
 
-def test_an_oversized_or_html_metrics_answer_is_an_error_and_proxying_does_not_wait(loop_thread, start_proxy,
-                                                                                    fast_upstream,
-                                                                                    scripted_upstream):
+def test_an_oversized_or_html_metrics_answer_is_an_error_not_idle_engines(loop_thread, start_proxy, fast_upstream,
+                                                                          scripted_upstream):
     up = fast_upstream()
     huge, html = scripted_upstream(answers_too_much), scripted_upstream(answers_html)
     proxy = start_proxy(up.url, **{"engines.metrics_urls": [f"{huge.url}/metrics", f"{html.url}/metrics"],

@@ -477,9 +477,10 @@ def test_config_rejects_what_the_child_could_not_run():
 
 def test_a_queue_smaller_than_a_batch_still_sends(start_pipe, loop_thread, tmp_path):
     path = tmp_path / "spans.jsonl"
-    pipe = start_pipe(make_config("file", file_path=str(path), queue_spans=2, batch_spans=512, flush_interval=5.0))
+    pipe = start_pipe(make_config("file", file_path=str(path), queue_spans=2, batch_spans=512, flush_interval=60.0))
     loop_thread.call(pipe.submit, sample_trace())  # a full batch of 2: sent without waiting for the timer
-    assert wait_until(lambda: path.exists() and path.read_text().endswith("\n"))
+    # Well before the flush timer: only a batch cut at the queue's size gets there.
+    assert wait_until(lambda: path.exists() and path.read_text().endswith("\n"), timeout=10)
 
 
 def test_a_failed_file_write_leaves_whole_lines_and_the_next_batch_its_own(tmp_path):

@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from traceproxy.cli import main as cli_main
+from traceproxy.sim.shapes import prompt_tokens
 from traceproxy.sim.engine import SimWorker
 from traceproxy.sim.faults import FAULTS, FaultError, parse_fault, parse_faults, split_by_home
 from traceproxy.sim.faultyproxy import FaultyProxy
@@ -472,8 +473,9 @@ def test_healthy_streaming_chat_completes_and_the_trace_reaches_both_workers(pd,
     assert events[-1] == "[DONE]"
     final = json.loads(events[-2])
     assert final["choices"][0]["finish_reason"] == "length"
-    assert final["usage"] == {"prompt_tokens": final["usage"]["prompt_tokens"], "completion_tokens": 5,
-                              "total_tokens": final["usage"]["prompt_tokens"] + 5}
+    prompt = prompt_tokens("/v1/chat/completions", json.loads(chat_body(max_tokens=5)))
+    assert prompt > 0
+    assert final["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
     assert token_events(resp.body) == 5
     assert done.one().outcome.code == "OK"
 
