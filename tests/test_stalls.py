@@ -126,6 +126,16 @@ def test_abort_on_lists_kinds_that_abort_while_others_only_observe(scripted_upst
     time.sleep(0.3)
     assert proxy.ctx.in_flight, "first_byte is not in abort_on: observed, not aborted"
     client.close()
+    # ... and a kind that is listed does abort: the stream is cut, the request ends MSS.
+    silent = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
+    proxy, sink = _proxy(start_proxy, scripted_upstream(silent).url, **{"stall.abort_on": ["stream_gap"]})
+    ended = _ended(proxy)
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", body=b"{}")
+    response = client.response()
+    assert response.status == 200 and not response.complete  # cut short, not ended as if whole
+    assert wait_until(lambda: ended, timeout=5) and ended[0].outcome.code == "MSS"
+    client.close()
 
 
 def test_header_stall_from_a_client_that_stops_mid_head(fast_upstream, start_proxy):

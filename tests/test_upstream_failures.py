@@ -323,9 +323,12 @@ def test_sse_stream_without_done_or_finish_reason_is_ndn(scripted_upstream, star
     assert done.records[0].outcome.code == "NDN" and done.records[0].outcome.blame.value == "engine"
 
 
-def test_sse_stream_with_a_finish_reason_or_done_is_ok(scripted_upstream, start_proxy):
+@pytest.mark.parametrize("events", [
+    b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\n',
+    b'data: {"choices": [{"delta": {"content": "hi"}, "finish_reason": null}]}\n\ndata: [DONE]\n\n',
+], ids=["finish-reason", "done"])
+def test_sse_stream_with_a_finish_reason_or_done_is_ok(scripted_upstream, start_proxy, events):
     done = _Done()
-    events = b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}\n\n'
     proxy = start_proxy(scripted_upstream(_sse_upstream(events)).url, observers=[done])
     assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}").complete
     assert wait_until(lambda: done.records) and done.records[0].outcome.code == "OK"
