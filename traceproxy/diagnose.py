@@ -416,14 +416,26 @@ def _outcome_lines(server: Span) -> list[str]:
 
 def _open_stall(server: Span) -> dict | None:
     """The attributes of the last stall event not followed by its resolution, if any."""
-    open_stalls: dict[str, dict] = {}
-    for event in server.events:
+    stalls, still_open = _paired_stalls(server)
+    return stalls[max(still_open)][0] if still_open else None
+
+
+def _paired_stalls(server: Span) -> tuple[list[tuple[dict, object]], set[int]]:
+    """Each stall event's attributes with the duration of the resolution that followed
+    it (None: none did), in time order, and the indexes of those still open at the end.
+    The same code can stall, resolve and stall again on one request (a stream with two
+    long gaps): each resolution belongs to the latest open stall of its code."""
+    stalls: list[tuple[dict, object]] = []
+    open_by_code: dict[object, int] = {}
+    for event in sorted(server.events, key=lambda e: e.time_ns):
         code = event.attributes.get(sc.STALL_OUTCOME)
         if event.name == STALL_EVENT:
-            open_stalls[code] = event.attributes
-        elif event.name == STALL_RESOLVED_EVENT:
-            open_stalls.pop(code, None)
-    return list(open_stalls.values())[-1] if open_stalls else None
+            open_by_code[code] = len(stalls)
+            stalls.append((event.attributes, None))
+        elif event.name == STALL_RESOLVED_EVENT and code in open_by_code:
+            index = open_by_code.pop(code)
+            stalls[index] = (stalls[index][0], event.attributes.get(sc.STALL_DURATION))
+    return stalls, set(open_by_code.values())
 
 
 def _ledger_lines(server: Span) -> list[str]:
@@ -522,19 +534,8 @@ def _stall_lines(found: RequestSpans) -> list[str]:
 
 
 def _stalls_from_events(server: Span) -> list[str]:
-    """One line per stall event, with the resolution that followed it: the same code
-    can stall, resolve and stall again on one request (a stream with two long gaps),
-    and only the last one may be the hang."""
-    stalls: list[tuple[dict, object]] = []  # (stall attributes, its resolution's duration or None)
-    open_by_code: dict[object, int] = {}  # code -> index of its stall not yet resolved
-    for event in sorted(server.events, key=lambda e: e.time_ns):
-        code = event.attributes.get(sc.STALL_OUTCOME)
-        if event.name == STALL_EVENT:
-            open_by_code[code] = len(stalls)
-            stalls.append((event.attributes, None))
-        elif event.name == STALL_RESOLVED_EVENT and code in open_by_code:
-            index = open_by_code.pop(code)
-            stalls[index] = (stalls[index][0], event.attributes.get(sc.STALL_DURATION))
+    """One line per stall event, with the resolution that followed it."""
+    stalls, still_open = _paired_stalls(server)
     ended_ok = server.attributes.get(sc.OUTCOME) == "OK"
     texts = []
     for index, (a, duration) in enumerate(stalls):
@@ -542,7 +543,7 @@ def _stalls_from_events(server: Span) -> list[str]:
             state = f"resolved after {_seconds(duration)}"
         elif ended_ok:
             state = "no resolution recorded, and the request then finished OK"
-        elif index in open_by_code.values():
+        elif index in still_open:
             state = "not resolved (the request ended stalled)"
         else:
             state = "no resolution recorded"  # a later stall of the same code replaced it (a resend)

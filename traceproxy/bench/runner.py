@@ -114,7 +114,7 @@ def check_json_path(path: str | None) -> None:
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    if not os.path.isdir(folder):
         raise ValueError(f"--json {path}: {folder} is not a writable directory")
     if os.path.isdir(path):
         raise ValueError(f"--json {path}: is a directory")

@@ -163,7 +163,6 @@ class FileSink:
         self._file = open(path, "ab", buffering=0)
         self._path = path
         self._encoder = encoder
-        self._failing = False
 
     def export(self, spans: list[SpanData]) -> bool:
         line = (otlp_json_line(self._encoder.encode(spans)) + "\n").encode("utf-8")
@@ -179,14 +178,10 @@ class FileSink:
                 os.ftruncate(self._file.fileno(), end)
             except OSError:
                 pass
-            if not self._failing:
-                log.warning("span file %s: cannot write (%s); batches are dropped until it can",
-                            self._path, exc.strerror or exc)
-            self._failing = True
+            # Once per episode: the exporter's log filter holds back the repeats.
+            log.warning("span file %s: cannot write (%s); batches are dropped until it can",
+                        self._path, exc.strerror or exc)
             return False
-        if self._failing:
-            log.info("span file %s: writing again", self._path)
-            self._failing = False
         return True
 
     def shutdown(self) -> None:

@@ -119,6 +119,9 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
     return spans
 
 
+EXPORT_LOGGER = "traceproxy.export"  # the sinks' logger, and failed batches'
+
+
 class FailureEpisode(logging.Filter):
     """Export errors are logged once per episode, not once per batch: a collector down
     for an hour must not write a line (or a traceback) every second. Attached to the
@@ -146,7 +149,6 @@ class FailureEpisode(logging.Filter):
         self.failing, self.suppressed = False, 0
 
 
-EXPORT_LOGGER = "traceproxy.export"  # the sinks' logger, and failed batches'
 EPISODE = FailureEpisode()
 
 

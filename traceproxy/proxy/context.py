@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..lifecycle.flags import Outcome
 from ..lifecycle.hooks import Fanout
+from ..lifecycle.marks import Mark
 from ..lifecycle.timeline import RequestRecord
 from . import tracecontext as tc
 from .headers import ForwardingContext, RequestParts
@@ -114,6 +115,13 @@ class ServerContext:
         self.in_flight.pop(record.id, None)
         if self.fanout.done_observers:
             self.fanout.done(record)
+
+    def stamp_once(self, record: RequestRecord, now: int, *marks: Mark) -> None:
+        """Stamp each of ``marks`` not stamped yet and tell the mark observers: for the
+        client connection's rare edges (an exchange stamps its own, on the hot path)."""
+        for mark in marks:
+            if record.mark_once(mark, now) and self.fanout.mark_observers:
+                self.fanout.mark(record, mark)
 
     def identify(self, record: RequestRecord, parts: RequestParts | None) -> bool:
         """Stamp the trace and request ids; True when the request id was generated here.

@@ -144,9 +144,7 @@ class ClientConnection(asyncio.Protocol):
         if self.active is not None:
             self.active.client_lost()
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
-            self.parsing.mark(MARK.DOWNSTREAM_CLOSED, closed)
-            if self.ctx.fanout.mark_observers:
-                self.ctx.fanout.mark(self.parsing, MARK.DOWNSTREAM_CLOSED)
+            self.ctx.stamp_once(self.parsing, closed, MARK.DOWNSTREAM_CLOSED)
             self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
 
     def eof_received(self) -> bool:
@@ -502,10 +500,7 @@ class ClientConnection(asyncio.Protocol):
         reply = error_response(status, outcome, reason, keep_alive=False, extra_lines=self.ctx.response_ids(record))
         self.write(reply)
         record.downstream_tx_body_bytes += body_size(reply)
-        sent = time.monotonic_ns()
-        for mark in (MARK.FIRST_DOWNSTREAM_TX_BYTE, MARK.LAST_DOWNSTREAM_TX_BYTE):
-            if record.mark_once(mark, sent) and self.ctx.fanout.mark_observers:
-                self.ctx.fanout.mark(record, mark)
+        self.ctx.stamp_once(record, time.monotonic_ns(), MARK.FIRST_DOWNSTREAM_TX_BYTE, MARK.LAST_DOWNSTREAM_TX_BYTE)
         self.ctx.end_request(record, outcome, reason)
         self.close()
 

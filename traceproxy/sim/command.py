@@ -8,9 +8,9 @@ The fault list in ``--help`` is read from the one fault table in ``faults.py``.
 from __future__ import annotations
 
 import argparse
-import math
 import asyncio
 import logging
+import math
 import sys
 
 from .faults import FaultError, fault_table, parse_faults

@@ -25,7 +25,6 @@ fault to the right worker.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
