@@ -33,9 +33,9 @@ HEALTHY = [
 
 
 def _request(now: int = 0) -> RequestRecord:
-    conn = ClientConnectionRecord(peer="127.0.0.1:1", opened_ns=now)
-    seq, gap = conn.next_request(now)
-    record = RequestRecord(connection=conn, sequence=seq, idle_gap_ns=gap)
+    # Built bare, without the first byte's mark: the transcripts stamp every mark.
+    record = RequestRecord(connection=ClientConnectionRecord(peer="127.0.0.1:1", opened_ns=now),
+                           sequence=1, idle_gap_ns=None)
     record.new_attempt()
     return record
 
@@ -110,19 +110,20 @@ def test_upstream_marks_belong_to_each_attempt():
 
 def test_keepalive_ledger_numbers_requests_and_measures_idle_gaps():
     conn = ClientConnectionRecord(peer="127.0.0.1:1", opened_ns=0)
-    assert conn.next_request(5 * MS) == (1, None)
-    first = RequestRecord(connection=conn, sequence=1, idle_gap_ns=None)
+    first = conn.begin_request(5 * MS)
+    assert (first.sequence, first.idle_gap_ns) == (1, None)
+    assert first.marks == {Mark.FIRST_DOWNSTREAM_RX_BYTE: 5 * MS}
     first.finish(Flag.OK, 100 * MS)
-    assert conn.next_request(600 * MS) == (2, 500 * MS)
+    second = conn.begin_request(600 * MS)
+    assert (second.sequence, second.idle_gap_ns) == (2, 500 * MS)
 
 
 def test_a_pipelined_request_had_no_idle_gap():
     conn = ClientConnectionRecord(peer="127.0.0.1:1", opened_ns=0)
-    first_seq, _ = conn.next_request(5 * MS)
-    first = RequestRecord(connection=conn, sequence=first_seq, idle_gap_ns=None)
-    first.finish(Flag.OK, 100 * MS)
-    assert conn.next_request(600 * MS) == (2, 500 * MS)  # after 0.5 s idle
-    assert conn.next_request(601 * MS) == (3, 0)  # arrived while the second was in flight
+    conn.begin_request(5 * MS).finish(Flag.OK, 100 * MS)
+    second = conn.begin_request(600 * MS)  # after 0.5 s idle
+    third = conn.begin_request(601 * MS)  # arrived while the second was in flight
+    assert [(r.sequence, r.idle_gap_ns) for r in (second, third)] == [(2, 500 * MS), (3, 0)]
 
 
 def test_attempt_records_reuse_idle_age_and_request_count():

@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from .flags import Outcome
-from .marks import UPSTREAM_MARKS, Mark
+from .marks import MARK, UPSTREAM_MARKS, Mark
 
 _client_ids = itertools.count(1)
 _upstream_ids = itertools.count(1)
@@ -46,19 +46,21 @@ class ClientConnectionRecord:
     last_response_end_ns: int | None = None
     closed_ns: int | None = None
 
-    def next_request(self, now_ns: int) -> tuple[int, int | None]:
-        """Sequence number (1-based) and idle gap (ns, None for the first) of a new request.
+    def begin_request(self, now_ns: int) -> "RequestRecord":
+        """The record of a new request on this connection, its first byte received at ``now_ns``.
 
-        The gap is how long the connection sat with nothing to do before this
-        request's first byte: 0 when it arrives while an earlier one is still in
-        flight (pipelined), since the connection was never idle."""
+        It knows its sequence (1-based) and the idle gap before it (ns, None for the
+        first): how long the connection sat with nothing to do before this request's
+        first byte, 0 when it arrives while an earlier one is still in flight
+        (pipelined), since the connection was never idle."""
         self.requests_started += 1
         if self.requests_open > 0:
             idle = 0
         else:
             idle = None if self.last_response_end_ns is None else now_ns - self.last_response_end_ns
         self.requests_open += 1
-        return self.requests_started, idle
+        return RequestRecord(connection=self, sequence=self.requests_started, idle_gap_ns=idle,
+                             marks={MARK.FIRST_DOWNSTREAM_RX_BYTE: now_ns})
 
     def request_ended(self, now_ns: int) -> None:
         self.requests_open = max(self.requests_open - 1, 0)

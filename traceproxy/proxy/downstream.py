@@ -295,9 +295,7 @@ class ClientConnection(asyncio.Protocol):
         self._begun += 1
         self._on_deadline = None  # the keep-alive idle timer stands down (see _arm_timer)
         self.ctx.connection_busy(self)
-        sequence, idle_gap = self.record.next_request(now)
-        record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
-        record.mark(MARK.FIRST_DOWNSTREAM_RX_BYTE, now)
+        record = self.record.begin_request(now)
         record.owner = self  # until its exchange exists
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
@@ -489,9 +487,7 @@ class ClientConnection(asyncio.Protocol):
         if record is None or record.finished:
             parts = None
             now = time.monotonic_ns()
-            sequence, idle_gap = self.record.next_request(now)
-            record = RequestRecord(connection=self.record, sequence=sequence, idle_gap_ns=idle_gap)
-            record.mark(MARK.FIRST_DOWNSTREAM_RX_BYTE, now)
+            record = self.record.begin_request(now)
             self.ctx.start_request(record)
         self.parsing = None
         record.status = status

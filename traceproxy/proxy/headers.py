@@ -319,6 +319,9 @@ class ForwardingContext:
                            % (self.client_ip.encode("ascii"), self.scheme.encode("ascii")))
 
 
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
 def upstream_request_head(
     method: str,
     target: bytes,
@@ -330,29 +333,24 @@ def upstream_request_head(
     out = parts.end_to_end
     if not ctx.preserve_host or parts.host is None:
         out = [(b"Host", ctx.upstream_authority)] + [(n, v) for n, v in out if n.lower() != b"host"]
-    lines = [b"%s %s HTTP/1.1\r\n" % (method.encode("ascii"), target)]
-    lines.append(header_lines(out))
-    if ctx.x_forwarded:
-        lines += _forwarded_lines(parts, ctx)
-    else:
-        lines.append(header_lines(parts.forwarded))
-    lines.append(extra_lines)
+    forwarded = _forwarded_lines(parts, ctx) if ctx.x_forwarded else header_lines(parts.forwarded)
     framing = parts.framing
     if framing.chunked:
-        lines.append(b"Transfer-Encoding: chunked\r\n")
-    elif framing.content_length or method in ("POST", "PUT", "PATCH"):
-        lines.append(b"Content-Length: %d\r\n" % (framing.content_length or 0))
-    lines.append(b"\r\n")
-    return b"".join(lines)
+        length = b"Transfer-Encoding: chunked\r\n"
+    elif framing.content_length or method in _BODY_METHODS:
+        length = b"Content-Length: %d\r\n" % (framing.content_length or 0)
+    else:
+        length = b""
+    return b"%s %s HTTP/1.1\r\n%s%s%s%s\r\n" % (
+        method.encode("ascii"), target, header_lines(out), forwarded, extra_lines, length)
 
 
-def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> list[bytes]:
+def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> bytes:
     """Append to X-Forwarded-* (comma-joined, like nginx's $proxy_add_x_forwarded_for)."""
     if not parts.forwarded:  # the common case: the client sent none of its own
-        lines = [ctx.own_forwarded_lines]
-        if parts.host is not None:
-            lines.append(b"X-Forwarded-Host: %s\r\n" % parts.host)
-        return lines
+        if parts.host is None:
+            return ctx.own_forwarded_lines
+        return b"%sX-Forwarded-Host: %s\r\n" % (ctx.own_forwarded_lines, parts.host)
     existing: dict[bytes, list[bytes]] = {}
     for name, value in parts.forwarded:
         existing.setdefault(name.lower(), []).append(value)
@@ -366,7 +364,7 @@ def _forwarded_lines(parts: RequestParts, ctx: ForwardingContext) -> list[bytes]
         values = existing.get(lname, []) + ([value] if value is not None else [])
         if values:
             lines.append(b"%s: %s\r\n" % (display, b", ".join(values)))
-    return lines
+    return b"".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
