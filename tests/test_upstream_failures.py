@@ -282,6 +282,93 @@ def test_response_to_client_that_stops_reading_applies_backpressure(scripted_ups
     assert resp.body == (bytes(range(256)) * 256) * (total // 65536)
 
 
+def _client_write_buffer(proxy) -> int:
+    connections = list(proxy.ctx.connections)
+    return connections[0].transport.get_write_buffer_size() if connections else 0
+
+
+def _fills_the_client_buffer_with_its_last_write(proxy_box: dict):
+    """An upstream handler: a chunked response sent in pieces until the proxy holds
+    some bytes for the client (below the pause mark), then a last piece and the end
+    in one read, so that the proxy's final write is the one that pauses the client."""
+    async def send(reader, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"a" * 16384
+        for _ in range(2000):  # bounded: a client reading nothing fills up within a few
+            if _client_write_buffer(proxy_box["proxy"]) >= 16384:
+                break
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        last = b"z" * 56 * 1024
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(last), last))
+        await writer.drain()
+    return send
+
+
+def _client_reading_nothing(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def test_a_pipelined_request_waits_while_the_client_has_not_taken_the_response_before_it(
+        scripted_upstream, start_proxy):
+    """The response before it ended with the write that filled the client's buffer:
+    the next request must not start (and be read from the upstream into memory)
+    until the client takes that tail."""
+    second_total = 40 * 1024 * 1024
+    state, box = {"second_bytes": 0, "second_asked": False}, {}
+    send_first = _fills_the_client_buffer_with_its_last_write(box)
+
+    async def handler(reader, writer, upstream):
+        await reader.read_request()
+        await send_first(reader, writer)
+        await reader.read_request()
+        state["second_asked"] = True
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % second_total)
+        block = b"b" * 65536
+        deadline = time.monotonic() + 5
+        while state["second_bytes"] < second_total and time.monotonic() < deadline:
+            writer.write(block)
+            await writer.drain()
+            state["second_bytes"] += len(block)
+        await reader.read(1)
+
+    proxy = box["proxy"] = start_proxy(scripted_upstream(handler).url)
+    with _client_reading_nothing(proxy.port) as sock:
+        sock.sendall(b"GET /one HTTP/1.1\r\nHost: a\r\n\r\nGET /two HTTP/1.1\r\nHost: a\r\n\r\n")
+        time.sleep(2.0)  # the client reads nothing
+        assert not state["second_asked"], "the second request went upstream before the first response was taken"
+        assert state["second_bytes"] < 24 * 1024 * 1024
+
+
+def test_a_client_leaving_with_the_last_bytes_untaken_is_a_disconnect(scripted_upstream, start_proxy):
+    done, box = [], {}
+    send = _fills_the_client_buffer_with_its_last_write(box)
+
+    class Outcomes:
+        def on_done(self, record):
+            done.append(record.outcome.code)
+
+    async def handler(reader, writer, upstream):
+        await reader.read_request()
+        await send(reader, writer)
+        await reader.read(1)
+
+    proxy = box["proxy"] = start_proxy(scripted_upstream(handler).url, observers=[Outcomes()])
+    sock = _client_reading_nothing(proxy.port)
+    sock.sendall(b"GET /one HTTP/1.1\r\nHost: a\r\n\r\n")
+    time.sleep(1.5)  # reads nothing ...
+    assert _client_write_buffer(proxy) > 0 and not done, "the request ended before the client took its tail"
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # ... and goes away
+    assert wait_until(lambda: done, timeout=3)
+    assert done == ["DC"]
+
+
 def test_error_before_the_body_arrived_drains_it_and_keeps_the_connection(start_proxy):
     proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:

@@ -363,13 +363,13 @@ class Exchange:
         self._stamp(now, MARK.LAST_UPSTREAM_RX_BYTE)
         if self.response_framing == H.ResponseFraming.CHUNKED:
             self._client_out.append(H.LAST_CHUNK)
+        self.flush_client()
         self._release_upstream(reusable and self.request_complete)
         if self.client.write_paused:
             # The client is not reading the tail; finish when its transport drains.
-            self.flush_client()
             self.awaiting_drain = True
         else:
-            self._finish_ok()  # the last bytes go out after the bookkeeping (see _finish)
+            self._finish_ok()
 
     def _finish_ok(self) -> None:
         self.awaiting_drain = False
@@ -552,11 +552,6 @@ class Exchange:
         self.finished = True
         self._upstream_out.clear()
         self.ctx.end_request(self.record, outcome, error)
-        # A clean ending's last bytes are written only now, after the bookkeeping
-        # and before the next pipelined request may begin: the client's next
-        # request cannot arrive while the proxy is still busy with this one. (A
-        # failure has nothing pending here: ``_fail`` clears what was gathered.)
-        self.flush_client()
         if hand_back:
             self.client.exchange_finished(self, self.keep_client_alive)
 
