@@ -39,6 +39,15 @@ def test_expect_and_forwarded_headers_are_set_aside():
     assert b"X-Forwarded-For: 1.1.1.1, 2.2.2.2, 192.0.2.7\r\n" in head
 
 
+def test_each_forwarded_header_the_client_sent_is_appended_to_not_replaced():
+    parts = H.parse_request_headers([(b"Host", b"inner.example"), (b"X-Forwarded-Proto", b"https"),
+                                     (b"X-Forwarded-Host", b"outer.example")])
+    lines = H.upstream_request_head("GET", b"/", parts, CTX).split(b"\r\n")
+    assert b"X-Forwarded-Proto: https, http" in lines
+    assert b"X-Forwarded-Host: outer.example, inner.example" in lines
+    assert b"X-Forwarded-For: 192.0.2.7" in lines  # none of its own: ours alone
+
+
 def test_upstream_head_is_http11_with_recomputed_framing():
     parts = H.parse_request_headers([(b"Host", b"api"), (b"Content-Length", b"3")])
     head = H.upstream_request_head("POST", b"/v1/x?y=1", parts, CTX)
