@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
+
+import pytest
 
 from .support import RawClient, answers_partly_then_resets, header_value, raw_exchange, recv_until, wait_until
 
@@ -227,6 +230,54 @@ def test_a_response_finished_during_the_shutdown_grace_says_the_connection_close
     assert resp.headers.get("connection") == "close" and "keep-alive" not in resp.headers
     assert client.is_closed_by_peer()
     stopping.result(10)
+
+
+def _slow_reader_holding_a_finished_response(proxy, loop_thread, size: int) -> socket.socket:
+    """A client whose whole response is finished on the proxy's side but still
+    waits in its transport, untaken: the transport is let hold it all, unpaused."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", proxy.port))
+    assert wait_until(lambda: proxy.ctx.connections)
+    connection = next(iter(proxy.ctx.connections))
+    loop_thread.call(connection.transport.set_write_buffer_limits, 64 * 1024 * 1024)
+    proxy_side = connection.transport.get_extra_info("socket")
+    loop_thread.call(proxy_side.setsockopt, socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the kernel keeps little
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % size + b"e" * size)
+    assert wait_until(lambda: not proxy.ctx.in_flight and connection.transport.get_write_buffer_size() > 0)
+    return sock
+
+
+def test_shutdown_lets_a_slow_client_take_a_finished_response_within_the_grace(
+        fast_upstream, start_proxy, loop_thread):
+    proxy = start_proxy(fast_upstream().url)
+    size = 2 * 1024 * 1024
+    with _slow_reader_holding_a_finished_response(proxy, loop_thread, size) as sock:
+        stopping = asyncio.run_coroutine_threadsafe(proxy.shutdown(grace=20), loop_thread.loop)
+        time.sleep(0.5)  # the client takes nothing yet
+        assert not stopping.done(), "shutdown finished while a client still had bytes to take"
+        received = bytearray()
+        for _ in range(20_000):  # bounded: the 2 MiB come in far fewer reads
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            received += piece
+        stopping.result(20)
+        assert not proxy.ctx.connections
+        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and body == b"e" * size
+
+
+def test_shutdown_resets_a_client_still_holding_bytes_when_the_grace_ends(fast_upstream, start_proxy, loop_thread):
+    proxy = start_proxy(fast_upstream().url)
+    with _slow_reader_holding_a_finished_response(proxy, loop_thread, 2 * 1024 * 1024) as sock:
+        loop_thread.run(proxy.shutdown(grace=0.3))
+        assert not proxy.ctx.connections
+        with pytest.raises(ConnectionResetError):  # not a clean end: the response is cut
+            for _ in range(2000):  # bounded: far fewer reads than the 2 MiB would need
+                if not sock.recv(65536):
+                    break
 
 
 def test_expect_from_an_http10_client_is_ignored(fast_upstream, start_proxy):

@@ -231,6 +231,7 @@ class ProxyServer:
             if conn.active is not None:
                 conn.active.abort(Flag.LR, f"shutdown grace of {grace:g} s ran out")
             conn.close()
+        await self._let_clients_take_what_is_written(deadline)
         ctx.pool.close_all()
         self.watchdog.stop()
         if self.prober is not None:
@@ -242,6 +243,20 @@ class ProxyServer:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         await asyncio.sleep(0)
+
+    async def _let_clients_take_what_is_written(self, deadline: float) -> None:
+        """A closed client transport still holds what a slow reader has not taken yet
+        (a response that ended within the grace, up to the transport's pause mark):
+        it goes out before the connection is gone, within the grace. After it, what is
+        left is dropped with a reset, so that no client reads a cut response as whole."""
+        connections = self.ctx.connections
+        await asyncio.sleep(0)  # the closes with nothing left to send complete now
+        while connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(connections):
+            conn.reset()
+        if connections:
+            await asyncio.sleep(0)  # their connection_lost runs on the next loop pass
 
 
 async def serve_until_signalled(settings: Settings) -> None:
