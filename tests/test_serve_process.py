@@ -164,6 +164,31 @@ def test_workers_share_the_listen_port(upstream_process):
     assert proc.returncode == 0
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_listen_port_already_served_is_a_clear_startup_error(upstream_process, workers):
+    # Held the way another multi-worker instance holds it (SO_REUSEPORT): a second
+    # instance must refuse to start rather than share its traffic.
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--workers", workers,
+         "--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--upstream", upstream_process, "--admin", "off"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # it started: its workers too
+        proc.communicate()
+        pytest.fail("a second instance started on a port another one serves")
+    finally:
+        taken.close()
+    assert proc.returncode == 1
+    assert "address already in use" in stderr.lower() and "Traceback" not in stderr, stderr
+
+
 def test_a_worker_that_cannot_start_stops_the_service_with_an_error(upstream_process):
     taken = socket.socket()  # the admin port, held without SO_REUSEPORT: no worker can bind it
     taken.bind(("127.0.0.1", 0))

@@ -345,10 +345,15 @@ def _worker_main(settings: Settings) -> int:
 
 
 def _check_port_bindable(settings: Settings) -> None:
-    """Fail in the parent, with one clear message, if the port is taken."""
+    """Fail in the parent, with one clear message, if the port is taken.
+
+    The probe does not set SO_REUSEPORT: with it, the bind succeeds beside any
+    listener of the same user that set it too (another multi-worker instance), and
+    the two would silently share the traffic. SO_REUSEADDR, as the workers' own
+    listeners set it, lets a restart bind over connections still in TIME_WAIT."""
     family = socket.AF_INET6 if ":" in settings.listen.host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((settings.listen.host, settings.listen.port))
 
 

@@ -95,6 +95,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"traceproxy: configuration error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the listen or admin address taken, or not this machine's
+        print(f"traceproxy: stopped: {exc}", file=sys.stderr)
+        return 1
 
 
 def _upstream(args: argparse.Namespace) -> int:
