@@ -135,6 +135,35 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits(upstream_process):
         _stop(proc)
 
 
+def test_sigterm_to_the_whole_group_still_logs_the_stream_that_finishes_in_grace(upstream_process, tmp_path):
+    """systemd's default stop (and a terminal's Ctrl-C) signals every process of the
+    service, the exporter child included: it must outlive the proxy's grace."""
+    access_log = tmp_path / "access.jsonl"
+    port, admin = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", f"127.0.0.1:{port}", "--upstream", upstream_process,
+         "--admin", f"127.0.0.1:{admin}", "--timeouts-shutdown-grace", "20"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": str(access_log)})
+    try:
+        assert wait_until(lambda: _healthz(admin) is not None or proc.poll() is not None, timeout=15, interval=0.05)
+        time.sleep(1.0)  # the exporter child past its interpreter's startup, where signals still kill it
+        client = RawClient(port, timeout=20)
+        client.request("POST", "/v1/chat/completions", headers=[("x-fake-tps", "20"), ("x-request-id", "in-grace")],
+                       body=b'{"stream": true, "max_tokens": 20}')
+        assert wait_until(lambda: _healthz(admin)["requests_in_flight"] == 1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert client.response().complete
+        assert proc.wait(15) == 0
+        assert "exited" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    logged = [json.loads(line) for line in access_log.read_text().splitlines()]
+    assert [(entry["request_id"], entry["outcome"]) for entry in logged] == [("in-grace", "OK")]
+
+
 def test_sigterm_grace_expired_cuts_the_stream_visibly(upstream_process):
     proc, port, admin = _serve(upstream_process, "--timeouts-shutdown-grace", "0.5")
     try:

@@ -35,7 +35,10 @@ Theory of operation:
   the kernel's pipe buffer are lost uncounted (submitted - dropped - exported -
   failed shows them).
 - ``stop`` flushes, closes the pipe (EOF: the child exports what is left and exits)
-  and waits; past its deadline it sends SIGTERM, then SIGKILL. It never hangs.
+  and waits; past its deadline it sends the child's "stop now" signal (SIGUSR1),
+  then SIGKILL. It never hangs. The child ignores SIGINT and SIGTERM: sent to the
+  whole process group or cgroup, they are the proxy's to act on, and the child must
+  outlive the proxy's shutdown grace to log and export the requests ending in it.
 - The child gets no inherited descriptors but its stdin and the stats pipe
   (``close_fds``), so it never holds the proxy's listening sockets.
 
@@ -47,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import site
 import sys
 from collections import deque
@@ -55,14 +59,14 @@ from pathlib import Path
 
 import traceproxy
 
-from .export_wire import ExportConfig, flatten, frame, parse_stats_line
+from .export_wire import STOP_NOW, ExportConfig, flatten, frame, parse_stats_line
 from .spandata import SpanData
 
 __all__ = ["ExportConfig", "SpanExportPipe"]
 
 log = logging.getLogger("traceproxy.export")
 CHILD_MODULE = "traceproxy.observe.exporter_main"
-# Of stop()'s timeout, the part kept for SIGTERM/SIGKILL after draining overran.
+# Of stop()'s timeout, the part kept for "stop now" and SIGKILL after draining overran.
 KILL_RESERVE_SHARE, KILL_RESERVE_MAX = 0.25, 1.0
 
 
@@ -246,9 +250,9 @@ class SpanExportPipe:
         self._writer.close()  # EOF for the child once the buffer has drained
         reserve = min(timeout * KILL_RESERVE_SHARE, KILL_RESERVE_MAX)
         if not await self._exited_by(deadline - reserve):
-            self._signal_child("terminate")
+            self._signal_child(STOP_NOW)
             if not await self._exited_by(deadline - reserve / 2):
-                self._signal_child("kill")
+                self._signal_child(signal.SIGKILL)
                 await self._exited_by(deadline)
         await self._stats_reader.wait_closed(max(0.0, deadline - self._loop.time()))
         self._release()
@@ -262,10 +266,10 @@ class SpanExportPipe:
             return False
         return True
 
-    def _signal_child(self, how: str) -> None:
-        log.warning("span exporter process %d did not finish in time: %s", self._process.pid, how)
+    def _signal_child(self, signum: signal.Signals) -> None:
+        log.warning("span exporter process %d did not finish in time: %s", self._process.pid, signum.name)
         try:
-            getattr(self._process, how)()
+            self._process.send_signal(signum)
         except ProcessLookupError:
             pass
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import marshal
+import signal
 import struct
 from dataclasses import asdict, dataclass, field
 from typing import BinaryIO
@@ -34,6 +35,9 @@ FRAME_HEADER = struct.Struct("!I")
 # A frame is one batch of a few hundred spans; anything near this is a broken stream.
 MAX_FRAME_BYTES = 1 << 28
 
+# The parent's "stop now" to the exporter child, once its orderly stop (EOF on the
+# child's stdin) has overrun; the child ignores SIGINT and SIGTERM (see exporter_main).
+STOP_NOW = signal.SIGUSR1
 EXPORTERS = ("otlp", "file", "console", "off")
 PROTOCOLS = ("grpc", "http/protobuf")
 

@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 
-from .export_wire import ExportConfig, decode_frame, read_frame, stats_line
+from .export_wire import STOP_NOW, ExportConfig, decode_frame, read_frame, stats_line
 from .spandata import SpanData
 from .spans import spans_for
 
@@ -173,17 +173,23 @@ def lower_priority(increment: int) -> None:
             log.warning("could not lower the exporter's CPU priority: %s", exc)
 
 
-def terminate_on_sigterm(reporter: StatsReporter) -> None:
-    def on_sigterm(signum, frame):
+def obey_only_the_parent(reporter: StatsReporter) -> None:
+    """SIGINT and SIGTERM sent to the whole group (a terminal's Ctrl-C, systemd
+    stopping the unit's cgroup) are the proxy's to act on: it keeps serving through
+    its shutdown grace, and the requests that finish in it must still be logged and
+    exported. The child ends at EOF on stdin (the proxy's orderly stop), on the
+    proxy's own ``STOP_NOW`` when that overran, or by SIGKILL."""
+    def on_stop_now(signum, frame):
         reporter.send()
-        os._exit(128 + signal.SIGTERM)
+        os._exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(STOP_NOW, on_stop_now)
 
 
 def main(argv: list[str]) -> int:
     config_json, stats_fd = argv
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING, format="traceproxy-exporter[%(process)d] %(levelname)s %(name)s: %(message)s"
     )
@@ -191,7 +197,7 @@ def main(argv: list[str]) -> int:
         handler.addFilter(EPISODE)
     counters = Counters()
     reporter = StatsReporter(int(stats_fd), counters)
-    terminate_on_sigterm(reporter)
+    obey_only_the_parent(reporter)
     reporter.start()
     sink = access_log = None
     try:
