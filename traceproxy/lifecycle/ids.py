@@ -17,4 +17,4 @@ def new_span_id() -> int:
 
 def new_request_id() -> str:
     """32 lowercase hex digits, like a uuid4 without dashes."""
-    return "%032x" % _rand(128)
+    return _rand(128).to_bytes(16, "big").hex()  # faster than "%032x" formatting

@@ -63,7 +63,8 @@ class ClientConnectionRecord:
                              marks={MARK.FIRST_DOWNSTREAM_RX_BYTE: now_ns})
 
     def request_ended(self, now_ns: int) -> None:
-        self.requests_open = max(self.requests_open - 1, 0)
+        if self.requests_open:
+            self.requests_open -= 1
         self.last_response_end_ns = now_ns
 
 

@@ -385,9 +385,9 @@ class Exchange:
                               f"Content-Length {self._declared_length}")
         if self._sse and record.status == 200:
             _, previous, last = record.response_tail
-            last = last[-2048:]
-            if b"[DONE]" not in last:  # the usual ending is found without joining the two reads
-                tail = previous[-512:] + last
+            # The usual ending is found in the last read's last 2 KiB, without copying them.
+            if last.find(b"[DONE]", -2048) < 0:
+                tail = previous[-512:] + last[-2048:]
                 if b"[DONE]" not in tail and not _FINISH_REASON.search(tail):
                     return Flag.NDN, (f"SSE stream of {record.upstream_rx_chunks} chunks ended without "
                                       f"data: [DONE] or a finish reason")
