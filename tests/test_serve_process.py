@@ -188,9 +188,30 @@ def test_workers_share_the_listen_port(upstream_process):
             assert resp.status == 200
             pids.add(_healthz(admin)["pid"])
         assert len(pids) == 2, "both workers should answer"
+        assert _listening_pids(port) == pids, "each worker holds its own listening socket on the port"
     finally:
         _stop(proc)
     assert proc.returncode == 0
+
+
+def _listening_pids(port: int) -> set[int]:
+    """The processes holding a listening TCP socket on ``port`` (Linux's /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    holders = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue  # gone, or not ours to read
+        if any(link in {f"socket:[{inode}]" for inode in inodes} for link in links):
+            holders.add(int(pid))
+    return holders
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -216,6 +237,28 @@ def test_a_listen_port_already_served_is_a_clear_startup_error(upstream_process,
         taken.close()
     assert proc.returncode == 1
     assert "address already in use" in stderr.lower() and "Traceback" not in stderr, stderr
+
+
+def test_a_stop_signal_while_the_workers_start_is_a_clean_stop(upstream_process):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{free_port()}",
+         "--upstream", upstream_process, "--admin", "off"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    try:
+        def forked_both() -> bool:
+            try:
+                return len(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()) == 2
+            except OSError:
+                return False
+
+        assert wait_until(forked_both, timeout=15, interval=0.001)
+        proc.send_signal(signal.SIGTERM)  # the workers are still starting
+        assert proc.wait(20) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
 
 
 def test_a_worker_that_cannot_start_stops_the_service_with_an_error(upstream_process):

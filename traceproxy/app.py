@@ -259,6 +259,9 @@ class ProxyServer:
             await asyncio.sleep(0)  # their connection_lost runs on the next loop pass
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 async def serve_until_signalled(settings: Settings) -> None:
     server = ProxyServer(settings)
     await server.start()
@@ -269,8 +272,9 @@ async def serve_until_signalled(settings: Settings) -> None:
              os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by a workers' parent until now
     await stop.wait()
     log.info("shutting down: %d requests in flight, grace %g s", len(server.ctx.in_flight),
              settings.timeouts.shutdown_grace)
@@ -298,6 +302,10 @@ def _run_workers(settings: Settings) -> int:
     # new connections across them; the parent only supervises and relays signals.
     _check_port_bindable(settings)
     children: list[int] = []
+    # A stop signal that comes while the workers start waits, blocked, until the
+    # parent relays and each worker handles it (serve_until_signalled unblocks);
+    # with the default action it would kill a starting worker (exit 143).
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     for _ in range(settings.workers):
         pid = os.fork()
         if pid == 0:
@@ -313,6 +321,7 @@ def _run_workers(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, relay)
     signal.signal(signal.SIGINT, relay)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     # Workers are not restarted: one that fails stops the others, and the whole
     # service exits with its status, so a supervisor (systemd, compose) sees it.
     status = 0
