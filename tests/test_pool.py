@@ -153,6 +153,29 @@ def test_resend_that_fails_again_is_urx(scripted_upstream, start_proxy):
     assert resp.status == 502 and json.loads(resp.body)["error"]["code"] == "URX"
 
 
+def test_a_resend_never_goes_to_another_pooled_connection(scripted_upstream, start_proxy):
+    """Two pooled connections went stale together (an upstream restart, or its idle
+    timeout closing both): the resend must open a new one, not try the other."""
+    async def slow_first_then_drops_the_next(reader, writer, upstream):
+        await reader.read_request()
+        await asyncio.sleep(0.3)  # slow enough that the two warm-up requests need two connections
+        writer.write(SMALL_OK)
+        await writer.drain()
+        await reader.read_request()
+        writer.transport.abort()
+
+    up = scripted_upstream(slow_first_then_drops_the_next)
+    proxy = start_proxy(up.url, **{"pool.keep_warm": 0})
+    first, second = RawClient(proxy.port), RawClient(proxy.port)
+    first.request("GET", "/warm-1")
+    second.request("GET", "/warm-2")
+    assert first.response().body == b"ok" and second.response().body == b"ok"
+    assert wait_until(lambda: len(proxy.ctx.pool.idle) == 2)
+    resp = RawClient(proxy.port).roundtrip("GET", "/after")
+    assert resp.status == 200 and resp.body == b"ok"
+    assert proxy.ctx.pool.stats["stale_retried"] == 1 and up.connections == 3
+
+
 def test_idle_connection_closed_by_upstream_is_dropped_before_use(fast_upstream, start_proxy):
     up = fast_upstream(idle_close_after=0.1)
     proxy = start_proxy(up.url)
@@ -273,6 +296,27 @@ async def _burst(pool, count: int) -> list:
     for user in users:
         pool.release(user.ready[0][0])
     return users
+
+
+def test_a_connection_idle_past_the_timeout_is_never_handed_out_even_between_sweeps():
+    async def main():
+        async with _pool_on_server(idle_timeout=0.4) as pool:
+            first, second = _User(), _User()
+            pool.acquire(first)
+            pool.acquire(second)
+            assert await _until(lambda: first.ready and second.ready)
+            started = time.monotonic()
+            pool.release(first.ready[0][0])  # arms the sweeper, which runs every 0.1 s from here
+            await asyncio.sleep(0.05)
+            pool.release(second.ready[0][0])  # half a sweep later: a sweep finds it young
+            await asyncio.sleep(0.47 - (time.monotonic() - started))  # past 0.4 s idle, before the next sweep
+            late = _User()
+            pool.acquire(late)
+            assert await _until(lambda: late.ready)
+            _, reused, _ = late.ready[0]
+            assert not reused, "both pooled connections were idle past pool.idle_timeout (0.4 s)"
+
+    asyncio.run(main())
 
 
 def test_keep_warm_renews_idle_connections_so_a_burst_after_a_pause_finds_them_ready():
