@@ -440,7 +440,8 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("timeouts", "client_keepalive", seconds(), 75.0,
             "An idle client keep-alive connection is closed after this."),
     Setting("timeouts", "shutdown_grace", seconds(zero="stop at once"), 30.0,
-            "On SIGTERM or SIGINT, in-flight streams get this long to finish."),
+            "On SIGTERM or SIGINT, in-flight streams get this long to finish, and slow clients to "
+            "take what was written to them; what is left then is cut with a reset."),
     Setting("pool", "idle_timeout", seconds(), 4.0,
             "An idle upstream keep-alive connection is closed after this; kept below the 5 s idle "
             "timeout of uvicorn-based engines so a connection the engine is closing is not reused."),
