@@ -261,6 +261,27 @@ def test_a_stop_signal_while_the_workers_start_is_a_clean_stop(upstream_process)
             proc.wait(5)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death notice is Linux's")
+def test_workers_stop_when_their_parent_is_killed_outright(upstream_process):
+    proc, port, admin = _serve(upstream_process, "--workers", "2")
+    workers = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    try:
+        assert len(workers) == 2
+        proc.kill()  # SIGKILL: the parent cannot relay anything
+        proc.wait(5)
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}/status") and
+                                          "zombie" not in open(f"/proc/{pid}/status").read() for pid in workers),
+                          timeout=15), "orphaned workers kept serving"
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_worker_that_cannot_start_stops_the_service_with_an_error(upstream_process):
     taken = socket.socket()  # the admin port, held without SO_REUSEPORT: no worker can bind it
     taken.bind(("127.0.0.1", 0))

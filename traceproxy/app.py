@@ -306,9 +306,11 @@ def _run_workers(settings: Settings) -> int:
     # parent relays and each worker handles it (serve_until_signalled unblocks);
     # with the default action it would kill a starting worker (exit 143).
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    parent = os.getpid()
     for _ in range(settings.workers):
         pid = os.fork()
         if pid == 0:
+            _stop_when_orphaned(parent)
             os._exit(_worker_main(settings))
         children.append(pid)
 
@@ -334,6 +336,26 @@ def _run_workers(settings: Settings) -> int:
             status = code if code > 0 else 128 - code  # killed by a signal: 128 + its number
             relay(signal.SIGTERM, None)
     return status
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """A worker whose parent was killed outright (SIGKILL, the OOM killer) would go on
+    serving the port alone, and a restarted service could not bind it. Linux sends
+    the worker SIGTERM when its parent dies, and it stops as on any stop signal (still
+    blocked here: it is handled once the worker's handlers are in place). Elsewhere,
+    there is no such notice."""
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the notice was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _worker_main(settings: Settings) -> int:
