@@ -320,6 +320,23 @@ COLLECTOR_TROUBLE = [
 ]
 
 
+def test_an_exporter_stuck_in_an_export_stops_on_the_parents_stop_now_not_sigkill(loop_thread, caplog):
+    receiver = OtlpHttpReceiver(mode="black_hole").start()
+    pipe = SpanExportPipe(make_config(otlp_protocol="http/protobuf", otlp_endpoint=receiver.endpoint,
+                                      export_timeout=60.0))
+    try:
+        loop_thread.run(pipe.start())
+        loop_thread.call(pipe.submit_now, sample_trace())
+        assert wait_until(lambda: receiver.requests >= 1)  # the child now waits on the collector
+        with caplog.at_level("WARNING", logger="traceproxy.export"):
+            loop_thread.run(pipe.stop(timeout=2.0))
+    finally:
+        receiver.stop()
+    escalations = [r.getMessage() for r in caplog.records if "did not finish in time" in r.getMessage()]
+    assert len(escalations) == 1 and escalations[0].endswith("SIGUSR1"), escalations  # no SIGKILL after it
+    assert loop_thread.call(lambda: pipe._process.returncode) == 128 + signal.SIGUSR1
+
+
 @pytest.mark.parametrize("protocol,trouble", COLLECTOR_TROUBLE)
 def test_collector_trouble_costs_only_dropped_spans(protocol, trouble, loop_thread):
     receiver = RECEIVERS[protocol](mode="ok" if trouble == "down" else trouble, delay=1.0).start()

@@ -20,12 +20,13 @@ Theory of operation:
   never outlives its parent by more than the exports of what is already in the
   pipe, each bounded by the export timeout.
 - A thread sends cumulative ``{"exported", "failed"}`` counts once a second when
-  they changed; SIGTERM sends them once more and exits at once (the parent uses it
-  when draining overran its deadline).
+  they changed; the parent's "stop now" (``STOP_NOW``, SIGUSR1) sends them once more
+  and exits at once (the parent uses it when draining overran its deadline).
 - It lowers its own CPU priority (``ExportConfig.nice``) before anything else, so
   that when the cores are saturated the proxy's event loop gets them first.
-- SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group, and the
-  parent's orderly stop, not the signal, should end this process.
+- SIGINT and SIGTERM are ignored: Ctrl-C in a terminal reaches the whole process
+  group, and systemd's default stop the whole cgroup; the parent's orderly stop,
+  after its shutdown grace, not the signal, should end this process.
 """
 
 from __future__ import annotations
