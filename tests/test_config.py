@@ -274,6 +274,16 @@ ERROR_CASES = [
     ("zero-keepalive", {"env": {"TRACEPROXY_TIMEOUTS_CLIENT_KEEPALIVE": "0"}},
      ["timeouts.client_keepalive", "env TRACEPROXY_TIMEOUTS_CLIENT_KEEPALIVE", "seconds > 0"]),
     ("zero-pool-idle", {"toml": "[pool]\nidle_timeout = 0.0\n"}, ["pool.idle_timeout", "seconds > 0"]),
+    # Finite, but past what nanosecond deadlines and timers hold: refused, not a crash later.
+    ("huge-seconds", {"argv": ["--pool-idle-timeout", "1e300"]},
+     ["pool.idle_timeout", "flag --pool-idle-timeout", "'1e300'", "at most 31536000 (a year)"]),
+    ("just-past-a-year", {"env": {"TRACEPROXY_STALL_FIRST_BYTE": "31536001"}},
+     ["stall.first_byte", "env TRACEPROXY_STALL_FIRST_BYTE", "at most 31536000"]),
+    # A bad value is an error where it is, even when a higher source overrides it.
+    ("bad-file-value-under-a-flag", {"toml": '[timeouts]\nconnect = "abc"\n', "argv": ["--timeouts-connect", "1"]},
+     ["timeouts.connect", "file {path}", "'abc'", "a number of seconds > 0"]),
+    ("bad-env-value-under-a-flag", {"env": {"TRACEPROXY_TIMEOUTS_CONNECT": "bogus"}, "argv": ["--timeouts-connect", "1"]},
+     ["timeouts.connect", "env TRACEPROXY_TIMEOUTS_CONNECT", "'bogus'"]),
     ("host-port-missing-port", {"argv": ["--listen", "localhost"]},
      ["listen", "flag --listen", "'localhost'", "missing port", "HOST:PORT"]),
     ("host-port-bad-port", {"argv": ["--listen", "127.0.0.1:http"]}, ["listen", "'127.0.0.1:http'", "HOST:PORT"]),

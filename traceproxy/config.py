@@ -195,16 +195,22 @@ def _str(raw: Any) -> str:
     return raw
 
 
+# Durations are turned into integer nanoseconds and timer delays: past this, a finite
+# value would overflow them, and no timeout or window of a proxy needs more.
+MAX_SECONDS = 365 * 24 * 3600
+
+
 def seconds(*, zero: str | None = None) -> Kind:
-    """Finite seconds: > 0, or >= 0 when `zero` says what 0 means."""
+    """Finite seconds, at most a year: > 0, or >= 0 when `zero` says what 0 means."""
 
     def parse(raw: Any) -> float:
         value = _number(raw, float)
-        if value < 0 or (value == 0 and zero is None):
+        if value < 0 or (value == 0 and zero is None) or value > MAX_SECONDS:
             raise ValueError
         return value
 
-    return Kind(parse, f"a number of seconds >= 0 (0 = {zero})" if zero else "a number of seconds > 0", "SECONDS")
+    lower = f">= 0 (0 = {zero})" if zero else "> 0"
+    return Kind(parse, f"a number of seconds {lower}, at most {MAX_SECONDS} (a year)", "SECONDS")
 
 
 def integer(minimum: int, maximum: int | None = None, *, zero: str | None = None) -> Kind:
@@ -701,10 +707,19 @@ def load_settings(
     else:
         path, source = environ.get(CONFIG_ENV), f"env {CONFIG_ENV}"
     if path is not None:
-        raw.update(_file_values(_read_toml(path, source), f"file {path}"))
-    raw.update(_env_values(environ))
+        raw.update(_checked(_file_values(_read_toml(path, source), f"file {path}")))
+    raw.update(_checked(_env_values(environ)))
     raw.update({dotted: (value, f"flag {_BY_DOTTED[dotted].flag}") for dotted, value in given.items()})
     return _build(raw)
+
+
+def _checked(values: Raw) -> Raw:
+    """``values``, each parsed once here: a bad value in the file or the environment
+    is an error even when a flag (or the environment) then overrides it, as a bad
+    line in nginx's or Envoy's config is, whatever else is given."""
+    for dotted, (value, source) in values.items():
+        _parse(_BY_DOTTED[dotted], value, source)
+    return values
 
 
 # Short names that operators and docs use, beside the section-derived flag.
