@@ -220,6 +220,40 @@ def test_a_pipelined_request_waiting_its_turn_is_not_a_stall_and_never_aborted(s
     assert reply.count(b"3\r\ntok\r\n") == 9
 
 
+def test_a_head_the_proxy_stopped_reading_behind_queued_requests_is_not_the_clients_stall(
+        scripted_upstream, start_proxy):
+    # The third request's head is complete on the wire 0.1 s after its first line, but
+    # the proxy stops reading at the queued second request: the silence is the proxy's
+    # pipeline, not the client's. An abort (a 408) would land inside the first response.
+    async def slow_stream(reader, writer, upstream):
+        for _ in range(3):
+            head, _ = await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(8 if b"/slow" in head else 1):
+                await asyncio.sleep(0.15)
+                writer.write(b"3\r\ntok\r\n")
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    proxy, sink = _proxy(start_proxy, scripted_upstream(slow_stream).url,
+                         **{"stall.stream_gap": 1.0, "stall.action": "abort"})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /second HTTP/1.1\r\nHost: a\r\n\r\n"
+                     b"GET /third HTTP/1.1\r\n")
+        time.sleep(0.1)
+        sock.sendall(b"Host: a\r\nConnection: close\r\n\r\n")
+        assert wait_until(lambda: [e["phase"] for e in _inflight(proxy)].count("waiting_turn") == 2)
+        reply = b""
+        for _ in range(200):  # bounded: the three responses need far fewer reads
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            reply += piece
+    assert reply.count(b"HTTP/1.1 200 OK") == 3 and b" 408 " not in reply, reply[-300:]
+    assert not sink.now_items, "a stall was reported for a head the proxy was not reading"
+
+
 def test_a_shorter_stall_after_a_longer_wait_is_found_at_its_own_threshold(scripted_upstream, start_proxy, caplog):
     # First byte allowed 3 s; the head and a token come after 0.5 s, then silence:
     # the stream-gap stall (0.3 s) is due long before the first-byte deadline the

@@ -38,6 +38,9 @@ STREAMING = SENT + (Mark.FIRST_UPSTREAM_RX_BYTE, Mark.LAST_UPSTREAM_RX_HEADER_BY
 # (id, record, phase, outcome, blame, since seconds, deadline seconds)
 CASES = [
     ("head-incomplete", request(HEAD[0]), Phase.AWAITING_REQUEST_HEADERS, Flag.DHS, Blame.CLIENT, 1, 2),
+    # Begun behind other requests (read only as far as the proxy read on): timed from its turn.
+    ("head-incomplete-after-its-turn", request(HEAD[0], turn_began_ns=7), Phase.AWAITING_REQUEST_HEADERS,
+     Flag.DHS, Blame.CLIENT, 7, 8),
     ("connecting", request(*HEAD), Phase.AWAITING_UPSTREAM_CONNECTION, Flag.UCS, Blame.ENGINE, 2, 5),
     ("pool-queued", request(*HEAD, Mark.POOL_QUEUED), Phase.AWAITING_UPSTREAM_CONNECTION, Flag.PWS, Blame.PROXY, 3, 6),
     ("body-from-client", request(*SENT[:4], last_downstream_rx_ns=4.5), Phase.AWAITING_REQUEST_BODY, Flag.DBS,

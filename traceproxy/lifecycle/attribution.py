@@ -48,7 +48,9 @@ def _first(*stamps: int | None) -> int:
 
 
 def _awaiting_headers(r: RequestRecord, phase: Phase) -> Verdict:
-    return Verdict(phase, Flag.DHS, r.marks[Mark.FIRST_DOWNSTREAM_RX_BYTE], "client_headers")
+    # A head begun behind other requests is timed from its turn (see waiting_turn).
+    return Verdict(phase, Flag.DHS, _first(r.turn_began_ns, r.marks[Mark.FIRST_DOWNSTREAM_RX_BYTE]),
+                   "client_headers")
 
 
 def _awaiting_connection(r: RequestRecord, phase: Phase) -> Verdict:

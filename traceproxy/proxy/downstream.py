@@ -297,6 +297,9 @@ class ClientConnection(asyncio.Protocol):
         self.ctx.connection_busy(self)
         record = self.record.begin_request(now)
         record.owner = self  # until its exchange exists
+        # Behind a request in progress, its head is read only as the proxy reads on
+        # (it stops at a queued one): until its turn, its silence is not the client's.
+        record.waiting_turn = self.active is not None
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
         self._in_head = True
@@ -439,6 +442,10 @@ class ClientConnection(asyncio.Protocol):
             self.ctx.connection_idle(self)
             self._arm_timer(self.ctx.timeouts.client_keepalive, self._on_idle_timeout)
         else:
+            # The head begun behind the requests before it: its turn starts now, and
+            # its time to complete (the stall verdict, the header timeout) with it.
+            self.parsing.waiting_turn = False
+            self.parsing.turn_began_ns = time.monotonic_ns()
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
     def _drop_queue(self, outcome: Outcome, why: str) -> None:
