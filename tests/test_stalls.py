@@ -334,3 +334,35 @@ def test_a_refused_pipelined_request_waiting_its_turn_is_not_a_stall(scripted_up
     reply = raw_exchange(proxy.port, b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /second HTTP/1.1\r\nHost: a/b\r\n\r\n")
     assert reply.count(b"3\r\ntok\r\n") == 8 and b"HTTP/1.1 400 " in reply
     assert not sink.now_items
+
+
+def test_a_client_body_stall_outlives_a_resend_and_resolves_when_the_body_comes():
+    # The client went silent mid-body on a reused connection, which then died and was
+    # replaced: the silence is still the client's, and its stall ends when it sends.
+    from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.stall import StallThresholds, judge
+    from traceproxy.lifecycle.timeline import ClientConnectionRecord
+    from traceproxy.observe.watchdog import Watchdog
+
+    second = 1_000_000_000
+    record = ClientConnectionRecord(peer="p", opened_ns=0).begin_request(0)
+    record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, 0)
+    record.new_attempt(0, 1)
+    record.mark(MARK.POOL_ACQUIRED, 0)
+    record.mark(MARK.FIRST_UPSTREAM_TX_BYTE, 0)
+    record.last_downstream_rx_ns = 1 * second
+    thresholds = StallThresholds(client_headers=1, client_body=1, pool_wait=1, first_byte=1, stream_gap=1,
+                                 client_drain=1)
+    watchdog = Watchdog(lambda: [record], thresholds)
+    judgement = judge(record, 3 * second, thresholds)
+    assert judgement is not None and judgement.verdict.outcome.code == "DBS"
+    watchdog._report(judgement, 3 * second)
+    record.new_attempt(4 * second, 2)  # the resend, on a fresh connection
+    record.mark(MARK.POOL_ACQUIRED, 4 * second)
+    record.mark(MARK.FIRST_UPSTREAM_TX_BYTE, 4 * second)
+    record.last_downstream_rx_ns = 5 * second  # the client's next bytes, then its last
+    record.mark(MARK.LAST_DOWNSTREAM_RX_BYTE, 5 * second)
+    record.mark(MARK.LAST_UPSTREAM_TX_BYTE, 5 * second)
+    watchdog._check_open(5 * second)
+    (stall,) = record.stalls
+    assert stall.code == "DBS" and stall.resolved_ns == 5 * second

@@ -114,7 +114,7 @@ class StallEntry:
     since_ns: int  # when the silence began
     detected_ns: int  # when the watchdog judged it a stall
     resolved_ns: int | None = None  # when the awaited byte came after all
-    attempt: int = 0  # the upstream attempt it was judged on (a resend ends it unresolved)
+    attempt: int = 0  # the upstream attempt it was judged on (a resend ends it unresolved); -1 if not
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from ..lifecycle.flags import Flag
+from ..lifecycle.flags import Blame, Flag
 from ..lifecycle.marks import MARK
 from ..lifecycle.ids import new_request_id, new_span_id, new_trace_id
 from ..lifecycle.stall import Judgement, StallThresholds, judge, judge_all
@@ -117,8 +117,10 @@ class Watchdog:
             # line and the stall span can be found.
             record.trace_id, record.span_id = new_trace_id(), new_span_id()
             record.request_id = record.request_id or new_request_id()
-        entry = StallEntry(found.outcome.code, found.phase.value, found.since_ns, now,
-                           attempt=len(record.attempts) - 1)
+        # An upstream-side stall belongs to the attempt it was judged on (a resend ends
+        # it unresolved); the client's own silence outlives a resend (-1: no attempt).
+        attempt = -1 if found.outcome.blame is Blame.CLIENT else len(record.attempts) - 1
+        entry = StallEntry(found.outcome.code, found.phase.value, found.since_ns, now, attempt=attempt)
         record.stalls.append(entry)
         self.open[record.id] = (record, entry)
         for listener in self.listeners:
