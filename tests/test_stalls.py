@@ -366,3 +366,69 @@ def test_a_client_body_stall_outlives_a_resend_and_resolves_when_the_body_comes(
     watchdog._check_open(5 * second)
     (stall,) = record.stalls
     assert stall.code == "DBS" and stall.resolved_ns == 5 * second
+
+
+def _streaming_record(start_ns: int, second: int):
+    from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.timeline import ClientConnectionRecord
+
+    record = ClientConnectionRecord(peer="p", opened_ns=start_ns).begin_request(start_ns)
+    for mark in (MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, MARK.LAST_DOWNSTREAM_RX_BYTE):
+        record.mark(mark, start_ns)
+    record.new_attempt(start_ns, 1)
+    for mark in (MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE, MARK.LAST_UPSTREAM_TX_BYTE):
+        record.mark(mark, start_ns)
+    return record
+
+
+ONE_SECOND_EACH = dict(client_headers=1, client_body=1, pool_wait=1, first_byte=1, stream_gap=1, client_drain=1)
+
+
+def test_an_engine_stall_on_a_connection_that_died_and_was_resent_stays_unresolved():
+    from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.stall import StallThresholds, judge
+    from traceproxy.observe.watchdog import Watchdog
+
+    second = 1_000_000_000
+    record = _streaming_record(0, second)  # sent, no response byte
+    thresholds = StallThresholds(**ONE_SECOND_EACH)
+    watchdog = Watchdog(lambda: [record], thresholds)
+    watchdog._report(judge(record, 3 * second, thresholds), 3 * second)
+    record.new_attempt(4 * second, 2)  # the connection died; resent on a fresh one, which answers
+    for mark in (MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE, MARK.LAST_UPSTREAM_TX_BYTE,
+                 MARK.FIRST_UPSTREAM_RX_BYTE, MARK.LAST_UPSTREAM_RX_HEADER_BYTE):
+        record.mark(mark, 4 * second)
+    watchdog._check_open(5 * second)
+    (stall,) = record.stalls
+    assert stall.code == "FBS" and stall.resolved_ns is None  # no byte ever came on the attempt it was judged on
+
+
+def test_the_watchdog_re_judges_an_open_stall_and_resolves_it_when_the_client_reads_again():
+    import time as clock
+
+    from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.stall import StallThresholds
+    from traceproxy.observe.watchdog import Watchdog
+
+    async def main():
+        second = 1_000_000_000
+        start = clock.monotonic_ns() - 10 * second
+        record = _streaming_record(start, second)
+        for mark in (MARK.FIRST_UPSTREAM_RX_BYTE, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE,
+                     MARK.FIRST_UPSTREAM_RX_BODY_BYTE, MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE):
+            record.mark(mark, start)
+        record.upstream_rx_chunks = 1
+        record.last_upstream_rx_ns = record.last_downstream_tx_ns = start
+        record.downstream_paused_since_ns = start + 2 * second  # the client stopped reading
+        watchdog = Watchdog(lambda: [record], StallThresholds(**ONE_SECOND_EACH))
+        watchdog._wake()
+        (stall,) = record.stalls
+        assert stall.code == "DNR" and stall.resolved_ns is None
+        resumed = clock.monotonic_ns()
+        record.downstream_paused_since_ns = None  # it reads again, and takes what was waiting
+        record.last_upstream_rx_ns = record.last_downstream_tx_ns = resumed
+        watchdog._wake()
+        watchdog.stop()
+        assert stall.resolved_ns is not None and stall.resolved_ns >= resumed
+
+    asyncio.run(main())
