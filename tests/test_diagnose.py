@@ -360,3 +360,17 @@ def test_a_client_that_left_a_stalled_request_points_at_the_stall():
     assert "outcome DC" in text and "stalled: FBS in awaiting_upstream_headers, blame engine" in text
     server.events.append(Event("stall_resolved", 8, {"traceproxy.stall.outcome": "FBS"}))
     assert "stalled" not in "\n".join(_outcome_lines(server))  # it had resolved: no hang to point at
+
+
+def test_a_request_found_by_either_of_its_ids_has_its_server_and_stall_spans():
+    # Stalled mid-head, the request was given an id for its stall span; its head then
+    # brought the client's own, which its SERVER span carries.
+    from traceproxy.diagnose import Span
+
+    server = Span(TRACE, SERVER, "", "POST /v1/chat/completions", "server", 0, 10,
+                  {"traceproxy.request_id": "client-id", "traceproxy.outcome": "OK"}, [])
+    stall = Span(TRACE, "5" * 16, SERVER, "stall DHS", "internal", 2, 3,
+                 {"traceproxy.request_id": "generated-id", "traceproxy.stall.outcome": "DHS"}, [])
+    for ident in ("generated-id", "client-id"):
+        [found] = find_requests([server, stall], ident)
+        assert found.server is server and found.stalls == [stall], ident

@@ -368,7 +368,7 @@ def test_a_client_body_stall_outlives_a_resend_and_resolves_when_the_body_comes(
     assert stall.code == "DBS" and stall.resolved_ns == 5 * second
 
 
-def _streaming_record(start_ns: int, second: int):
+def _streaming_record(start_ns: int):
     from traceproxy.lifecycle.marks import MARK
     from traceproxy.lifecycle.timeline import ClientConnectionRecord
 
@@ -390,7 +390,7 @@ def test_an_engine_stall_on_a_connection_that_died_and_was_resent_stays_unresolv
     from traceproxy.observe.watchdog import Watchdog
 
     second = 1_000_000_000
-    record = _streaming_record(0, second)  # sent, no response byte
+    record = _streaming_record(0)  # sent, no response byte
     thresholds = StallThresholds(**ONE_SECOND_EACH)
     watchdog = Watchdog(lambda: [record], thresholds)
     watchdog._report(judge(record, 3 * second, thresholds), 3 * second)
@@ -413,7 +413,7 @@ def test_the_watchdog_re_judges_an_open_stall_and_resolves_it_when_the_client_re
     async def main():
         second = 1_000_000_000
         start = clock.monotonic_ns() - 10 * second
-        record = _streaming_record(start, second)
+        record = _streaming_record(start)
         for mark in (MARK.FIRST_UPSTREAM_RX_BYTE, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE,
                      MARK.FIRST_UPSTREAM_RX_BODY_BYTE, MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE):
             record.mark(mark, start)

@@ -339,6 +339,16 @@ def find_requests(spans: list[Span], ident: str) -> list[RequestSpans]:
 
 def _attach_children(found: RequestSpans, spans: list[Span]) -> None:
     same_trace = [s for s in spans if s.trace_id == found.trace_id]
+    # A request that stalled mid-head was given an id for its stall span, and then
+    # took the client's own when its head came: whichever id found it, its SERVER
+    # span and its stall spans are the ones of its span id.
+    if found.server is None:
+        found.server = next((s for s in same_trace if _is_proxy_server(s) and s.span_id == found.server_span_id),
+                            None)
+    known = {id(s) for s in found.stalls}
+    found.stalls += [s for s in same_trace
+                     if _is_stall(s) and s.parent_id == found.server_span_id and id(s) not in known]
+    found.stalls.sort(key=lambda s: s.start_ns)
     found.attempts = sorted((s for s in same_trace if s.kind == "client" and s.parent_id == found.server_span_id),
                             key=_attempt_order)
     attempt_ids = {a.span_id for a in found.attempts}
