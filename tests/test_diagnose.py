@@ -374,3 +374,23 @@ def test_a_request_found_by_either_of_its_ids_has_its_server_and_stall_spans():
     for ident in ("generated-id", "client-id"):
         [found] = find_requests([server, stall], ident)
         assert found.server is server and found.stalls == [stall], ident
+
+
+def test_the_longest_wait_is_between_marks_whatever_stall_events_fall_inside_it():
+    from traceproxy.diagnose import Event, Span, _timeline_lines
+
+    ms = 1_000_000
+
+    def stall(at, code, phase):
+        return Event("stall", at, {"traceproxy.stall.outcome": code, "traceproxy.stall.phase": phase})
+
+    # 2.45 s waiting for a pooled connection (the proxy), then 2.8 s for the first
+    # byte (the engine); each wait has a stall event part way through it.
+    events = [Event("first_downstream_rx_byte", 0, {}), Event("pool_queued", 0, {}),
+              stall(500 * ms, "PWS", "awaiting_upstream_connection"), Event("pool_acquired", 2450 * ms, {}),
+              stall(3950 * ms, "FBS", "awaiting_upstream_headers"), Event("first_upstream_rx_byte", 5250 * ms, {})]
+    server = Span(TRACE, SERVER, "", "POST /v1/chat/completions", "server", 0, 5300 * ms,
+                  {"traceproxy.request_id": "r", "traceproxy.outcome": "OK"}, events)
+    found = find_requests([server], "r")[0]
+    [marked] = [line for line in _timeline_lines(found) if "<- longest wait" in line]
+    assert "first_upstream_rx_byte" in marked and "+2.800 s" in marked, marked

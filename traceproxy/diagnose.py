@@ -528,8 +528,17 @@ def _timeline_lines(found: RequestSpans) -> list[str]:
     took = f", took {duration(found.server.end_ns - start)}" if found.server is not None else ""
     lines = [f"  timeline (start {wall_clock(start)}{took}):",
              f"    {'from start':>14} {'gap':>14}  mark"]
-    gaps = [when - before for (when, _, _), before in zip(entries, [start] + [e[0] for e in entries])]
-    longest = gaps.index(max(gaps)) if max(gaps) > 0 else -1
+    # Gaps run from mark to mark: a stall event in the middle of a wait shows how long
+    # it had lasted, but does not cut the wait in two (the longest wait is a mark's).
+    gaps, marks, previous_mark = [], [], start
+    for when, what, _ in entries:
+        gaps.append(when - previous_mark)
+        if not what.startswith("stall "):
+            marks.append(len(gaps) - 1)
+            previous_mark = when
+    longest = max(marks, key=lambda index: gaps[index], default=-1)
+    if longest >= 0 and gaps[longest] <= 0:
+        longest = -1
     for index, ((when, what, where), gap) in enumerate(zip(entries, gaps)):
         lines.append(f"    {'+' + duration(when - start):>14} {'+' + duration(gap):>14}  {what}"
                      + (f"   [{where}]" if where else "") + ("   <- longest wait" if index == longest else ""))
