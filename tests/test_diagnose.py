@@ -314,8 +314,9 @@ def test_jaeger_not_found_and_unreachable(jaeger):
     assert code == 1
     code, _, err = _jaeger_run("http://127.0.0.1:9", "req-42")
     assert code == 2 and "cannot reach Jaeger" in err
-    code, _, err = _jaeger_run("notaurl", "req-42")
-    assert code == 2 and "http(s) URL" in err
+    for not_a_url in ("notaurl", "http://[::1", "http://127.0.0.1:abc", "http://a b:1", "http://127.0.0.1:1/ x"):
+        code, _, err = _jaeger_run(not_a_url, "req-42")
+        assert code == 2 and "http(s) URL" in err and "Traceback" not in err, (not_a_url, err)
 
 
 def test_each_stall_shows_its_own_resolution_and_the_last_open_one_is_the_hang():

@@ -263,8 +263,7 @@ def _jaeger_event(log: dict) -> Event:
 
 def fetch_jaeger(base_url: str, ident: str, service: str = DEFAULT_SERVICE) -> list[Span]:
     """The spans Jaeger holds for the trace id or request id ``ident``; raises DiagnoseError."""
-    parts = urllib.parse.urlsplit(base_url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if not _is_http_url(base_url):
         raise DiagnoseError(f"--jaeger takes the query API's http(s) URL, such as http://127.0.0.1:16686, "
                             f"not {base_url!r}")
     base = base_url.rstrip("/")
@@ -277,6 +276,18 @@ def fetch_jaeger(base_url: str, ident: str, service: str = DEFAULT_SERVICE) -> l
     query = urllib.parse.urlencode({"service": service, "tags": tags, "limit": JAEGER_LIMIT,
                                     "start": now_us - JAEGER_LOOKBACK_S * 1_000_000, "end": now_us})
     return _jaeger_get(f"{base}/api/traces?{query}")
+
+
+def _is_http_url(url: str) -> bool:
+    """An http(s) URL with a host, a numeric port if any, and nothing a request line cannot carry."""
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # raises ValueError for a port that is not a number in range
+    except ValueError:  # such as an unclosed IPv6 bracket
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def _jaeger_get(url: str) -> list[Span]:
