@@ -215,6 +215,8 @@ def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, 
     assert "admin listener" in capsys.readouterr().err
     assert main(["repro", "--url", url, "--admin", f"127.0.0.1:{proxy.port}"]) == 2  # not the admin port
     assert main(["repro", "--url", "https://127.0.0.1:1"]) == 2
+    for bad in ("http://[::1", "http://[zz]:80", "http://127.0.0.1:0", "http://127.0.0.1:abc", "http://a b:1"):
+        assert main(["repro", "--url", bad]) == 2, bad
     assert main(["repro", "--url", url, "--conversations", "0"]) == 2
     assert main(["repro", "--url", url, "--header", "no colon"]) == 2
     capsys.readouterr()

@@ -17,6 +17,7 @@ keyboard input except Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -80,11 +81,19 @@ def admin_address(text: str) -> str:
     if raw.lower().startswith("http://"):
         raw = raw[7:]
     host, _, port = raw.rpartition(":")
-    if not host or not port.isdigit() or "/" in raw:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:9464, got {text!r}")
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    url = f"http://{host}:{port}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if host.startswith("["):
+            ipaddress.IPv6Address(parts.hostname or "")
+        valid = bool(parts.hostname) and port.isdigit() and 1 <= int(port) <= 65535 and parts.port is not None
+    except ValueError:  # such as an unclosed bracket, or not an IPv6 address inside them
+        valid = False
+    if not valid or "/" in raw or any(c.isspace() for c in raw):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:9464, got {text!r}")
+    return url
 
 
 def positive_seconds(text: str) -> float:

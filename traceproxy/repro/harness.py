@@ -154,16 +154,18 @@ class Numbering:
 # ----------------------------------------------------------------------------------
 def parse_url(url: str) -> tuple[str, int]:
     """``http://HOST:PORT`` -> (host, port); raises UsageError."""
-    parts = urlsplit(url.strip())
-    if parts.scheme != "http" or not parts.hostname:
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:  # an unclosed IPv6 bracket, a port that is not a number in range
+        raise UsageError(f"expected http://HOST:PORT (plain HTTP/1.1), got {url!r}") from None
+    if parts.scheme != "http" or not parts.hostname or any(c.isspace() for c in url.strip()):
         raise UsageError(f"expected http://HOST:PORT (plain HTTP/1.1), got {url!r}")
     if parts.path not in ("", "/") or parts.query:
         raise UsageError(f"give the URL without a path ({url!r}); the request path is --path")
-    try:
-        port = parts.port or 80
-    except ValueError:
-        raise UsageError(f"bad port in {url!r}") from None
-    return parts.hostname, port
+    if port == 0:
+        raise UsageError(f"port 0 in {url!r} is no server's port")
+    return parts.hostname, 80 if port is None else port
 
 
 def modes_for(mode: str) -> tuple[str, ...]:
