@@ -670,9 +670,37 @@ def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, star
     (["--no-router", "--hang-after", "3-1"], "LOW <= HIGH"),
     (["--no-router", "--hang-after", "x"], "--hang-after takes N or LOW-HIGH"),
     (["--no-router", "--decode-tps", "0"], "--decode-tps must be a number of tokens per second above 0"),
-    (["worker", "--role", "decode", "--listen", "127.0.0.1:abc"], "--listen takes HOST:PORT"),
+    (["worker", "--role", "decode", "--listen", "127.0.0.1:abc"], "expected a port from 0 to 65535"),
+    (["worker", "--role", "prefill", "--listen", "a b:0"], "expected a host name or IP address"),
+    (["worker", "--role", "prefill", "--bootstrap-port", "99999"], "expected a port from 0 to 65535"),
+    (["--no-router", "--prefill-port", "99999"], "expected a port from 0 to 65535"),
+    (["--no-router", "--decode-port", "-1"], "expected a port from 0 to 65535"),
+    (["--router-port", "70000"], "expected a port from 0 to 65535"),
+    (["--no-router", "--host", "a b"], "expected a host name or IP address"),
 ])
 def test_bad_sim_arguments_are_one_line_errors_with_exit_2(capsys, argv, message):
-    assert cli_main(["sim", *argv]) == 2
+    assert _exit_status(["sim", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--listen", "127.0.0.1:99999"], "port 99999 is out of range"),
+    (["--listen", "127.0.0.1"], "missing port"),
+    (["--listen", "127.0.0.1:abc"], "expected HOST:PORT"),
+    (["--listen", "a b:0"], "expected HOST:PORT"),
+    (["--idle-close-after", "nan"], "expected a number of seconds >= 0 (0 = never)"),
+    (["--idle-close-after", "-1"], "expected a number of seconds >= 0 (0 = never)"),
+])
+def test_bad_test_upstream_arguments_are_usage_errors(capsys, argv, message):
+    assert _exit_status(["upstream", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def _exit_status(argv: list[str]) -> int:
+    """The command's exit status, whether it returned it or argparse exited with it."""
+    try:
+        return cli_main(argv)
+    except SystemExit as exc:
+        return exc.code

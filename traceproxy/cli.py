@@ -8,7 +8,8 @@ import logging
 import sys
 
 from . import __version__
-from .config import ConfigError, add_flags, load_settings, unknown_environment
+from .config import (ConfigError, add_flags, listen_argument, load_settings, seconds_argument,
+                     unknown_environment)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     upstream = sub.add_parser("upstream", help="run the built-in OpenAI-compatible test upstream")
-    upstream.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)")
-    upstream.add_argument("--idle-close-after", type=float, default=0.0,
+    upstream.add_argument("--listen", type=listen_argument, default="127.0.0.1:0",
+                          help="HOST:PORT (port 0 picks a free one)")
+    upstream.add_argument("--idle-close-after", type=seconds_argument(zero="never"), default=0.0,
                           help="close idle keep-alive connections after this many seconds (0 = never)")
     upstream.set_defaults(run=_upstream)
 
@@ -105,10 +107,8 @@ def _upstream(args: argparse.Namespace) -> int:
 
     from .sim.fast import FastUpstream
 
-    host, _, port = args.listen.rpartition(":")
-
     async def serve() -> None:
-        up = await FastUpstream(host or "127.0.0.1", int(port or 0), idle_close_after=args.idle_close_after).start()
+        up = await FastUpstream(args.listen.host, args.listen.port, idle_close_after=args.idle_close_after).start()
         print(f"fast upstream listening on {up.url}", flush=True)
         await asyncio.Event().wait()
 

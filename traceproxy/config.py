@@ -288,6 +288,28 @@ def address(*, off: bool = False) -> Kind:
     return Kind(parse, expected, "HOST:PORT")
 
 
+# --- the same forms as argparse types, for the other commands' flags ---
+
+
+def _argument(kind: Kind, text: str) -> Any:
+    try:
+        return kind.parse(text.strip())
+    except ValueError as exc:
+        reason = f"{exc}; " if isinstance(exc, _Rejected) else ""
+        raise argparse.ArgumentTypeError(f"{reason}expected {kind.expected}, got {text!r}") from None
+
+
+def listen_argument(text: str) -> HostPort:
+    """HOST:PORT to listen on (port 0: a free one), as the ``listen`` key takes it."""
+    return _argument(address(), text)
+
+
+def seconds_argument(zero: str) -> Any:
+    """Seconds >= 0 (0 = ``zero``), at most a year, as the config's durations."""
+    kind = seconds(zero=zero)
+    return lambda text: _argument(kind, text)
+
+
 def http_url() -> Kind:
     def parse(raw: Any) -> UpstreamURL:
         text = _str(raw)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import math
+import re
 import sys
 
 from .faults import FaultError, fault_table, parse_faults
@@ -39,11 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.epilog = FAULTS_EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--host", default="127.0.0.1", help="address every listener binds (default: 127.0.0.1)")
-    parser.add_argument("--prefill-port", type=int, default=0, help="0 picks a free port (default)")
-    parser.add_argument("--decode-port", type=int, default=0, help="0 picks a free port (default)")
-    parser.add_argument("--router-port", type=int, default=0, help="0 picks a free port (default)")
-    parser.add_argument("--bootstrap-port", type=int, default=0, help="the prefill's KV bootstrap port (0: free)")
+    parser.add_argument("--host", type=host_argument, default="127.0.0.1",
+                        help="address every listener binds (default: 127.0.0.1)")
+    parser.add_argument("--prefill-port", type=port_argument, default=0, help="0 picks a free port (default)")
+    parser.add_argument("--decode-port", type=port_argument, default=0, help="0 picks a free port (default)")
+    parser.add_argument("--router-port", type=port_argument, default=0, help="0 picks a free port (default)")
+    parser.add_argument("--bootstrap-port", type=port_argument, default=0,
+                        help="the prefill's KV bootstrap port (0: free)")
     parser.add_argument("--no-router", action="store_true", help="do not start sglang-router")
     parser.add_argument("--faulty-proxy", action="store_true",
                         help="also start the faulty keep-alive proxy (in front of the router, else of decode)")
@@ -60,8 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     worker = sub.add_parser("worker", help="run one simulated worker", epilog=FAULTS_EPILOG,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
-    worker.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="(default: 127.0.0.1:0)")
-    worker.add_argument("--bootstrap-port", type=int, default=0, help="prefill only: KV bootstrap port (0: free)")
+    worker.add_argument("--listen", type=listen_argument, default="127.0.0.1:0", metavar="HOST:PORT",
+                        help="(default: 127.0.0.1:0)")
+    worker.add_argument("--bootstrap-port", type=port_argument, default=0,
+                        help="prefill only: KV bootstrap port (0: free)")
     worker.add_argument("--prefill-url", default=None, metavar="URL",
                         help="decode only: poll this prefill worker's GET /bootstrap/{room} instead of the "
                         "bootstrap address the router puts in the body (e.g. http://prefill:30001)")
@@ -97,11 +103,34 @@ def _check_rates(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be a number of tokens per second above 0, not {value:g}")
 
 
-def _listen_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--listen takes HOST:PORT (port 0 picks a free one), not {text!r}")
-    return host or "127.0.0.1", int(port)
+# The simulator stands alone (it imports nothing else of traceproxy), so it checks
+# its few addresses itself.
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def host_argument(text: str) -> str:
+    """A host name or IP address to bind (IPv6 with or without brackets)."""
+    host = text.strip().removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOST_NAME.fullmatch(host):
+            raise argparse.ArgumentTypeError(f"expected a host name or IP address, got {text!r}") from None
+    return host
+
+
+def port_argument(text: str) -> int:
+    if not (text.strip().isascii() and text.strip().isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535 (0 picks a free one), got {text!r}")
+    return int(text)
+
+
+def listen_argument(text: str) -> tuple[str, int]:
+    """HOST:PORT ([IPv6]:PORT); port 0 picks a free one."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or (":" in host and not host.startswith("[")):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:0 or [::1]:0, got {text!r}")
+    return host_argument(host), port_argument(port)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         _check_rates(args)
         # Checked whether or not --faulty-proxy is given: a bad value is a mistake either way.
         hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1
-        listen = _listen_address(args.listen) if args.sim_command == "worker" else None
+        listen = args.listen if args.sim_command == "worker" else None
     except (FaultError, ValueError) as exc:
         print(f"traceproxy sim: {exc}", file=sys.stderr)
         return 2
