@@ -280,6 +280,10 @@ ERROR_CASES = [
     ("just-past-a-year", {"env": {"TRACEPROXY_STALL_FIRST_BYTE": "31536001"}},
      ["stall.first_byte", "env TRACEPROXY_STALL_FIRST_BYTE", "at most 31536000"]),
     # A bad value is an error where it is, even when a higher source overrides it.
+    ("collector-endpoint-not-a-url", {"argv": ["--tracing-otlp-endpoint", "not a url"]},
+     ["tracing.otlp_endpoint", "flag --tracing-otlp-endpoint", "'not a url'", "an http(s):// URL"]),
+    ("collector-endpoint-bad-port", {"env": {"TRACEPROXY_TRACING_OTLP_ENDPOINT": "http://collector:99999"}},
+     ["tracing.otlp_endpoint", "env TRACEPROXY_TRACING_OTLP_ENDPOINT", "an http(s):// URL"]),
     ("bad-file-value-under-a-flag", {"toml": '[timeouts]\nconnect = "abc"\n', "argv": ["--timeouts-connect", "1"]},
      ["timeouts.connect", "file {path}", "'abc'", "a number of seconds > 0"]),
     ("bad-env-value-under-a-flag", {"env": {"TRACEPROXY_TIMEOUTS_CONNECT": "bogus"}, "argv": ["--timeouts-connect", "1"]},

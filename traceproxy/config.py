@@ -15,6 +15,7 @@ import os
 import re
 import textwrap
 import tomllib
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -398,6 +399,27 @@ def text() -> Kind:
     return Kind(lambda raw: _str(raw).strip(), "a string", "TEXT")
 
 
+def collector_endpoint() -> Kind:
+    """An OTLP collector's URL (http:// or https://, a host, a port if any), or
+    HOST:PORT as gRPC exporters also take it; empty for the OTEL_* variables."""
+
+    def parse(raw: Any) -> str:
+        value = _str(raw).strip()
+        if not value:
+            return value
+        if any(c.isspace() or not c.isprintable() for c in value):
+            raise ValueError
+        if "://" not in value:
+            _split_host_port(value, default_port=None, min_port=1)
+            return value
+        parts = urllib.parse.urlsplit(value)  # ValueError for an unclosed IPv6 bracket
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port == 0:
+            raise ValueError  # (parts.port itself raises ValueError for a port out of range)
+        return value
+
+    return Kind(parse, "an http(s):// URL such as http://127.0.0.1:4318, or HOST:PORT, or empty", "URL")
+
+
 def ratio(*, empty: str) -> Kind:
     def parse(raw: Any) -> float | None:
         if raw is None or (isinstance(raw, str) and not raw.strip()):
@@ -501,7 +523,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("tracing", "exporter", choice("auto", "otlp", "file", "console", "off"), "auto",
             "Where spans go: auto = otlp when OTEL_EXPORTER_OTLP_ENDPOINT or otlp_endpoint is set, "
             "else the local file."),
-    Setting("tracing", "otlp_endpoint", text(), "",
+    Setting("tracing", "otlp_endpoint", collector_endpoint(), "",
             "OTLP endpoint; empty = OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT."),
     Setting("tracing", "otlp_protocol", choice("", "grpc", "http/protobuf"), "",
             "OTLP protocol; empty = OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL, "
