@@ -566,7 +566,21 @@ def test_a_span_file_or_access_log_that_cannot_be_written_is_a_startup_error(ove
     from traceproxy.config import ConfigError, default_settings
 
     settings = default_settings().replace(**{"upstream": "http://127.0.0.1:9", **overrides})
-    with pytest.raises(ConfigError, match=f"{re.escape(key)} = .*cannot append to it"):
+    with pytest.raises(ConfigError, match=f"{re.escape(key)} = .*cannot be made .*expected the path of a file"):
+        tracing_export_config(settings, environ={})
+
+
+def test_a_log_path_under_a_file_says_so(tmp_path):
+    from traceproxy.app import tracing_export_config
+    from traceproxy.config import ConfigError, default_settings
+
+    (tmp_path / "afile").write_text("")
+    settings = default_settings().replace(**{"upstream": "http://127.0.0.1:9", "tracing.exporter": "off",
+                                             "access_log.path": str(tmp_path / "afile" / "access.log")})
+    with pytest.raises(ConfigError, match="access_log.path = .*a part of it is a file, not a folder"):
+        tracing_export_config(settings, environ={})
+    settings = settings.replace(**{"access_log.path": str(tmp_path)})  # a folder, not a file
+    with pytest.raises(ConfigError, match="access_log.path = .*cannot append to it .*expected the path of a file"):
         tracing_export_config(settings, environ={})
 
 

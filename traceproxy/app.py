@@ -77,12 +77,20 @@ def _check_appendable(path: str, key: str) -> None:
     """Open the file as the exporter process will (its folder made), so that a path it
     cannot write is a startup error naming the key, not an exporter that dies later and
     takes the access log with it."""
+    expected = "expected the path of a file the proxy can create or append to"
+    folder = Path(path).parent
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        # mkdir says "File exists" when a part of the path is a file, not a folder.
+        reason = "a part of it is a file, not a folder" if isinstance(exc, FileExistsError) else exc.strerror or exc
+        raise ConfigError(f"{key} = {path!r}: its folder {str(folder)!r} cannot be made ({reason}); {expected}") \
+            from None
+    try:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{key} = {path!r}: cannot append to it ({exc.strerror or exc})") from None
+        raise ConfigError(f"{key} = {path!r}: cannot append to it ({exc.strerror or exc}); {expected}") from None
 
 
 def _resource_attributes(raw: str) -> dict[str, str]:
