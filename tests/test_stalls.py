@@ -357,7 +357,9 @@ def test_a_client_body_stall_outlives_a_resend_and_resolves_when_the_body_comes(
     judgement = judge(record, 3 * second, thresholds)
     assert judgement is not None and judgement.verdict.outcome.code == "DBS"
     watchdog._report(judgement, 3 * second)
-    record.new_attempt(4 * second, 2)  # the resend, on a fresh connection
+    record.new_attempt(4 * second, 2)  # the resend: for a moment it reads as a connect
+    watchdog._check_open(int(4.001 * second))
+    assert record.stalls[0].resolved_ns is None and record.id in watchdog.open  # still the client's silence
     record.mark(MARK.POOL_ACQUIRED, 4 * second)
     record.mark(MARK.FIRST_UPSTREAM_TX_BYTE, 4 * second)
     record.last_downstream_rx_ns = 5 * second  # the client's next bytes, then its last

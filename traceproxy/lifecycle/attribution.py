@@ -110,3 +110,12 @@ _RULES = {
     Phase.STREAMING_RESPONSE: _streaming,
     Phase.DRAINING_TO_CLIENT: _draining,
 }
+
+
+def client_still_silent(record: RequestRecord, code: str, since_ns: int) -> bool:
+    """A client body stall goes on until the client sends again, whatever the verdict
+    reads meanwhile: a stale connection's resend, with no connection yet, reads as a
+    connect for a moment, and must not end the client's stall (nor start a second)."""
+    if code != Flag.DBS.code:
+        return False
+    return not record.has(Mark.LAST_DOWNSTREAM_RX_BYTE) and (record.last_downstream_rx_ns or 0) <= since_ns

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from ..lifecycle.flags import Blame, Flag
 from ..lifecycle.marks import MARK
+from ..lifecycle.attribution import client_still_silent
 from ..lifecycle.ids import new_request_id, new_span_id, new_trace_id
 from ..lifecycle.stall import Judgement, StallThresholds, judge, judge_all
 from ..lifecycle.timeline import RequestRecord, StallEntry
@@ -139,7 +140,7 @@ class Watchdog:
             current = judge(record, now, self.thresholds)
             same = (current is not None and current.verdict.outcome.code == entry.code
                     and current.verdict.since_ns == entry.since_ns)
-            if not same:
+            if not same and not client_still_silent(record, entry.code, entry.since_ns):
                 del self.open[record_id]
                 resolved_at = current.verdict.since_ns if current is not None else now
                 self._resolve(record, entry, max(resolved_at, entry.since_ns), finished=False)
