@@ -434,3 +434,34 @@ def test_the_watchdog_re_judges_an_open_stall_and_resolves_it_when_the_client_re
         assert stall.resolved_ns is not None and stall.resolved_ns >= resumed
 
     asyncio.run(main())
+
+
+def test_a_client_body_stall_does_not_hide_the_engine_stall_that_follows_it():
+    # The client sent 10 of 100 body bytes and went silent; the engine answered early,
+    # then went silent too: that second stall is the engine's, and must be reported.
+    from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.stall import StallThresholds, judge
+    from traceproxy.lifecycle.timeline import ClientConnectionRecord
+    from traceproxy.observe.watchdog import Watchdog
+
+    second = 1_000_000_000
+    record = ClientConnectionRecord(peer="p", opened_ns=0).begin_request(0)
+    record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, 0)
+    record.new_attempt(0, 1)
+    for mark in (MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE):
+        record.mark(mark, 0)
+    record.last_downstream_rx_ns = 0
+    thresholds = StallThresholds(**ONE_SECOND_EACH)
+    watchdog = Watchdog(lambda: [record], thresholds)
+    watchdog._report(judge(record, 2 * second, thresholds), 2 * second)
+    for mark in (MARK.FIRST_UPSTREAM_RX_BYTE, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE,
+                 MARK.FIRST_UPSTREAM_RX_BODY_BYTE, MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE):
+        record.mark(mark, 3 * second)
+    record.upstream_rx_chunks = 1
+    record.last_upstream_rx_ns = record.last_downstream_tx_ns = 3 * second
+    later = judge(record, 5 * second, thresholds)
+    assert later.stalled and later.verdict.outcome.code == "MSS"
+    watchdog._check_open(5 * second)
+    assert record.id not in watchdog.open, "the client's stall still held the request's one open stall"
+    watchdog._report(later, 5 * second)  # what the same pass of the watchdog does next
+    assert [stall.code for stall in record.stalls] == ["DBS", "MSS"]

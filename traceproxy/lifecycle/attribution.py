@@ -113,9 +113,7 @@ _RULES = {
 
 
 def client_still_silent(record: RequestRecord, code: str, since_ns: int) -> bool:
-    """A client body stall goes on until the client sends again, whatever the verdict
-    reads meanwhile: a stale connection's resend, with no connection yet, reads as a
-    connect for a moment, and must not end the client's stall (nor start a second)."""
+    """For a client body stall (DBS): the client has sent nothing since it began."""
     if code != Flag.DBS.code:
         return False
     return not record.has(Mark.LAST_DOWNSTREAM_RX_BYTE) and (record.last_downstream_rx_ns or 0) <= since_ns

@@ -140,10 +140,22 @@ class Watchdog:
             current = judge(record, now, self.thresholds)
             same = (current is not None and current.verdict.outcome.code == entry.code
                     and current.verdict.since_ns == entry.since_ns)
-            if not same and not client_still_silent(record, entry.code, entry.since_ns):
+            if not same and not self._resend_connecting_behind_the_client(record, entry, current):
                 del self.open[record_id]
                 resolved_at = current.verdict.since_ns if current is not None else now
                 self._resolve(record, entry, max(resolved_at, entry.since_ns), finished=False)
+
+    @staticmethod
+    def _resend_connecting_behind_the_client(record: RequestRecord, entry: StallEntry,
+                                             current: Judgement | None) -> bool:
+        """A stale connection's resend reads as a connect (or a wait at the pool cap)
+        until its new connection comes: while that is not a stall of its own, it does
+        not end the client's body stall (which would then be reported twice). Any
+        other verdict, or a connect that stalls in turn, ends it as usual, so that
+        the next stall is reported."""
+        return (current is not None and not current.stalled
+                and current.verdict.outcome in (Flag.UCS, Flag.PWS)
+                and client_still_silent(record, entry.code, entry.since_ns))
 
     def _resolve(self, record: RequestRecord, entry: StallEntry, at_ns: int | None, finished: bool) -> None:
         # A request that ended because of its stall (aborted, timed out) did not resolve
