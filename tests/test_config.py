@@ -225,6 +225,10 @@ BOUNDARY_VALUES = [
     ("workers", "64", 64),
     ("limits.max_header_bytes", "1024", 1024),
     ("limits.max_target_bytes", "64", 64),
+    ("timeouts.client_keepalive", "31536000", 31536000.0),  # a year: the longest duration
+    ("tracing.otlp_endpoint", "http://collector:4318/v1/traces", "http://collector:4318/v1/traces"),
+    ("tracing.otlp_endpoint", "collector:4317", "collector:4317"),
+    ("tracing.otlp_endpoint", "unix:///run/otel.sock", "unix:///run/otel.sock"),
 ]
 
 
@@ -282,6 +286,8 @@ ERROR_CASES = [
     # A bad value is an error where it is, even when a higher source overrides it.
     ("collector-endpoint-not-a-url", {"argv": ["--tracing-otlp-endpoint", "not a url"]},
      ["tracing.otlp_endpoint", "flag --tracing-otlp-endpoint", "'not a url'", "an http(s):// URL"]),
+    ("collector-endpoint-empty-grpc-target", {"argv": ["--tracing-otlp-endpoint", "unix:"]},
+     ["tracing.otlp_endpoint", "a gRPC target such as unix:///run/otel.sock"]),
     ("collector-endpoint-bad-port", {"env": {"TRACEPROXY_TRACING_OTLP_ENDPOINT": "http://collector:99999"}},
      ["tracing.otlp_endpoint", "env TRACEPROXY_TRACING_OTLP_ENDPOINT", "an http(s):// URL"]),
     ("bad-file-value-under-a-flag", {"toml": '[timeouts]\nconnect = "abc"\n', "argv": ["--timeouts-connect", "1"]},

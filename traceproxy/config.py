@@ -399,9 +399,13 @@ def text() -> Kind:
     return Kind(lambda raw: _str(raw).strip(), "a string", "TEXT")
 
 
+# gRPC's own target forms (unix:/path, dns:///host:port, ...), passed to it as they are.
+_GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
 def collector_endpoint() -> Kind:
-    """An OTLP collector's URL (http:// or https://, a host, a port if any), or
-    HOST:PORT as gRPC exporters also take it; empty for the OTEL_* variables."""
+    """An OTLP collector's URL (http:// or https://, a host, a port if any), or for
+    gRPC HOST:PORT or one of gRPC's own targets; empty for the OTEL_* variables."""
 
     def parse(raw: Any) -> str:
         value = _str(raw).strip()
@@ -409,6 +413,8 @@ def collector_endpoint() -> Kind:
             return value
         if any(c.isspace() or not c.isprintable() for c in value):
             raise ValueError
+        if value.lower().startswith(_GRPC_TARGET_SCHEMES) and len(value.partition(":")[2]) > 0:
+            return value
         if "://" not in value:
             _split_host_port(value, default_port=None, min_port=1)
             return value
@@ -417,7 +423,8 @@ def collector_endpoint() -> Kind:
             raise ValueError  # (parts.port itself raises ValueError for a port out of range)
         return value
 
-    return Kind(parse, "an http(s):// URL such as http://127.0.0.1:4318, or HOST:PORT, or empty", "URL")
+    return Kind(parse, "an http(s):// URL such as http://127.0.0.1:4318; for gRPC also HOST:PORT or a gRPC "
+                "target such as unix:///run/otel.sock; or empty", "URL")
 
 
 def ratio(*, empty: str) -> Kind:
