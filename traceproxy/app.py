@@ -282,7 +282,6 @@ async def serve_until_signalled(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by a workers' parent until now
     await stop.wait()
     log.info("shutting down: %d requests in flight, grace %g s", len(server.ctx.in_flight),
              settings.timeouts.shutdown_grace)
@@ -310,10 +309,6 @@ def _run_workers(settings: Settings) -> int:
     # new connections across them; the parent only supervises and relays signals.
     _check_port_bindable(settings)
     children: list[int] = []
-    # A stop signal that comes while the workers start waits, blocked, until the
-    # parent relays and each worker handles it (serve_until_signalled unblocks);
-    # with the default action it would kill a starting worker (exit 143).
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     parent = os.getpid()
     for _ in range(settings.workers):
         pid = os.fork()
@@ -331,7 +326,6 @@ def _run_workers(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, relay)
     signal.signal(signal.SIGINT, relay)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     # Workers are not restarted: one that fails stops the others, and the whole
     # service exits with its status, so a supervisor (systemd, compose) sees it.
     status = 0
@@ -352,8 +346,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def _stop_when_orphaned(parent: int) -> None:
     """A worker whose parent was killed outright (SIGKILL, the OOM killer) would go on
     serving the port alone, and a restarted service could not bind it. Linux sends
-    the worker SIGTERM when its parent dies, and it stops as on any stop signal (still
-    blocked here: it is handled once the worker's handlers are in place). Elsewhere,
+    the worker SIGTERM when its parent dies, and it stops as on any stop signal (or,
+    before its handlers are in place, by the signal's default action). Elsewhere,
     there is no such notice."""
     try:
         import ctypes
