@@ -197,12 +197,11 @@ def test_no_false_alarms_for_2000_healthy_streams_with_jitter(fast_upstream, sta
     assert proxy.watchdog.open == {}
 
 
-def test_a_pipelined_request_waiting_its_turn_is_not_a_stall_and_never_aborted(scripted_upstream, start_proxy):
-    # The first request streams slowly but steadily; the second, sent with it, has
-    # nothing left to send: nobody owes it a byte until its turn. An abort written
-    # for it would land inside the first response's body.
-    async def slow_stream(reader, writer, upstream):
-        for _ in range(2):
+def _slow_first_stream(requests: int):
+    """An upstream that answers ``requests`` requests in turn, each with a chunked
+    stream: 8 tokens 0.15 s apart for /slow (slowly but steadily), 1 for the others."""
+    async def handler(reader, writer, upstream):
+        for _ in range(requests):
             head, _ = await reader.read_request()
             writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
             for _ in range(8 if b"/slow" in head else 1):
@@ -212,7 +211,14 @@ def test_a_pipelined_request_waiting_its_turn_is_not_a_stall_and_never_aborted(s
             writer.write(b"0\r\n\r\n")
             await writer.drain()
 
-    proxy, sink = _proxy(start_proxy, scripted_upstream(slow_stream).url,
+    return handler
+
+
+def test_a_pipelined_request_waiting_its_turn_is_not_a_stall_and_never_aborted(scripted_upstream, start_proxy):
+    # The first request streams slowly but steadily; the second, sent with it, has
+    # nothing left to send: nobody owes it a byte until its turn. An abort written
+    # for it would land inside the first response's body.
+    proxy, sink = _proxy(start_proxy, scripted_upstream(_slow_first_stream(2)).url,
                          **{"stall.stream_gap": 1.0, "stall.action": "abort"})
     reply = raw_exchange(proxy.port, b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n"
                                      b"GET /second HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
@@ -225,18 +231,7 @@ def test_a_head_the_proxy_stopped_reading_behind_queued_requests_is_not_the_clie
     # The third request's head is complete on the wire 0.1 s after its first line, but
     # the proxy stops reading at the queued second request: the silence is the proxy's
     # pipeline, not the client's. An abort (a 408) would land inside the first response.
-    async def slow_stream(reader, writer, upstream):
-        for _ in range(3):
-            head, _ = await reader.read_request()
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-            for _ in range(8 if b"/slow" in head else 1):
-                await asyncio.sleep(0.15)
-                writer.write(b"3\r\ntok\r\n")
-                await writer.drain()
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
-
-    proxy, sink = _proxy(start_proxy, scripted_upstream(slow_stream).url,
+    proxy, sink = _proxy(start_proxy, scripted_upstream(_slow_first_stream(3)).url,
                          **{"stall.stream_gap": 1.0, "stall.action": "abort"})
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
         sock.sendall(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /second HTTP/1.1\r\nHost: a\r\n\r\n"
@@ -320,17 +315,7 @@ def test_a_head_stall_resolves_when_the_head_arrives(scripted_upstream, start_pr
 
 
 def test_a_refused_pipelined_request_waiting_its_turn_is_not_a_stall(scripted_upstream, start_proxy):
-    async def slow_stream(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(8):
-            await asyncio.sleep(0.15)
-            writer.write(b"3\r\ntok\r\n")
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-
-    proxy, sink = _proxy(start_proxy, scripted_upstream(slow_stream).url, **{"stall.stream_gap": 1.0})
+    proxy, sink = _proxy(start_proxy, scripted_upstream(_slow_first_stream(1)).url, **{"stall.stream_gap": 1.0})
     reply = raw_exchange(proxy.port, b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /second HTTP/1.1\r\nHost: a/b\r\n\r\n")
     assert reply.count(b"3\r\ntok\r\n") == 8 and b"HTTP/1.1 400 " in reply
     assert not sink.now_items

@@ -413,7 +413,7 @@ def collector_endpoint() -> Kind:
             return value
         if any(c.isspace() or not c.isprintable() for c in value):
             raise ValueError
-        if value.lower().startswith(_GRPC_TARGET_SCHEMES) and len(value.partition(":")[2]) > 0:
+        if value.lower().startswith(_GRPC_TARGET_SCHEMES) and value.partition(":")[2]:
             return value
         if "://" not in value:
             _split_host_port(value, default_port=None, min_port=1)

@@ -17,7 +17,6 @@ keyboard input except Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .config import listen_argument
 from .repro.client import COMPLETE, TIMEOUT, simple_get
 
 FETCH_TIMEOUT_S = 3.0  # for a whole answer, not per read: a server trickling bytes is cut off too
@@ -82,18 +82,14 @@ def admin_address(text: str) -> str:
         raw = raw[7:]
     host, _, port = raw.rpartition(":")
     if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    url = f"http://{host}:{port}"
+        raw = f"[{host}]:{port}"  # an IPv6 address given without its brackets
     try:
-        parts = urllib.parse.urlsplit(url)
-        if host.startswith("["):
-            ipaddress.IPv6Address(parts.hostname or "")
-        valid = bool(parts.hostname) and port.isdigit() and 1 <= int(port) <= 65535 and parts.port is not None
-    except ValueError:  # such as an unclosed bracket, or not an IPv6 address inside them
-        valid = False
-    if not valid or "/" in raw or any(c.isspace() for c in raw):
+        admin = listen_argument(raw)
+    except argparse.ArgumentTypeError:
+        admin = None
+    if admin is None or admin.port == 0:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT such as 127.0.0.1:9464, got {text!r}")
-    return url
+    return f"http://{admin}"
 
 
 def positive_seconds(text: str) -> float:

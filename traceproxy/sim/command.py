@@ -139,13 +139,12 @@ def run(args: argparse.Namespace) -> int:
         _check_rates(args)
         # Checked whether or not --faulty-proxy is given: a bad value is a mistake either way.
         hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1
-        listen = args.listen if args.sim_command == "worker" else None
     except (FaultError, ValueError) as exc:
         print(f"traceproxy sim: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.sim_command == "worker":
-        return _run_worker(args, listen)
+        return _run_worker(args)
     from .launch import SimDeployment, router_importable, run_deployment
 
     router = not args.no_router
@@ -164,11 +163,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
-def _run_worker(args: argparse.Namespace, listen: tuple[str, int]) -> int:
+def _run_worker(args: argparse.Namespace) -> int:
     from .engine import SimWorker
     from .launch import run_worker
 
-    worker = SimWorker(args.role, *listen, model=args.model,
+    worker = SimWorker(args.role, *args.listen, model=args.model,
                        prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
                        default_faults=args.fault, bootstrap_port=args.bootstrap_port,
                        otlp_endpoint=args.otlp_endpoint, prefill_url=args.prefill_url)
