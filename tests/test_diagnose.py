@@ -207,7 +207,9 @@ JAEGER_TRACE = {"data": [{"traceID": TRACE, "processes": {"p1": {"serviceName": 
         "traceproxy.outcome.name": "ok", "traceproxy.blame": "-", "http.response.status_code": 200,
         "traceproxy.client.connection.id": 9, "traceproxy.client.connection.request_sequence": 4,
         "traceproxy.client.connection.idle_gap_s": 6.5, "http.request.body.size": 321,
-        "http.response.body.size": 4096}, [
+        "http.response.body.size": 4096,
+        # Jaeger keeps an OTLP string array as the JSON text of the array
+        "gen_ai.response.finish_reasons": '["stop","length"]'}, [
         _log(0, "first_downstream_rx_byte"), _log(100, "last_downstream_rx_header_byte"),
         _log(150, "last_downstream_rx_byte"), _log(1_200_000, "first_downstream_tx_byte"),
         _log(800_000, "stall", **{"traceproxy.stall.outcome": "FBS", "traceproxy.stall.phase":
@@ -286,6 +288,7 @@ def test_jaeger_by_trace_id_maps_to_the_same_timeline(jaeger):
     assert "FBS in awaiting_upstream_headers: detected after 500.000 ms, blame engine; resolved after 900.000 ms" \
         in out
     assert "sglang-decode: decode, 1.500 s" in out
+    assert "genai: finish stop, length" in out
     rows = _timeline(out)
     assert [name for _, name in rows] == [
         "first_downstream_rx_byte", "last_downstream_rx_header_byte", "last_downstream_rx_byte", "pool_acquired",

@@ -54,7 +54,7 @@ SERVER = SpanData(
                 "traceproxy.upstream.connection.reused": True, "gen_ai.request.stream": False,
                 "traceproxy.response.chunk_max_gap_s": 0.25, "traceproxy.request_id": "rid-1",
                 "user_agent.original": "AsyncOpenAI/Python 1.99 ünïcödé ✓", "negative": -5,
-                "big": 2**62, "zero": 0, "empty": ""},
+                "big": 2**62, "zero": 0, "empty": "", "gen_ai.response.finish_reasons": ("stop", "length")},
     events=(SpanEvent("first_downstream_rx_byte", 1_790_000_000_000_000_001),
             SpanEvent("stall", 1_790_000_000_100_000_000,
                       {"traceproxy.stall.outcome": "FBS", "traceproxy.stall.waited_s": 30.0}),

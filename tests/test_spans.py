@@ -49,7 +49,7 @@ def test_streaming_chat_spans(fast_upstream, start_proxy):
     assert attrs[sc.USER_AGENT_ORIGINAL] == "harness/1" and attrs[sc.OUTCOME] == "OK"
     assert attrs[sc.GEN_AI_REQUEST_MODEL] == "m-7b" and attrs[sc.GEN_AI_REQUEST_STREAM] is True
     assert attrs[sc.GEN_AI_REQUEST_MAX_TOKENS] == 5
-    assert attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 5 and attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "length"
+    assert attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 5 and attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
     assert attrs[sc.DONE_SEEN] is True and attrs[sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] > 0
     assert attrs[sc.REQUEST_ID] == resp.headers["x-request-id"]
     second_server, second_client = spans_for(sink.items[1])
@@ -187,7 +187,7 @@ def test_genai_attributes_of_a_long_conversation(fast_upstream, start_proxy):
     attrs = spans_for(sink.items[0])[0].attributes
     assert attrs[sc.GEN_AI_REQUEST_MODEL] == "m-70b" and attrs[sc.GEN_AI_REQUEST_STREAM] is True
     assert attrs[sc.GEN_AI_REQUEST_MAX_TOKENS] == 3 and attrs[sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] > 0
-    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "length"
+    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
 
 
 def test_genai_usage_and_finish_reason_of_a_long_non_streamed_answer():
@@ -198,7 +198,7 @@ def test_genai_usage_and_finish_reason_of_a_long_non_streamed_answer():
         "usage": {"prompt_tokens": 12, "completion_tokens": 34}}).encode()
     attrs: dict = {}
     _response_attributes(answer[-8192:], attrs)  # what is kept of it: its last reads
-    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "stop"
+    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",)
     assert (attrs[sc.GEN_AI_USAGE_INPUT_TOKENS], attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS]) == (12, 34)
 
 
@@ -218,7 +218,7 @@ def test_finish_reason_usage_and_done_in_separate_reads_are_all_seen(scripted_up
     assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=body).complete
     assert wait_until(lambda: sink.items)
     attrs = spans_for(sink.items[0])[0].attributes
-    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == "stop" and attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 1
+    assert attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] == ("stop",) and attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == 1
     assert attrs[sc.DONE_SEEN] is True
 
 

@@ -71,7 +71,7 @@ def test_spans_reach_the_collector_linked_and_ended_at_the_last_byte(receiver_cl
     assert attrs["http.request.method"] == "POST" and attrs["url.path"] == "/v1/chat/completions"
     assert attrs["http.response.status_code"] == 200 and attrs["traceproxy.outcome"] == "OK"
     assert attrs["gen_ai.request.model"] == "llama-70b" and attrs["gen_ai.usage.output_tokens"] == 3
-    assert attrs["gen_ai.response.finish_reasons"] == "stop" and attrs["traceproxy.response.done_seen"] is True
+    assert attrs["gen_ai.response.finish_reasons"] == ["stop"] and attrs["traceproxy.response.done_seen"] is True
     assert client.attributes["server.port"] == up.port
     assert server.resource["service.name"] == "traceproxy"
 

@@ -482,12 +482,25 @@ def _byte_lines(server: Span) -> list[str]:
         genai.append(f"tokens in {a.get(sc.GEN_AI_USAGE_INPUT_TOKENS, '-')} / out "
                      f"{a.get(sc.GEN_AI_USAGE_OUTPUT_TOKENS, '-')}")
     if sc.GEN_AI_RESPONSE_FINISH_REASONS in a:
-        genai.append(f"finish {a[sc.GEN_AI_RESPONSE_FINISH_REASONS]}")
+        genai.append(f"finish {_string_list(a[sc.GEN_AI_RESPONSE_FINISH_REASONS])}")
     if sc.DONE_SEEN in a:
         genai.append("[DONE] seen" if a[sc.DONE_SEEN] else "no [DONE]")
     if genai:
         lines.append("  genai: " + ", ".join(genai))
     return lines
+
+
+def _string_list(value) -> str:
+    """A string-array attribute as ``a, b``: a list from an OTLP/JSON file, or the JSON
+    text Jaeger stores an array as (its tags have no array type)."""
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(item) for item in value)
+    return str(value)
 
 
 def _attempt_label(attempt: Span) -> str:

@@ -17,8 +17,9 @@ Hazards:
 - Strings must be valid UTF-8 or a collector rejects the whole batch: text is
   encoded with ``errors="replace"`` (a lone surrogate becomes ``?``).
 - Attribute values: ``bool`` is tested before ``int`` (a bool is an int in Python).
-  Other types (None, bytes, lists) are not produced by ``spans.py`` and are written
-  as their ``str()``, never dropped silently.
+  A tuple or list is an ``array_value`` of its items (``gen_ai.response.finish_reasons``
+  is a string array). Other types (None, bytes) are not produced by ``spans.py`` and
+  are written as their ``str()``, never dropped silently.
 - The cache of encoded str and int attributes is keyed by (key, value) and bounded:
   high-cardinality keys (request ids, error messages) bypass it, and it is emptied
   when it reaches ``CACHE_LIMIT`` entries, so memory stays bounded whatever arrives.
@@ -75,10 +76,11 @@ def length_delimited(tag: bytes, payload: bytes) -> bytes:
 # Tags: (field number << 3) | wire type (0 varint, 1 fixed64, 2 length-delimited, 5 fixed32).
 # ExportTraceServiceRequest.resource_spans = 1; ResourceSpans.resource = 1, .scope_spans = 2;
 # Resource.attributes = 1; ScopeSpans.scope = 1, .spans = 2; InstrumentationScope.name = 1,
-# .version = 2; KeyValue.key = 1, .value = 2; AnyValue string = 1, bool = 2, int = 3, double = 4.
+# .version = 2; KeyValue.key = 1, .value = 2; AnyValue string = 1, bool = 2, int = 3, double = 4,
+# array = 5 (ArrayValue.values = 1, each an AnyValue).
 T_RESOURCE_SPANS = T_RESOURCE = T_RESOURCE_ATTRIBUTE = T_SCOPE = T_SCOPE_NAME = T_KEY = b"\x0a"
 T_SCOPE_SPANS = T_SPANS = T_SCOPE_VERSION = T_VALUE = b"\x12"
-T_STRING, T_BOOL, T_INT, T_DOUBLE = b"\x0a", b"\x10", b"\x18", b"\x21"
+T_STRING, T_BOOL, T_INT, T_DOUBLE, T_ARRAY, T_ARRAY_ITEM = b"\x0a", b"\x10", b"\x18", b"\x21", b"\x2a", b"\x0a"
 # Span: trace_id = 1, span_id = 2, trace_state = 3, parent_span_id = 4, name = 5, kind = 6
 # (enum), start = 7 and end = 8 (fixed64), attributes = 9, events = 11, status = 15,
 # flags = 16 (fixed32). Event: time_unix_nano = 1 (fixed64), name = 2, attributes = 3.
@@ -97,6 +99,8 @@ def any_value(value) -> bytes:
         return T_INT + varint(value)
     if isinstance(value, float):
         return T_DOUBLE + _double(value)
+    if isinstance(value, (tuple, list)):
+        return length_delimited(T_ARRAY, b"".join(length_delimited(T_ARRAY_ITEM, any_value(item)) for item in value))
     if not isinstance(value, str):
         value = str(value)
     return length_delimited(T_STRING, value.encode("utf-8", "replace"))

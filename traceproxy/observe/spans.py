@@ -364,7 +364,7 @@ def _response_attributes(tail: bytes, attrs: dict) -> None:
         if isinstance(obj.get("id"), str):
             attrs[sc.GEN_AI_RESPONSE_ID] = obj["id"]
     if finish_reasons:
-        attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] = ",".join(finish_reasons)
+        attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] = tuple(finish_reasons)  # a string array
     if usage:
         for key, name in (("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS),
                           ("completion_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS)):
