@@ -590,3 +590,22 @@ def test_serve_names_the_span_file_key_and_exits_2(tmp_path):
                            "--tracing-file-path", "/proc/no-such-dir/spans.jsonl"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2 and "tracing.file_path" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:4318", "collector:4318", "unix:///run/otel.sock"])
+def test_http_protobuf_to_an_endpoint_that_is_not_a_url_is_a_startup_error(endpoint):
+    # Valid for gRPC; over http/protobuf every export would fail later.
+    from traceproxy.app import tracing_export_config
+    from traceproxy.config import ConfigError, default_settings
+
+    settings = default_settings().replace(**{"upstream": "http://127.0.0.1:9", "tracing.exporter": "otlp",
+                                             "tracing.otlp_endpoint": endpoint})
+    with pytest.raises(ConfigError, match=f"tracing.otlp_endpoint = '{re.escape(endpoint)}': .*http:// or https://"):
+        tracing_export_config(settings, environ={})
+    grpc = tracing_export_config(settings.replace(**{"tracing.otlp_protocol": "grpc"}), environ={})
+    assert grpc.otlp_endpoint == endpoint and grpc.otlp_protocol == "grpc"
+    from_env = default_settings().replace(**{"upstream": "http://127.0.0.1:9", "tracing.exporter": "otlp"})
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_ENDPOINT = .*http:// or https://"):
+        tracing_export_config(from_env, environ={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    url = tracing_export_config(settings.replace(**{"tracing.otlp_endpoint": "http://127.0.0.1:4318"}), environ={})
+    assert url.otlp_protocol == "http/protobuf"

@@ -56,6 +56,8 @@ def tracing_export_config(settings: Settings, environ=os.environ):
     if exporter == "otlp" and protocol not in ("grpc", "http/protobuf"):
         raise ConfigError(f"OTLP protocol {protocol!r} (from tracing.otlp_protocol or OTEL_EXPORTER_OTLP_"
                           f"[TRACES_]PROTOCOL): expected grpc or http/protobuf")
+    if exporter == "otlp" and protocol == "http/protobuf":
+        _check_http_endpoint(tracing.otlp_endpoint, environ)
     if exporter == "file":
         _check_appendable(tracing.file_path, "tracing.file_path")
     if access_log and access_log != "-":
@@ -71,6 +73,20 @@ def tracing_export_config(settings: Settings, environ=os.environ):
         nice=tracing.exporter_nice,
         access_log_path=access_log,
     )
+
+
+def _check_http_endpoint(configured: str, environ) -> None:
+    """http/protobuf posts to a URL: a HOST:PORT or gRPC target (valid for gRPC) would
+    fail every export later, each time with the HTTP client's own words."""
+    source, endpoint = "tracing.otlp_endpoint", configured
+    if not endpoint:
+        source = next((name for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+                       if environ.get(name)), "")
+        endpoint = environ.get(source, "") if source else ""
+    if endpoint and not endpoint.strip().lower().startswith(("http://", "https://")):
+        raise ConfigError(f"{source} = {endpoint!r}: OTLP over http/protobuf needs an http:// or https:// URL "
+                          f"such as http://127.0.0.1:4318; HOST:PORT and gRPC targets are for "
+                          f"tracing.otlp_protocol = grpc")
 
 
 def _check_appendable(path: str, key: str) -> None:
