@@ -214,17 +214,18 @@ def _listening_pids(port: int) -> set[int]:
     return holders
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_listen_port_already_served_is_a_clear_startup_error(upstream_process, workers):
+@pytest.mark.parametrize("key, workers", [("listen", "1"), ("listen", "2"), ("admin", "2")])
+def test_a_port_already_served_is_a_clear_startup_error(upstream_process, key, workers):
     # Held the way another multi-worker instance holds it (SO_REUSEPORT): a second
-    # instance must refuse to start rather than share its traffic.
+    # instance must refuse to start rather than share its traffic, proxy or admin.
     taken = socket.socket()
     taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     taken.bind(("127.0.0.1", 0))
     taken.listen()
+    ports = {"listen": f"127.0.0.1:{free_port()}", "admin": "off", key: f"127.0.0.1:{taken.getsockname()[1]}"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "traceproxy", "serve", "--workers", workers,
-         "--listen", f"127.0.0.1:{taken.getsockname()[1]}", "--upstream", upstream_process, "--admin", "off"],
+         "--listen", ports["listen"], "--upstream", upstream_process, "--admin", ports["admin"]],
         stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
     try:
@@ -232,11 +233,13 @@ def test_a_listen_port_already_served_is_a_clear_startup_error(upstream_process,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # it started: its workers too
         proc.communicate()
-        pytest.fail("a second instance started on a port another one serves")
+        pytest.fail(f"a second instance started on a {key} port another one serves")
     finally:
         taken.close()
     assert proc.returncode == 1
     assert "address already in use" in stderr.lower() and "Traceback" not in stderr, stderr
+    if workers != "1":
+        assert f"{key} {ports[key]}" in stderr, stderr  # which address, found before any worker started
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death notice is Linux's")
@@ -260,20 +263,36 @@ def test_workers_stop_when_their_parent_is_killed_outright(upstream_process):
                 pass
 
 
-def test_a_worker_that_cannot_start_stops_the_service_with_an_error(upstream_process):
-    taken = socket.socket()  # the admin port, held without SO_REUSEPORT: no worker can bind it
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
+def test_a_worker_that_dies_stops_the_service_with_its_status(upstream_process):
+    # Workers are not restarted (a supervisor restarts the service): one killed
+    # outright (the OOM killer) stops the others, and the parent exits 128 + 9.
+    proc, port, _ = _serve(upstream_process, "--workers", "2")
+    workers = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "traceproxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{free_port()}",
-             "--upstream", upstream_process, "--admin", f"127.0.0.1:{taken.getsockname()[1]}"],
-            capture_output=True, text=True, timeout=30,
-            env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(20) == 137
+        assert not any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
+                       for pid in workers)
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
-        taken.close()
-    assert result.returncode == 1
-    assert "stopped" in result.stderr and "address already in use" in result.stderr.lower(), result.stderr
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _stop(proc)
+
+
+def test_a_configuration_error_with_workers_is_said_once_before_any_starts(upstream_process):
+    result = subprocess.run(
+        [sys.executable, "-m", "traceproxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{free_port()}",
+         "--upstream", upstream_process, "--admin", "off", "--tracing-exporter", "file",
+         "--tracing-file-path", "/proc/no-such-dir/spans.jsonl"],
+        capture_output=True, text=True, timeout=30, env={**os.environ, "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    assert result.returncode == 2
+    assert result.stderr.count("tracing.file_path") == 1 and "worker" not in result.stderr, result.stderr
 
 
 def test_default_tracing_writes_otlp_json_lines_to_the_local_file(upstream_process, tmp_path):

@@ -323,6 +323,8 @@ def _run_one(settings: Settings) -> None:
 def _run_workers(settings: Settings) -> int:
     # Every worker binds the same port with SO_REUSEPORT and the kernel spreads
     # new connections across them; the parent only supervises and relays signals.
+    # What every worker would refuse, the parent refuses first: one message, not N.
+    tracing_export_config(settings)
     _check_port_bindable(settings)
     children: list[int] = []
     parent = os.getpid()
@@ -382,11 +384,12 @@ def _worker_main(settings: Settings) -> int:
     try:
         _run_one(settings)
         return 0
+    # One write per message: workers failing together must not interleave their lines.
     except ConfigError as exc:
-        print(f"traceproxy: configuration error (worker {os.getpid()}): {exc}", file=sys.stderr)
+        sys.stderr.write(f"traceproxy: configuration error (worker {os.getpid()}): {exc}\n")
         return 2
     except OSError as exc:
-        print(f"traceproxy: worker {os.getpid()} stopped: {exc}", file=sys.stderr)
+        sys.stderr.write(f"traceproxy: worker {os.getpid()} stopped: {exc}\n")
         return 1
     except BaseException:
         traceback.print_exc()
@@ -394,16 +397,23 @@ def _worker_main(settings: Settings) -> int:
 
 
 def _check_port_bindable(settings: Settings) -> None:
-    """Fail in the parent, with one clear message, if the port is taken.
+    """Fail in the parent, with one clear message, if a port the workers share is taken.
 
     The probe does not set SO_REUSEPORT: with it, the bind succeeds beside any
     listener of the same user that set it too (another multi-worker instance), and
-    the two would silently share the traffic. SO_REUSEADDR, as the workers' own
-    listeners set it, lets a restart bind over connections still in TIME_WAIT."""
-    family = socket.AF_INET6 if ":" in settings.listen.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((settings.listen.host, settings.listen.port))
+    the two would silently share the traffic, proxy and admin ports alike.
+    SO_REUSEADDR, as the workers' own listeners set it, lets a restart bind over
+    connections still in TIME_WAIT."""
+    for key, address in (("listen", settings.listen), ("admin", settings.admin)):
+        if address is None:
+            continue
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address.host, address.port))
+            except OSError as exc:
+                raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc}") from None
 
 
 def _raise_fd_limit() -> None:
