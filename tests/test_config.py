@@ -426,7 +426,9 @@ def test_schema_matches_the_settings_dataclasses():
     sections = {"timeouts": Timeouts, "pool": Pool, "limits": Limits, "forwarding": Forwarding,
                 "request_id": RequestIds, "tracing": Tracing, "stall": Stall, "access_log": AccessLog,
                 "engines": Engines}
-    assert [s.key for s in SCHEMA if not s.section] == [n for n in fields(Settings) if n not in sections]
+    not_keys = {"sources"}  # where each key's value came from, kept beside the values
+    assert [s.key for s in SCHEMA if not s.section] == [n for n in fields(Settings)
+                                                        if n not in sections and n not in not_keys]
     for name, cls in sections.items():
         assert [s.key for s in SCHEMA if s.section == name] == fields(cls)
 
@@ -558,3 +560,14 @@ def test_configuration_reference_is_generated_from_the_schema():
     assert shipped == render_reference_markdown()
     for setting in SCHEMA:
         assert setting.env in shipped and setting.flag in shipped
+
+
+def test_settings_keep_where_each_value_came_from_through_a_replace(tmp_path):
+    settings = load(tmp_path, ["--upstream", "http://127.0.0.1:9"], env={"TRACEPROXY_TIMEOUTS_CONNECT": "2"},
+                    toml="[pool]\nidle_timeout = 3\n")
+    assert settings.source("upstream") == "flag --upstream"
+    assert settings.source("timeouts.connect") == "env TRACEPROXY_TIMEOUTS_CONNECT"
+    assert settings.source("pool.idle_timeout") == f"file {tmp_path / 'traceproxy.toml'}"
+    assert settings.source("workers") == "default"
+    replaced = settings.replace(**{"workers": 2})
+    assert replaced.source("workers") == "replace()" and replaced.source("upstream") == "flag --upstream"

@@ -600,7 +600,8 @@ def test_http_protobuf_to_an_endpoint_that_is_not_a_url_is_a_startup_error(endpo
 
     settings = default_settings().replace(**{"upstream": "http://127.0.0.1:9", "tracing.exporter": "otlp",
                                              "tracing.otlp_endpoint": endpoint})
-    with pytest.raises(ConfigError, match=f"tracing.otlp_endpoint = '{re.escape(endpoint)}': .*http:// or https://"):
+    with pytest.raises(ConfigError, match=f"tracing.otlp_endpoint = '{re.escape(endpoint)}' \\(from replace\\(\\)\\): "
+                                          ".*http:// or https://"):
         tracing_export_config(settings, environ={})
     grpc = tracing_export_config(settings.replace(**{"tracing.otlp_protocol": "grpc"}), environ={})
     assert grpc.otlp_endpoint == endpoint and grpc.otlp_protocol == "grpc"

@@ -57,11 +57,11 @@ def tracing_export_config(settings: Settings, environ=os.environ):
         raise ConfigError(f"OTLP protocol {protocol!r} (from tracing.otlp_protocol or OTEL_EXPORTER_OTLP_"
                           f"[TRACES_]PROTOCOL): expected grpc or http/protobuf")
     if exporter == "otlp" and protocol == "http/protobuf":
-        _check_http_endpoint(tracing.otlp_endpoint, environ)
+        _check_http_endpoint(settings, environ)
     if exporter == "file":
-        _check_appendable(tracing.file_path, "tracing.file_path")
+        _check_appendable(settings, "tracing.file_path", tracing.file_path)
     if access_log and access_log != "-":
-        _check_appendable(access_log, "access_log.path")
+        _check_appendable(settings, "access_log.path", access_log)
     return ExportConfig(
         exporter=exporter,
         otlp_endpoint=tracing.otlp_endpoint,
@@ -75,38 +75,45 @@ def tracing_export_config(settings: Settings, environ=os.environ):
     )
 
 
-def _check_http_endpoint(configured: str, environ) -> None:
+def _named(settings: Settings, dotted: str, value: str) -> str:
+    """How a startup check names a setting, as the config's own errors do."""
+    return f"{dotted} = {value!r} (from {settings.source(dotted)})"
+
+
+def _check_http_endpoint(settings: Settings, environ) -> None:
     """http/protobuf posts to a URL: a HOST:PORT or gRPC target (valid for gRPC) would
     fail every export later, each time with the HTTP client's own words."""
-    source, endpoint = "tracing.otlp_endpoint", configured
-    if not endpoint:
-        source = next((name for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-                       if environ.get(name)), "")
-        endpoint = environ.get(source, "") if source else ""
+    endpoint = settings.tracing.otlp_endpoint
+    if endpoint:
+        named = _named(settings, "tracing.otlp_endpoint", endpoint)
+    else:
+        variable = next((name for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+                         if environ.get(name)), None)
+        endpoint = environ[variable] if variable else ""
+        named = f"{variable} = {endpoint!r} (from env)"
     if endpoint and not endpoint.strip().lower().startswith(("http://", "https://")):
-        raise ConfigError(f"{source} = {endpoint!r}: OTLP over http/protobuf needs an http:// or https:// URL "
-                          f"such as http://127.0.0.1:4318; HOST:PORT and gRPC targets are for "
-                          f"tracing.otlp_protocol = grpc")
+        raise ConfigError(f"{named}: OTLP over http/protobuf needs an http:// or https:// URL such as "
+                          f"http://127.0.0.1:4318; HOST:PORT and gRPC targets are for tracing.otlp_protocol = grpc")
 
 
-def _check_appendable(path: str, key: str) -> None:
+def _check_appendable(settings: Settings, dotted: str, path: str) -> None:
     """Open the file as the exporter process will (its folder made), so that a path it
     cannot write is a startup error naming the key, not an exporter that dies later and
     takes the access log with it."""
     expected = "expected the path of a file the proxy can create or append to"
+    named = _named(settings, dotted, path)
     folder = Path(path).parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         # mkdir says "File exists" when a part of the path is a file, not a folder.
         reason = "a part of it is a file, not a folder" if isinstance(exc, FileExistsError) else exc.strerror or exc
-        raise ConfigError(f"{key} = {path!r}: its folder {str(folder)!r} cannot be made ({reason}); {expected}") \
-            from None
+        raise ConfigError(f"{named}: its folder {str(folder)!r} cannot be made ({reason}); {expected}") from None
     try:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{key} = {path!r}: cannot append to it ({exc.strerror or exc}); {expected}") from None
+        raise ConfigError(f"{named}: cannot append to it ({exc.strerror or exc}); {expected}") from None
 
 
 def _resource_attributes(raw: str) -> dict[str, str]:

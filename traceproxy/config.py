@@ -16,7 +16,7 @@ import re
 import textwrap
 import tomllib
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 ENV_PREFIX = "TRACEPROXY_"
@@ -155,6 +155,12 @@ class Settings:
     # A default so code that builds Settings by hand (tests) keeps working; it must equal
     # the [engines] schema defaults below (off: no URLs).
     engines: Engines = Engines(metrics_urls=(), scrape_interval=5.0, scrape_timeout=2.0, orphan_after=30.0)
+    # Where each key's value came from ("default", "flag --admin", "env TRACEPROXY_ADMIN",
+    # "file F"): errors found after loading (a path that cannot be written) name it too.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def source(self, dotted: str) -> str:
+        return self.sources.get(dotted, "the settings")
 
     def replace(self, **dotted_overrides: Any) -> Settings:
         """A copy with some keys changed, e.g. replace(**{"timeouts.connect": 1.0}); validated like any source."""
@@ -162,7 +168,7 @@ class Settings:
 
     def replace_from(self, dotted_overrides: Mapping[str, Any], source: str) -> Settings:
         """``replace`` with the overrides' origin named in errors (e.g. a command-line option)."""
-        raw = {s.dotted: (_as_raw(s.value_in(self)), "the settings being replaced") for s in SCHEMA}
+        raw = {s.dotted: (_as_raw(s.value_in(self)), self.source(s.dotted)) for s in SCHEMA}
         for dotted, value in dotted_overrides.items():
             if dotted not in _BY_DOTTED:
                 raise _unknown("key", dotted, _BY_DOTTED, source)
@@ -677,7 +683,8 @@ def _build(raw: Raw) -> Settings:
         name: cls(**{s.key: values[s.dotted] for s in SCHEMA if s.section == name})
         for name, (cls, _) in _SECTIONS.items()
     }
-    return Settings(**{key: values[key] for key in _TOP_LEVEL}, **sections)
+    return Settings(**{key: values[key] for key in _TOP_LEVEL}, **sections,
+                    sources={dotted: source for dotted, (_, source) in raw.items()})
 
 
 def _defaults() -> Raw:
