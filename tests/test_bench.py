@@ -421,3 +421,48 @@ def test_requests_never_started_are_hangs_in_the_log_and_noted_apart_from_errors
     assert lines == ["S5 proxy errors: status 502×3",
                      "S5 proxy: 12 requests never started within the scenario's time budget; "
                      "they are counted as hangs."]
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--proxy-cmd", "no-such-proxy-program --listen {port}"], "could not run: proxy: cannot run 'no-such-proxy-program'"),
+    # only starting finds it: the proxy process says so, and the bench stops
+    (["--proxy-set", "access_log.path=/proc/version"],
+     "configuration error: access_log.path = '/proc/version' (from --proxy-set)"),
+], ids=["missing-program", "unwritable-log"])
+def test_a_proxy_that_cannot_start_stops_the_bench_with_its_reason(tmp_path, argv, reason):
+    result = _run_bench(["--quick", "--targets", "direct,proxy", "--scenarios", "S5", *argv], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert reason in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cpu_of_a_tree_keeps_what_exited_children_used_and_a_gone_process_is_unknown(tmp_path):
+    from traceproxy.bench.monitor import CpuWindow
+
+    # A parent that starts a child burning CPU and reaps it inside the window.
+    script = ("import subprocess, sys, time; open('started', 'w').close(); sys.stdin.readline(); "
+              "subprocess.run([sys.executable, '-c', 'import time\\nend = time.process_time() + 0.4\\n"
+              "while time.process_time() < end: pass']); sys.stdin.readline()")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdin=subprocess.PIPE, text=True)
+    short = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        window = CpuWindow({"tree": parent.pid, "short": short.pid})
+        t0 = time.monotonic()
+        window.start()
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        short.communicate("bye\n", timeout=30)  # exits inside the window
+        deadline = time.monotonic() + 30
+        while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while psutil.Process(parent.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the child ran and was reaped
+        usage = window.stop()
+        wall = time.monotonic() - t0  # at least the window's own
+    finally:
+        parent.communicate("bye\n", timeout=30)
+    assert usage["tree"] is not None and usage["tree"] / 100 * wall >= 0.35, (usage, wall)  # the child's 0.4 s
+    assert usage["short"] is None  # gone before the window ended: unknown, never negative

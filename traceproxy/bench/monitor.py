@@ -22,16 +22,25 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def cpu_seconds(pid: int, tree: bool = True) -> float:
-    """User plus system CPU seconds of a process and (``tree``) its live descendants."""
-    total = 0.0
+def cpu_seconds(pid: int, tree: bool = True) -> float | None:
+    """User plus system CPU seconds of a process and (``tree``) its descendants; None
+    once the process itself is gone.
+
+    A descendant that exited is counted in the ``children_*`` times of the parent
+    that reaped it, so the tree's total never drops when one exits (a worker, a
+    restarted exporter) between two readings."""
     procs = _tree(pid) if tree else _tree(pid)[:1]
+    if not procs:
+        return None
+    total = 0.0
     for proc in procs:
         try:
             times = proc.cpu_times()
-            total += times.user + times.system
         except psutil.Error:
-            pass
+            continue
+        total += times.user + times.system
+        if tree:
+            total += times.children_user + times.children_system
     return total
 
 
@@ -88,17 +97,20 @@ class CpuWindow:
         self._t0 = time.monotonic()
         self._cpu0 = self._read()
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> dict[str, float | None]:
+        """None for a process that was not there at both ends: it exited (or never
+        started) during the window, and what it used is unknown."""
         wall = max(time.monotonic() - self._t0, 1e-9)
         now = self._read()
-        return {name: round(100 * (now[name] - self._cpu0[name]) / wall, 1) for name in self.pids}
+        return {name: None if now[name] is None or self._cpu0[name] is None
+                else round(100 * max(0.0, now[name] - self._cpu0[name]) / wall, 1) for name in self.pids}
 
 
 def busy_percent(pids: list[int], window: float) -> float:
     """CPU % (100 = one core) of these process trees over the next ``window`` seconds."""
-    before = sum(cpu_seconds(pid) for pid in pids)
+    before = sum(cpu_seconds(pid) or 0.0 for pid in pids)
     time.sleep(window)
-    return 100 * (sum(cpu_seconds(pid) for pid in pids) - before) / window
+    return 100 * max(0.0, sum(cpu_seconds(pid) or 0.0 for pid in pids) - before) / window
 
 
 class RssSampler:

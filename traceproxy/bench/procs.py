@@ -40,7 +40,11 @@ class Child:
         popen.setdefault("stdout", subprocess.DEVNULL)
         popen.setdefault("cwd", log_path.parent)
         popen.setdefault("env", child_environment())
-        self.proc = subprocess.Popen(argv, start_new_session=True, stderr=self._log, **popen)
+        try:
+            self.proc = subprocess.Popen(argv, start_new_session=True, stderr=self._log, **popen)
+        except OSError as exc:  # no such program, not executable
+            self._log.close()
+            raise ChildError(f"{name}: cannot run {argv[0]!r}: {exc.strerror or exc}") from None
         self.pid = self.proc.pid
 
     def alive(self) -> bool:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 import uvloop
 
 from ..app import ProxyServer
-from ..config import default_settings
+from ..config import ConfigError, default_settings
 from .procs import raise_fd_limit, wait_for_stop_signal, write_port_file
 
 
@@ -68,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     raise_fd_limit()
-    uvloop.run(serve(build_settings(args.upstream, args.set), args.port_file, args.admin_port_file))
+    try:
+        uvloop.run(serve(build_settings(args.upstream, args.set), args.port_file, args.admin_port_file))
+    except ConfigError as exc:  # found at startup (a log path it cannot write): said, not a traceback
+        sys.stderr.write(f"configuration error: {exc}\n")
+        return 2
     return 0
 
 

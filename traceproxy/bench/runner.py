@@ -98,7 +98,8 @@ def check_proxy_cmd(template: str | None) -> None:
 
 def check_proxy_settings(items: list[str]) -> None:
     """``--proxy-set`` items checked now, as the proxy would read them, rather than
-    as a traceback from the proxy process once the run has started."""
+    once the run has started. What only starting can find (a log path it cannot
+    write) the proxy process reports as a configuration error, and the bench stops."""
     for item in items:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip():

@@ -176,7 +176,8 @@ class Session:
                 self.children.stop(child)
         merged = report.merge(parts)
         if "proxy_main" in usage:
-            usage["exporter"] = round(max(0.0, usage["proxy"] - usage.pop("proxy_main")), 1)
+            main, tree = usage.pop("proxy_main"), usage["proxy"]
+            usage["exporter"] = None if main is None or tree is None else round(max(0.0, tree - main), 1)
         merged["cpu"] = usage
         merged["settle_s"] = round(settled, 3)
         if proxy is not None:
