@@ -232,6 +232,37 @@ def test_a_response_finished_during_the_shutdown_grace_says_the_connection_close
     stopping.result(10)
 
 
+class _Endings:
+    def __init__(self):
+        self.done = []
+
+    def on_done(self, record):
+        self.done.append((record.target, record.outcome.code, record.outcome.blame.value))
+
+
+def test_when_the_grace_runs_out_every_request_on_a_connection_ends_as_the_proxys_doing(
+        scripted_upstream, start_proxy, loop_thread):
+    async def never_answers(reader, writer, upstream):
+        await reader.read_request()
+        await reader.read(1)
+
+    endings = _Endings()
+    proxy = start_proxy(scripted_upstream(never_answers).url, observers=[endings])
+    client = RawClient(proxy.port)
+    # One in progress, one pipelined behind it; and on another connection a head half sent.
+    client.send(b"GET /waits HTTP/1.1\r\nHost: a\r\n\r\nGET /behind HTTP/1.1\r\nHost: a\r\n\r\n")
+    half = RawClient(proxy.port)
+    half.send(b"GET /half HTTP/1.1\r\nHo")
+    assert wait_until(lambda: len(proxy.ctx.in_flight) == 3)
+    loop_thread.run(proxy.shutdown(grace=0.3))
+    resp = client.response()
+    assert resp.status == 503 and resp.headers.get("x-traceproxy-outcome") == "LR"
+    assert resp.headers.get("connection") == "close"  # not an invitation to wait for /behind
+    assert client.is_closed_by_peer() and half.is_closed_by_peer()
+    assert wait_until(lambda: len(endings.done) == 3)
+    assert sorted(endings.done) == [("", "LR", "proxy"), ("/behind", "LR", "proxy"), ("/waits", "LR", "proxy")]
+
+
 def _slow_reader_holding_a_finished_response(proxy, loop_thread, size: int) -> socket.socket:
     """A client whose whole response is finished on the proxy's side but still
     waits in its transport, untaken: the transport is let hold it all, unpaused."""

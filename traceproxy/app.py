@@ -24,7 +24,6 @@ from aiohttp import web
 from .admin import build_admin_app
 from .allocator import tune_allocator
 from .config import ConfigError, HostPort, Settings
-from .lifecycle.flags import Flag
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
 from .observe.metrics import ProxyMetrics
@@ -259,9 +258,7 @@ class ProxyServer:
         while ctx.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for conn in list(ctx.connections):
-            if conn.active is not None:
-                conn.active.abort(Flag.LR, f"shutdown grace of {grace:g} s ran out")
-            conn.close()
+            conn.shut_down(f"shutdown grace of {grace:g} s ran out")
         await self._let_clients_take_what_is_written(deadline)
         ctx.pool.close_all()
         self.watchdog.stop()

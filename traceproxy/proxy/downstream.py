@@ -163,6 +163,20 @@ class ClientConnection(asyncio.Protocol):
             self.closing = True
             self.transport.close()
 
+    def shut_down(self, reason: str) -> None:
+        """The shutdown grace ran out: every request on this connection ends LR (the
+        proxy's doing, not the client's). The pipelined ones are dropped first, so
+        that none starts once the grace is over; the one in progress gets its error
+        with Connection: close; a head still arriving is ended; then the connection
+        closes."""
+        self._drop_queue(Flag.LR, reason)
+        if self.active is not None:
+            self.active.keep_client_alive = False
+            self.active.abort(Flag.LR, reason)
+        if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
+            self.ctx.end_request(self.parsing, Flag.LR, reason)
+        self.close()
+
     def reset(self) -> None:
         """Close with a reset, not a FIN: what was written but not yet sent is lost,
         and the client sees an error rather than an end of data."""
