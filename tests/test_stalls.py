@@ -214,6 +214,16 @@ def _slow_first_stream(requests: int):
     return handler
 
 
+def _read_until_closed(sock: socket.socket) -> bytes:
+    reply = b""
+    for _ in range(200):  # bounded: a few short responses need far fewer reads
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        reply += piece
+    return reply
+
+
 def test_a_pipelined_request_waiting_its_turn_is_not_a_stall_and_never_aborted(scripted_upstream, start_proxy):
     # The first request streams slowly but steadily; the second, sent with it, has
     # nothing left to send: nobody owes it a byte until its turn. An abort written
@@ -239,14 +249,27 @@ def test_a_head_the_proxy_stopped_reading_behind_queued_requests_is_not_the_clie
         time.sleep(0.1)
         sock.sendall(b"Host: a\r\nConnection: close\r\n\r\n")
         assert wait_until(lambda: [e["phase"] for e in _inflight(proxy)].count("waiting_turn") == 2)
-        reply = b""
-        for _ in range(200):  # bounded: the three responses need far fewer reads
-            piece = sock.recv(65536)
-            if not piece:
-                break
-            reply += piece
+        reply = _read_until_closed(sock)
     assert reply.count(b"HTTP/1.1 200 OK") == 3 and b" 408 " not in reply, reply[-300:]
     assert not sink.now_items, "a stall was reported for a head the proxy was not reading"
+
+
+def test_a_pipelined_body_is_timed_from_its_turn_not_from_when_it_was_queued(scripted_upstream, start_proxy):
+    # The second request's body stops short while the first response takes 2 s: the
+    # proxy is not reading then. In its turn the client finishes it within 0.5 s, far
+    # less than the 1 s allowed for a silent body: no stall, no 408.
+    proxy, sink = _proxy(start_proxy, scripted_upstream(_slow_first_stream(2)).url,
+                         **{"stall.client_body": 1.0, "stall.stream_gap": 5.0, "stall.action": "abort",
+                            "timeouts.client_body": 1.0})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n"
+                     b"POST /second HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\nConnection: close\r\n\r\nab")
+        assert wait_until(lambda: any(e["phase"] == "awaiting_request_body" for e in _inflight(proxy)), timeout=10)
+        time.sleep(0.5)
+        sock.sendall(b"cd")
+        reply = _read_until_closed(sock)
+    assert reply.count(b"HTTP/1.1 200 OK") == 2 and b" 408 " not in reply, reply[-300:]
+    assert not sink.now_items, "a stall was reported for the time the request waited its turn"
 
 
 def test_a_shorter_stall_after_a_longer_wait_is_found_at_its_own_threshold(scripted_upstream, start_proxy, caplog):

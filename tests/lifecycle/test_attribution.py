@@ -45,6 +45,9 @@ CASES = [
     ("pool-queued", request(*HEAD, Mark.POOL_QUEUED), Phase.AWAITING_UPSTREAM_CONNECTION, Flag.PWS, Blame.PROXY, 3, 6),
     ("body-from-client", request(*SENT[:4], last_downstream_rx_ns=4.5), Phase.AWAITING_REQUEST_BODY, Flag.DBS,
      Blame.CLIENT, 4.5, 6.5),
+    # Pipelined, its body partly read before it waited its turn: timed from the turn.
+    ("body-after-its-turn", request(*SENT[:4], last_downstream_rx_ns=4.5, turn_began_ns=9), Phase.AWAITING_REQUEST_BODY,
+     Flag.DBS, Blame.CLIENT, 9, 11),
     ("engine-not-reading-body", request(*SENT[:4], last_downstream_rx_ns=4.5, upstream_paused_since_ns=4.2),
      Phase.AWAITING_REQUEST_BODY, Flag.FBS, Blame.ENGINE, 4.2, 8.2),
     ("prefill", request(*SENT), Phase.AWAITING_UPSTREAM_HEADERS, Flag.FBS, Blame.ENGINE, 6, 10),

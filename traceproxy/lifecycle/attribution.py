@@ -69,8 +69,11 @@ def _awaiting_body(r: RequestRecord, phase: Phase) -> Verdict:
     if r.upstream_paused_since_ns is not None:
         return Verdict(phase, Flag.FBS, r.upstream_paused_since_ns, "first_byte")
     since = _first(r.last_downstream_rx_ns, r.marks.get(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE))
-    if r.upstream_resumed_ns is not None and r.upstream_resumed_ns > since:
-        since = r.upstream_resumed_ns  # the proxy itself was not reading until then
+    # The proxy itself was not reading until then: the upstream had paused it, or the
+    # request was pipelined and waited for its turn.
+    for resumed in (r.upstream_resumed_ns, r.turn_began_ns):
+        if resumed is not None and resumed > since:
+            since = resumed
     return Verdict(phase, Flag.DBS, since, "client_body")
 
 

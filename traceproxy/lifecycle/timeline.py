@@ -169,7 +169,7 @@ class RequestRecord:
     upstream_resumed_ns: int | None = None  # when the upstream last took the request again
     # A pipelined request waiting for the responses before it: its wait is theirs.
     waiting_turn: bool = False
-    turn_began_ns: int | None = None  # when a head begun behind others got its turn
+    turn_began_ns: int | None = None  # when a request begun behind others got its turn (its head or body)
 
     # -- marks -------------------------------------------------------------
     def mark(self, mark: Mark, now_ns: int) -> None:

@@ -443,7 +443,10 @@ class ClientConnection(asyncio.Protocol):
             self.close()
             return
         if self.queue:
-            self._begin(self.queue.popleft())
+            exchange = self.queue.popleft()
+            # Its body, if still arriving, is the client's to send from now on.
+            exchange.record.turn_began_ns = time.monotonic_ns()
+            self._begin(exchange)
             if not self.queue:
                 self.resume_reading("pipeline")
             return

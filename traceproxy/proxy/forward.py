@@ -576,8 +576,9 @@ class Exchange:
             since = max(self._started_ns, record.last_downstream_rx_ns or 0)
             due, outcome = since + ctx.upstream_headers_ns, Flag.UT
         if ctx.client_body_ns and not self.request_complete and self._expects_body:
-            # Our own pause (the upstream not reading) is not client silence.
-            last = now if self.client.reading_paused else (record.last_downstream_rx_ns or self._started_ns)
+            # Our own pause (the upstream not reading) is not client silence, nor is the
+            # time a pipelined request waited for its turn (the proxy was not reading).
+            last = now if self.client.reading_paused else max(record.last_downstream_rx_ns or 0, self._started_ns)
             body_due = last + ctx.client_body_ns
             if outcome is None or body_due <= due:  # a tie is the client's: it went silent first
                 due, outcome = body_due, Flag.DBT
@@ -615,7 +616,7 @@ class Exchange:
                 self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers within {waited:g} s "
                                     "of the client's last request byte")
         elif expired is Flag.DBT:
-            silent = (now - (self.record.last_downstream_rx_ns or self._started_ns)) / 1e9
+            silent = (now - max(self.record.last_downstream_rx_ns or 0, self._started_ns)) / 1e9
             self.keep_client_alive = False
             self._fail(Flag.DBT, f"request body silent for {silent:.1f} s after "
                        f"{self.record.downstream_rx_body_bytes} bytes")
