@@ -32,6 +32,20 @@ def test_connect_refused_is_502_uf(start_proxy):
     assert "refused" in error["message"]
 
 
+def test_the_proxys_own_error_for_a_head_request_has_no_body(scripted_upstream, start_proxy):
+    # RFC 9110 section 9.3.2: a body after the head would be read (by a strict client
+    # such as h11) as the start of the next response on the keep-alive connection.
+    for upstream, overrides, status in ((f"http://127.0.0.1:{free_port()}", {}, 502),
+                                        (scripted_upstream(never_answers).url, {"timeouts.upstream_headers": 0.3}, 504)):
+        proxy = start_proxy(upstream, **overrides)
+        client = RawClient(proxy.port)
+        head = client.roundtrip("HEAD", "/v1/models")
+        assert head.status == status and head.complete and head.body == b""
+        assert int(head.headers["content-length"]) > 0  # what a GET would have received
+        after = client.roundtrip("GET", "/v1/models")
+        assert after.status == status and after.complete and _error(after)["code"] == head.headers["x-traceproxy-outcome"]
+
+
 def test_no_response_headers_in_time_is_504_ut(scripted_upstream, start_proxy):
     up = scripted_upstream(never_answers)
     proxy = start_proxy(up.url, **{"timeouts.upstream_headers": 0.3})

@@ -517,7 +517,8 @@ class ClientConnection(asyncio.Protocol):
         record.status = status
         if not record.trace_id:
             self.ctx.identify(record, parts)
-        reply = error_response(status, outcome, reason, keep_alive=False, extra_lines=self.ctx.response_ids(record))
+        reply = error_response(status, outcome, reason, keep_alive=False, extra_lines=self.ctx.response_ids(record),
+                               head_only=record.method == "HEAD")
         self.write(reply)
         record.downstream_tx_body_bytes += body_size(reply)
         self.ctx.stamp_once(record, time.monotonic_ns(), MARK.FIRST_DOWNSTREAM_TX_BYTE, MARK.LAST_DOWNSTREAM_TX_BYTE)

@@ -503,7 +503,7 @@ class Exchange:
                 self.keep_client_alive = self.keep_client_alive and linger and self._rest_of_body_drainable()
             status = status or outcome.local_status or 502
             reply = error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
-                                   extra_lines=self.ctx.response_ids(self.record))
+                                   extra_lines=self.ctx.response_ids(self.record), head_only=self.head.method == "HEAD")
             self.client.write(reply)
             self.record.status = status
             self.record.downstream_tx_body_bytes += body_size(reply)

@@ -36,7 +36,11 @@ def error_response(
     keep_alive: bool,
     client_http11: bool = True,
     extra_lines: bytes = b"",
+    head_only: bool = False,
 ) -> bytes:
+    """The proxy's own error response. ``head_only`` for a HEAD request: the head says
+    what a GET would have received (its Content-Length), and no body follows (RFC 9110
+    section 9.3.2); a body would be read as the start of the next response."""
     body = error_body(outcome, message)
     version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
     lines = [
@@ -51,7 +55,8 @@ def error_response(
     elif not client_http11:
         lines.append(b"Connection: keep-alive\r\n")
     lines.append(b"\r\n")
-    lines.append(body)
+    if not head_only:
+        lines.append(body)
     return b"".join(lines)
 
 
