@@ -181,6 +181,26 @@ def test_a_body_before_a_pipelined_head_is_not_counted_as_head(fast_upstream, st
     assert reply.count(b"HTTP/1.1 200 ") == 2 and b" 431 " not in reply
 
 
+def test_a_head_begun_behind_another_request_in_a_read_is_held_to_the_limit(fast_upstream, start_proxy):
+    # The first read ends a whole request and begins an oversized head; the rest of it,
+    # itself well under the limit, comes in a later read.
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"limits.max_header_bytes": 4096})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\nGET /big HTTP/1.1\r\nHost: a\r\nX-Big: " + b"v" * 3000)
+        assert wait_until(lambda: up.requests == 1)
+        time.sleep(0.2)
+        sock.sendall(b"v" * 3000 + b"\r\nConnection: close\r\n\r\n")
+        reply = b""
+        for _ in range(100):  # bounded: two short responses
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 ") and reply.count(b"HTTP/1.1 431 ") == 1, reply[-400:]
+    assert up.requests == 1
+
+
 def test_oversized_target_gets_414(fast_upstream, start_proxy):
     up = fast_upstream()
     proxy = start_proxy(up.url, **{"limits.max_target_bytes": 256})

@@ -80,6 +80,7 @@ class ClientConnection(asyncio.Protocol):
         self._at_request_start = False  # the read being fed began at a request's first byte
         self._continues_head = False  # ... or inside a head begun in an earlier read
         self._head_tail = b""  # the last bytes of the last read counted into the head
+        self._head_mid_read = False  # the current head began behind other bytes of a read
         self._begun = 0  # requests begun during the read being fed
         self._chunked_body = False  # a chunked request body is being parsed
         self._body_in_read = False  # the read being fed carried body bytes
@@ -316,6 +317,7 @@ class ClientConnection(asyncio.Protocol):
         record.waiting_turn = self.active is not None
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
+        self._head_mid_read = not (self._at_request_start and self._begun == 1)
         self._in_head = True
         self.ctx.start_request(record)
         self._head_timer_pending = self.active is None
@@ -340,7 +342,10 @@ class ClientConnection(asyncio.Protocol):
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.ctx.fanout.mark_observers:
             self.ctx.fanout.mark(record, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE)
-        if self._head_bytes + len(self._data) > self._max_head_bytes and self._head_size() > self._max_head_bytes:
+        # The reads counted can exceed the limit only if the head could; a head begun behind
+        # other bytes of a read was not counted in that read, so it is always sized.
+        if ((self._head_mid_read or self._head_bytes + len(self._data) > self._max_head_bytes)
+                and self._head_size() > self._max_head_bytes):
             raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         if version != "1.1" and version != "1.0":
             # llhttp reads a request line without a version as HTTP/0.9.
@@ -400,7 +405,7 @@ class ClientConnection(asyncio.Protocol):
             end = self._data.find(b"\r\n\r\n")
             if end >= 0:
                 return end + 4
-        elif self._continues_head and not self._begun and self._head_bytes:
+        elif self._continues_head and not self._begun and self._head_bytes and not self._head_mid_read:
             # Begun in earlier reads, counted whole: it ends at the first empty line here.
             joined = self._head_tail + self._data
             end = joined.find(b"\r\n\r\n")
