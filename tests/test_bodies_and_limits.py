@@ -133,24 +133,61 @@ def test_thousands_of_idle_keepalive_clients_do_not_lock_out_a_new_one(fast_upst
             sock.close()
 
 
+def _push_for(sock: socket.socket, seconds: float, limit: int) -> int:
+    """Bytes of a body the proxy lets the client send within ``seconds``."""
+    sock.setblocking(False)
+    block, sent = b"u" * 65536, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and sent < limit:
+        try:
+            sent += sock.send(block)
+        except BlockingIOError:
+            time.sleep(0.01)
+    return sent
+
+
 def test_upload_to_an_upstream_that_stops_reading_applies_backpressure(scripted_upstream, start_proxy):
     async def reads_head_only(reader, writer, upstream):
         await reader.read_head()
         await asyncio.sleep(30)  # and never reads the body
 
     proxy = start_proxy(scripted_upstream(reads_head_only).url)
-    sent = 0
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % (200 * MB))
-        sock.setblocking(False)
-        block = b"u" * 65536
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline and sent < 200 * MB:
-            try:
-                sent += sock.send(block)
-            except BlockingIOError:
-                time.sleep(0.01)
+        sent = _push_for(sock, 1.5, 200 * MB)
     assert sent < 48 * MB, f"the proxy accepted {sent // MB} MB the upstream never read"
+
+
+def test_a_connection_pooled_while_its_writes_are_paused_holds_back_the_next_body(scripted_upstream, start_proxy):
+    # /one is resent on a fresh connection in one write, far past what the kernel
+    # takes (the upstream's receive buffer is small); the upstream answers it at once,
+    # unread, and keeps the connection. /two reuses it while the upstream reads
+    # nothing: the pause must carry over, or /two's body piles up in the proxy.
+    async def answers_before_reading(reader, writer, upstream):
+        head = await reader.read_head()
+        if b"/warm" in head:  # answered; then /one, read whole and closed unanswered: the proxy resends it
+            await reader.readexactly(1)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await reader.read_request()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")  # /one resent: its body unread
+        await writer.drain()
+        await asyncio.sleep(30)  # and nothing more is read
+
+    up = scripted_upstream(answers_before_reading)
+    up.set_receive_buffer(65536)
+    proxy = start_proxy(up.url, **{"pool.retry_buffer_bytes": 16 * MB})
+    client = RawClient(proxy.port)
+    assert client.roundtrip("POST", "/warm", body=b"w").status == 200
+    assert client.roundtrip("POST", "/one", body=b"o" * (8 * MB)).status == 200
+    assert b"/one" in up.received[-1]  # resent on a connection of its own
+    client.sock.sendall(b"POST /two HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % (200 * MB))
+    sent = _push_for(client.sock, 1.5, 200 * MB)
+    two = [r for r in list(proxy.ctx.in_flight.values()) if r.target == "/two"]
+    client.sock.close()
+    assert two and two[0].attempts[-1].reused, "/two did not reuse the paused connection: the test proves nothing"
+    assert sent < 48 * MB, f"the proxy accepted {sent // MB} MB of /two the upstream never read"
 
 
 def test_sse_events_are_forwarded_as_they_arrive(scripted_upstream, start_proxy, loop_thread):

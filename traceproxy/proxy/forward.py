@@ -161,6 +161,8 @@ class Exchange:
         if self.request_complete:
             self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         self.client.resume_reading("pending")
+        if conn.write_paused:  # still full of the request before (a resend, an early answer)
+            self.upstream_write_paused()
 
     def _upstream_head(self, attempt: Attempt) -> bytes:
         record, head = self.record, self.head

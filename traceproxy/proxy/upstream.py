@@ -99,6 +99,10 @@ class UpstreamConnection(asyncio.Protocol):
         self.abandoned = False  # its connect was cancelled: whatever connects is aborted
         self.connect_timer: asyncio.TimerHandle | None = None
         self.timed_out = False
+        # The transport's own flow-control state: it outlives a request (uvloop says
+        # pause once, at the crossing), so the next request on this connection must
+        # start paused too, or its body would be buffered without bound.
+        self.write_paused = False
 
     # -- asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -183,10 +187,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool.forget(self)
 
     def pause_writing(self) -> None:
+        self.write_paused = True
         if self.user is not None:
             self.user.upstream_write_paused()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         if self.user is not None:
             self.user.upstream_write_resumed()
 
