@@ -121,7 +121,7 @@ def test_exposition_parses_and_declares_every_family(fast_upstream, start_proxy)
         assert_cumulative(result, name)
     # Every phase a live request can be in, zeros included.
     phases = {labels["phase"]: value for labels, value in result.series("traceproxy_requests_in_flight")}
-    assert phases == {phase.value: 0 for phase in Phase if phase is not Phase.DONE}
+    assert phases == {**{phase.value: 0 for phase in Phase if phase is not Phase.DONE}, "waiting_turn": 0}
     # Tracing is off in tests: the span counters are present and zero.
     assert result.value("traceproxy_spans_dropped_total") == 0
     assert result.value("traceproxy_spans_exported_total") == 0
@@ -254,6 +254,12 @@ def test_stuck_request_shows_in_flight_awaiting_upstream_headers_and_counts_a_st
     assert result.value("traceproxy_requests_in_flight", **stuck) == 1  # still stuck
     assert sum(v for _, v in result.series("traceproxy_requests_in_flight")) == 1
     assert result.series("traceproxy_requests_total") == []
+    # Two more pipelined behind it (one whole, one a head half sent): they wait their
+    # turn, as /debug/inflight says, not for a connection or for the client.
+    client.sock.sendall(b"GET /second HTTP/1.1\r\nHost: a\r\n\r\nGET /third HTTP/1.1\r\nHo")
+    waiting = {"phase": "waiting_turn"}
+    assert wait_until(lambda: scrape(proxy).value("traceproxy_requests_in_flight", **waiting) == 2, timeout=3)
+    assert sum(v for _, v in scrape(proxy).series("traceproxy_requests_in_flight")) == 3
     client.close()
     assert wait_until(lambda: scrape(proxy).value("traceproxy_requests_in_flight", **stuck) == 0)
     result = scrape(proxy)

@@ -56,6 +56,16 @@ _RESPONSE_SIDE = (
 )
 
 
+# What a pipelined request in flight is doing while the responses before it finish:
+# nobody owes it a byte yet (shown beside the phases, in /debug/inflight and metrics).
+WAITING_TURN = "waiting_turn"
+
+
+def in_flight_phase(record: RequestRecord) -> str:
+    """The phase a request in flight is shown in: its own, or waiting its turn."""
+    return WAITING_TURN if record.waiting_turn else phase_of(record).value
+
+
 def phase_of(record: RequestRecord) -> Phase:
     if record.finished:
         return Phase.DONE

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from ..lifecycle.machine import phase_of
+from ..lifecycle.machine import in_flight_phase
 from ..lifecycle.marks import Mark
 from ..lifecycle.stall import StallThresholds, judge
 from ..lifecycle.timeline import RequestRecord
@@ -25,12 +25,6 @@ from ..lifecycle.timeline import RequestRecord
 
 def _age(now: int, stamp: int | None) -> float | None:
     return None if stamp is None else round((now - stamp) / 1e9, 3)
-
-
-def _phase_without_verdict(record: RequestRecord) -> str:
-    """A request that nobody owes a byte yet: behind the requests before it on its
-    connection, or done (finishing in this very loop pass)."""
-    return "waiting_turn" if record.waiting_turn else phase_of(record).value
 
 
 def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds, engines=None,
@@ -44,7 +38,9 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds,
         "request_id": record.request_id or None,
         "method": record.method or None,
         "path": record.target or None,
-        "phase": judgement.verdict.phase.value if judgement else _phase_without_verdict(record),
+        # Without a verdict nobody owes it a byte yet: it waits its turn, or is done
+        # (finishing in this very loop pass).
+        "phase": judgement.verdict.phase.value if judgement else in_flight_phase(record),
         "age_s": _age(now, start),
         "since_last_byte_s": {
             "from_client": _age(now, record.last_downstream_rx_ns or record.marks.get(Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE)

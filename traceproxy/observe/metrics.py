@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ..lifecycle.flags import BY_CODE
-from ..lifecycle.machine import Phase, phase_of
+from ..lifecycle.machine import WAITING_TURN, Phase, in_flight_phase
 from ..lifecycle.marks import MARK
 from ..lifecycle.stall import Judgement
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord, StallEntry
@@ -55,7 +55,7 @@ NS_PER_S = 1_000_000_000
 CONNECTION_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 # A request in ``ctx.in_flight`` has not finished, so it is never in DONE.
-IN_FLIGHT_PHASES = tuple(phase for phase in Phase if phase is not Phase.DONE)
+IN_FLIGHT_PHASES = tuple(phase.value for phase in Phase if phase is not Phase.DONE) + (WAITING_TURN,)
 
 
 # ----------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class ProxyMetrics:
     def _render_requests(self, out: "Exposition") -> None:
         phases = phase_counts(self.ctx.in_flight.values())
         out.gauge("requests_in_flight", "Requests in flight, by the phase they are in.",
-                  [((("phase", phase.value),), n) for phase, n in phases.items()])
+                  [((("phase", phase),), n) for phase, n in phases.items()])
         out.counter("requests_total", "Finished requests by response status (empty when none was sent), "
                     "outcome code and blame.",
                     [((("status", status), ("outcome", code), ("blame", blame)), n)
@@ -296,11 +296,12 @@ class ProxyMetrics:
                     [((), engines.orphans_total if engines is not None else 0)])
 
 
-def phase_counts(records: Iterable[RequestRecord]) -> dict[Phase, int]:
-    """Every in-flight phase, zeros included, so dashboards always see the series."""
+def phase_counts(records: Iterable[RequestRecord]) -> dict[str, int]:
+    """Every in-flight phase, zeros included, so dashboards always see the series; a
+    pipelined request behind others counts as waiting its turn, as /debug/inflight says."""
     counts = dict.fromkeys(IN_FLIGHT_PHASES, 0)
     for record in records:
-        phase = phase_of(record)
+        phase = in_flight_phase(record)
         counts[phase] = counts.get(phase, 0) + 1
     return counts
 
