@@ -3,6 +3,7 @@ and blame, and the keep-alive ledger."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -60,3 +61,23 @@ def test_the_proxys_own_replies_count_their_body_and_first_byte(fast_upstream, s
     assert bad_request["status"] == 400 and bad_request["outcome"] == "DPE"
     assert bad_request["response_bytes"] == len(refused_here.split(b"\r\n\r\n", 1)[1]) > 0
     assert 0 <= bad_request["time_to_first_byte"] <= bad_request["request_time"] + 1e-6
+
+
+def test_a_pipelined_requests_connect_time_is_not_its_wait_for_its_turn(scripted_upstream, start_proxy, tmp_path):
+    async def slow_then_fast(reader, writer, upstream):
+        for delay in (0.6, 0):
+            await reader.read_request()
+            await asyncio.sleep(delay)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    log = tmp_path / "access.log"
+    proxy = start_proxy(scripted_upstream(slow_then_fast).url, **{"access_log.path": str(log)})
+    reply = raw_exchange(proxy.port, b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\n"
+                                     b"GET /behind HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert reply.count(b"HTTP/1.1 200 OK") == 2
+    assert wait_until(lambda: len(_lines(log)) == 2, timeout=5)
+    slow, behind = _lines(log)
+    assert behind["path"] == "/behind" and behind["upstream_reused"] is True
+    assert behind["request_time"] >= 0.5  # it waited for /slow
+    assert behind["upstream_connect_time"] < 0.1  # a pooled connection, taken at once in its turn

@@ -71,7 +71,10 @@ def access_entry(s: RequestSummary) -> dict:
         "response_bytes": s.response_body_bytes,
         "chunks": s.chunks,
         "chunk_max_gap": round(s.max_chunk_gap_ns / 1e9, 6),
-        "upstream_connect_time": _seconds(up[_UP_ACQUIRED], marks[_RX_HEAD_END]),
+        # From when this attempt asked for a connection: not the wait of a pipelined
+        # request for its turn, nor an earlier attempt of a resent one.
+        "upstream_connect_time": _seconds(up[_UP_ACQUIRED], (attempt.started_ns if attempt is not None else 0)
+                                          or marks[_RX_HEAD_END]),
         "upstream_header_time": _seconds(up[_UP_HEAD_END], up[_UP_TX_START]),
         "upstream_response_time": _seconds(up[_UP_RX_END], up[_UP_TX_START]),
         "time_to_first_byte": _seconds(marks[_TX_HEAD], start),
