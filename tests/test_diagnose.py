@@ -400,3 +400,11 @@ def test_the_longest_wait_is_between_marks_whatever_stall_events_fall_inside_it(
     found = find_requests([server], "r")[0]
     [marked] = [line for line in _timeline_lines(found) if "<- longest wait" in line]
     assert "first_upstream_rx_byte" in marked and "+2.800 s" in marked, marked
+
+
+def test_an_attempt_whose_connect_failed_shows_no_connection():
+    from traceproxy.diagnose import Span, _attempt_lines
+
+    failed = Span("t", "a1", "s", "POST /v1/chat/completions", "client", 0, 1,
+                  attributes={"traceproxy.outcome": "UF"}, status="error", status_message="connect refused")
+    assert _attempt_lines(failed) == ["  upstream attempt 1: no connection -> UF (connect refused)"]

@@ -77,6 +77,27 @@ def test_failed_request_span_is_an_error_with_the_outcome(start_proxy):
     assert server.start_unix_ns <= attempt.start_unix_ns < attempt.end_unix_ns <= server.end_unix_ns
     assert sc.HTTP_RESPONSE_STATUS_CODE not in attempt.attributes
     assert server.attributes[sc.HTTP_RESPONSE_STATUS_CODE] == 502
+    # Nor a connection it never had (not "connection 0, new, request 0 on it").
+    assert not {sc.UPSTREAM_CONNECTION_ID, sc.UPSTREAM_CONNECTION_REUSED, sc.UPSTREAM_CONNECTION_IDLE_AGE,
+                sc.UPSTREAM_CONNECTION_REQUEST_NUMBER} & set(attempt.attributes)
+
+
+def test_a_refused_request_is_named_by_what_of_it_was_read(fast_upstream, start_proxy):
+    # Refused after its request line (a bad Host, a head llhttp rejects): its span and
+    # log line still say which request it was; before it, the span is named "HTTP".
+    proxy, sink = _traced_proxy(start_proxy, fast_upstream().url)
+    for raw in (b"GET /v1/models?a=1 HTTP/1.1\r\nHost: a b\r\n\r\n",
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nBad Header: x\r\n\r\n",
+                b"\x01\x02 / HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+            sock.sendall(raw)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
+    assert wait_until(lambda: len(sink.items) == 3)
+    names = [spans_for(summary)[0].name for summary in sink.items]
+    assert names == ["GET /v1/models", "POST /v1/chat/completions", "HTTP"]
+    unknown = spans_for(sink.items[2])[0].attributes
+    assert unknown[sc.HTTP_REQUEST_METHOD] == "_OTHER"
+    assert spans_for(sink.items[0])[0].attributes[sc.URL_QUERY] == "a=1"
 
 
 def test_a_resend_is_a_second_client_span_with_resend_count(scripted_upstream, start_proxy):

@@ -510,13 +510,16 @@ def _attempt_label(attempt: Span) -> str:
 
 def _attempt_lines(attempt: Span) -> list[str]:
     a = attempt.attributes
-    conn = f"connection {a.get(sc.UPSTREAM_CONNECTION_ID, '-')}"
-    if a.get(sc.UPSTREAM_CONNECTION_REUSED):
-        conn += f" reused, idle {_seconds(a.get(sc.UPSTREAM_CONNECTION_IDLE_AGE))}"
+    if sc.UPSTREAM_CONNECTION_ID not in a:  # its connect failed, or it never got one
+        conn = "no connection"
     else:
-        conn += " new"
-    line = (f"  upstream {_attempt_label(attempt)}: {conn}, request "
-            f"{a.get(sc.UPSTREAM_CONNECTION_REQUEST_NUMBER, '-')} on it -> {a.get(sc.OUTCOME, '-')}")
+        conn = f"connection {a[sc.UPSTREAM_CONNECTION_ID]}"
+        if a.get(sc.UPSTREAM_CONNECTION_REUSED):
+            conn += f" reused, idle {_seconds(a.get(sc.UPSTREAM_CONNECTION_IDLE_AGE))}"
+        else:
+            conn += " new"
+        conn += f", request {a.get(sc.UPSTREAM_CONNECTION_REQUEST_NUMBER, '-')} on it"
+    line = f"  upstream {_attempt_label(attempt)}: {conn} -> {a.get(sc.OUTCOME, '-')}"
     if attempt.status == "error" and attempt.status_message:
         line += f" ({attempt.status_message})"
     return [line]

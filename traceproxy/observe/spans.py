@@ -140,7 +140,7 @@ def spans_for(s: RequestSummary) -> list[SpanData]:
     if s.stalls:
         events = tuple(sorted(events + _stall_events(s), key=lambda e: e.time_unix_ns))
     server_span = SpanData(
-        s.trace_id, s.span_id, s.parent_span_id, f"{s.method} {route}" if route else s.method, KIND_SERVER,
+        s.trace_id, s.span_id, s.parent_span_id, _span_name(s.method, route), KIND_SERVER,
         s.start_ns + s.clock_offset_ns, s.end_ns + s.clock_offset_ns, _server_attributes(s, route),
         events, *_status(s.outcome, s.status, s.error),
         s.tracestate, s.sampled, parent_is_remote=bool(s.parent_span_id),
@@ -149,6 +149,13 @@ def spans_for(s: RequestSummary) -> list[SpanData]:
     for attempt in s.attempts:
         spans.append(_client_span(s, attempt, route))
     return spans
+
+
+def _span_name(method: str, route: str) -> str:
+    """``{method} {route}``; "HTTP" for a request refused before its method was read,
+    as the HTTP semantic conventions name a span whose method is unknown."""
+    method = method or "HTTP"
+    return f"{method} {route}" if route else method
 
 
 def _client_span(s: RequestSummary, a: AttemptSummary, route: str) -> SpanData:
@@ -165,13 +172,16 @@ def _client_span(s: RequestSummary, a: AttemptSummary, route: str) -> SpanData:
         sc.NETWORK_PEER_ADDRESS: s.upstream[0],
         sc.NETWORK_PEER_PORT: s.upstream[1],
         sc.URL_FULL: f"http://{s.upstream[0]}:{s.upstream[1]}{s.target}",
-        sc.UPSTREAM_CONNECTION_ID: a.connection_id,
-        sc.UPSTREAM_CONNECTION_REUSED: a.reused,
-        sc.UPSTREAM_CONNECTION_IDLE_AGE: a.idle_age_ns / 1e9,
-        sc.UPSTREAM_CONNECTION_REQUEST_NUMBER: a.connection_request_number,
-        sc.OUTCOME: outcome,
-        sc.BLAME: BY_CODE[outcome].blame.value,
     }
+    if a.connection_id:  # none for an attempt whose connect failed (or never began)
+        attrs.update({
+            sc.UPSTREAM_CONNECTION_ID: a.connection_id,
+            sc.UPSTREAM_CONNECTION_REUSED: a.reused,
+            sc.UPSTREAM_CONNECTION_IDLE_AGE: a.idle_age_ns / 1e9,
+            sc.UPSTREAM_CONNECTION_REQUEST_NUMBER: a.connection_request_number,
+        })
+    attrs[sc.OUTCOME] = outcome
+    attrs[sc.BLAME] = BY_CODE[outcome].blame.value
     if a.index:
         attrs[sc.HTTP_REQUEST_RESEND_COUNT] = a.index
     # The upstream's status only: not the proxy's own reply (502, 504) to a failed attempt.
@@ -182,7 +192,7 @@ def _client_span(s: RequestSummary, a: AttemptSummary, route: str) -> SpanData:
     if status[0] == STATUS_ERROR:
         attrs[sc.ERROR_TYPE] = BY_CODE[outcome].name
     return SpanData(
-        s.trace_id, a.span_id, s.span_id, f"{s.method} {route}" if route else s.method, KIND_CLIENT,
+        s.trace_id, a.span_id, s.span_id, _span_name(s.method, route), KIND_CLIENT,
         start + s.clock_offset_ns, end + s.clock_offset_ns, attrs,
         _events(UPSTREAM_LABELS, a.marks, s.clock_offset_ns), *status, s.tracestate, s.sampled,
     )
@@ -192,7 +202,7 @@ def _server_attributes(s: RequestSummary, route: str) -> dict:
     path, _, query = s.target.partition("?")
     host, _, port = s.client_peer.rpartition(":")
     attrs = {
-        sc.HTTP_REQUEST_METHOD: s.method,
+        sc.HTTP_REQUEST_METHOD: s.method or "_OTHER",  # the conventions' word for a method not known
         sc.URL_PATH: path,
         sc.URL_SCHEME: "http",
         sc.SERVER_ADDRESS: s.server[0],

@@ -338,6 +338,7 @@ class ClientConnection(asyncio.Protocol):
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
         method = self.parser.get_method()
         record.method = _METHODS.get(method) or method.decode("ascii", "replace")
+        record.target = self._url.decode("latin-1")  # now: a refusal below still names it
         version = record.http_version = self.parser.get_http_version()
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.ctx.fanout.mark_observers:
@@ -362,7 +363,7 @@ class ClientConnection(asyncio.Protocol):
             if absolute is not None:
                 host, target = absolute
                 parts = H.with_host(parts, host)
-        record.target = target.decode("latin-1")
+                record.target = target.decode("latin-1")  # what goes upstream: the origin form
         self._chunked_body, self._framing_bytes = parts.framing.chunked, 0
         generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         http11 = record.http_version == "1.1"
@@ -518,6 +519,11 @@ class ClientConnection(asyncio.Protocol):
             now = time.monotonic_ns()
             record = self.record.begin_request(now)
             self.ctx.start_request(record)
+        elif not record.method and self._url and len(self._url) <= self._max_target_bytes:
+            # llhttp refused the head after its request line: the refusal names it anyway.
+            method = self.parser.get_method()
+            record.method = _METHODS.get(method) or method.decode("ascii", "replace")
+            record.target = self._url.decode("latin-1")
         self.parsing = None
         record.status = status
         if not record.trace_id:
