@@ -97,8 +97,8 @@ class Flag:
     )
     SRC = Outcome(
         "SRC", "stale_reused_connection", Blame.PROXY,
-        "A reused pooled upstream connection was closed before any response byte, "
-        "and the request was too large to resend.",
+        "A reused pooled upstream connection was closed before any response byte. The request "
+        "ends so only when it was too large to resend; a resent one keeps it on its failed attempt.",
         502,
     )
     URX = Outcome(

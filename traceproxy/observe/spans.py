@@ -304,7 +304,9 @@ _new_tuple = tuple.__new__
 
 
 def _status(outcome: str, http_status: int, error: str, client: bool = False) -> tuple[int, str]:
-    """Span status by the HTTP semantic conventions: 5xx is an error; 4xx only on the
+    """A request (or attempt) that did not end OK is an error, whoever is to blame (its
+    outcome says whose: a 400 the proxy refused is the client's). One that ended OK is
+    judged by its status as the HTTP conventions say: 5xx is an error; 4xx only on the
     CLIENT side (the server side answered a bad request correctly)."""
     if outcome != "OK":
         return STATUS_ERROR, error or BY_CODE[outcome].meaning
