@@ -56,6 +56,12 @@ BAD_REQUESTS = [
     ("connect", b"CONNECT good.example:443 HTTP/1.1\r\nHost: good.example:443\r\n\r\n", 501),
     ("unsupported-expect", b"POST / HTTP/1.1\r\nHost: a\r\nExpect: teapot\r\nContent-Length: 0\r\n\r\n", 417),
     ("websocket-upgrade", b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 501),
+    # A method llhttp cannot carry is not implemented here (RFC 9110 section 9.1);
+    # bytes that are not a method at all are a bad request.
+    ("unknown-method", b"FROB /v1/models HTTP/1.1\r\nHost: a\r\n\r\n", 501),
+    ("method-not-a-token", b"G(T /v1/models HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+    ("asterisk-form-not-options", b"GET * HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+    ("absolute-form-other-scheme", b"GET ftp://good.example/x HTTP/1.1\r\nHost: a\r\n\r\n", 400),
 ]
 
 
@@ -286,3 +292,16 @@ def test_whitespace_padding_counts_toward_the_head_limit_across_reads(fast_upstr
         reply = recv_until(sock, b"\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 431 ")
     assert up.requests == 0
+
+
+def test_options_asterisk_is_forwarded_as_is(scripted_upstream, start_proxy):
+    async def answers(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await writer.drain()
+
+    up = scripted_upstream(answers)
+    proxy = start_proxy(up.url)
+    reply = raw_exchange(proxy.port, b"OPTIONS * HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 204 ")
+    assert wait_until(lambda: up.received and up.received[0].startswith(b"OPTIONS * HTTP/1.1\r\n"))

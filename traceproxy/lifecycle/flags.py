@@ -52,7 +52,7 @@ class Flag:
     DPE = Outcome(
         "DPE", "downstream_protocol_error", Blame.CLIENT,
         "The client sent a malformed or ambiguous request; it was rejected, not forwarded: 400, or 414 "
-        "(target too long), 417 (Expect), 431 (head too large), 501 (upgrade, CONNECT), 505 (HTTP version).",
+        "(target too long), 417 (Expect), 431 (head too large), 501 (upgrade, CONNECT, a method it cannot carry), 505 (HTTP version).",
         400,
     )
     DHT = Outcome(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import time
 
 import httptools
@@ -58,6 +59,8 @@ CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 PEER_CHECK_INTERVAL = 0.25
 # The usual methods as str, so that a request does not decode its method.
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
+# RFC 9110 section 5.6.2: a method is a token (bounded here: it is quoted back).
+_METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
 
 
 class ClientConnection(asyncio.Protocol):
@@ -264,6 +267,14 @@ class ClientConnection(asyncio.Protocol):
             # and resumed; what follows in this read is the next request.
             self._upgrade_offer_ignored = False
             rest = data[upgrade.args[0]:]
+        except httptools.HttpParserInvalidMethodError as exc:
+            unknown = self._unknown_method()
+            if unknown is not None:
+                # RFC 9110 section 9.1: a method the proxy cannot carry is not implemented here.
+                self.reject(501, Flag.DPE, f"request method {unknown!r} is not supported")
+            else:
+                self.reject(400, Flag.DPE, f"malformed request: {exc}")
+            return
         except httptools.HttpParserError as exc:
             self.reject(400, Flag.DPE, f"malformed request: {exc}")
             return
@@ -284,6 +295,14 @@ class ClientConnection(asyncio.Protocol):
         if self._head_timer_pending:
             self._head_timer_pending = False
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
+
+    def _unknown_method(self) -> str | None:
+        """The method of a request llhttp does not know, when it is a well-formed token
+        at the read's first byte (not garbage, not behind other requests in the read)."""
+        if not (self._at_request_start and self._begun == 1):
+            return None
+        method = self._data.partition(b" ")[0]
+        return method.decode("ascii") if _METHOD_TOKEN.fullmatch(method) else None
 
     def _head_too_long(self, data: bytes, continues_head: bool) -> bool:
         """Counts the bytes of a head still incomplete at the end of a read."""
@@ -358,9 +377,14 @@ class ClientConnection(asyncio.Protocol):
         if upgrade:
             self._ignore_upgrade_offer(parts)
         target = self._url
-        if not target.startswith(b"/") and target != b"*":
-            absolute = H.split_absolute_form(target)
-            if absolute is not None:
+        if not target.startswith(b"/"):
+            if target == b"*":
+                if record.method != "OPTIONS":  # RFC 9112 section 3.2.4
+                    raise H.BadRequest(400, "the asterisk-form target * is only for OPTIONS")
+            else:
+                absolute = H.split_absolute_form(target)
+                if absolute is None:
+                    raise H.BadRequest(400, "unsupported request target: expected /path or an http(s):// URL")
                 host, target = absolute
                 parts = H.with_host(parts, host)
                 record.target = target.decode("latin-1")  # what goes upstream: the origin form
