@@ -408,3 +408,12 @@ def test_an_attempt_whose_connect_failed_shows_no_connection():
     failed = Span("t", "a1", "s", "POST /v1/chat/completions", "client", 0, 1,
                   attributes={"traceproxy.outcome": "UF"}, status="error", status_message="connect refused")
     assert _attempt_lines(failed) == ["  upstream attempt 1: no connection -> UF (connect refused)"]
+
+
+def test_a_route_the_span_name_leaves_out_is_still_shown_by_its_path():
+    from traceproxy.diagnose import Span, _outcome_lines
+
+    server = Span("t", "s", "", "GET", "server", 0, 1, attributes={
+        "http.request.method": "GET", "url.path": "/internal/flush_cache", "http.response.status_code": 200,
+        "traceproxy.outcome": "OK", "traceproxy.outcome.name": "ok", "traceproxy.blame": "-"})
+    assert _outcome_lines(server)[0].startswith("  GET /internal/flush_cache -> HTTP 200   outcome OK")

@@ -418,10 +418,20 @@ def _in_flight_lines(found: RequestSpans) -> list[str]:
     return lines
 
 
+def _request_line(server: Span) -> str:
+    """Method and path: the span's name carries the path only for the routes it knows
+    (names stay few), so an unknown route would show as the bare method."""
+    a = server.attributes
+    path = a.get(sc.URL_PATH)
+    if not path:
+        return server.name
+    return f"{a.get(sc.HTTP_REQUEST_METHOD) or server.name.split(' ')[0]} {path}"
+
+
 def _outcome_lines(server: Span) -> list[str]:
     a = server.attributes
     status = a.get(sc.HTTP_RESPONSE_STATUS_CODE)
-    lines = [f"  {server.name} -> {'HTTP ' + str(status) if status else 'no response status'}   "
+    lines = [f"  {_request_line(server)} -> {'HTTP ' + str(status) if status else 'no response status'}   "
              f"outcome {a.get(sc.OUTCOME, '-')} ({a.get(sc.OUTCOME_NAME, '-')}), blame {a.get(sc.BLAME, '-')}"]
     error = a.get(sc.ERROR_MESSAGE) or (server.status_message if server.status == "error" else "")
     if error:
