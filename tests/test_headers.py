@@ -118,3 +118,12 @@ def test_absolute_form_targets_split_into_authority_and_path():
     assert H.split_absolute_form(b"http://a?q") == (b"a", b"/?q")
     assert H.split_absolute_form(b"/x") is None and H.split_absolute_form(b"*") is None
     assert H.split_absolute_form(b"ftp://a/x") is None
+
+
+def test_a_target_is_shown_without_user_information():
+    # Refused targets are still logged and traced: never with a password in them.
+    assert H.shown_target(b"/v1/models?a=1") == "/v1/models?a=1"
+    assert H.shown_target(b"http://alice:s3cret@example.com/v1/models") == "http://example.com/v1/models"
+    assert H.shown_target(b"http://a@b@c:80?q=@x") == "http://c:80?q=@x"
+    assert H.shown_target(b"user:pw@host:443") == "host:443"  # authority-form (CONNECT)
+    assert H.shown_target(b"*") == "*"

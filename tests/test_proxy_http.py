@@ -253,14 +253,19 @@ def test_when_the_grace_runs_out_every_request_on_a_connection_ends_as_the_proxy
     client.send(b"GET /waits HTTP/1.1\r\nHost: a\r\n\r\nGET /behind HTTP/1.1\r\nHost: a\r\n\r\n")
     half = RawClient(proxy.port)
     half.send(b"GET /half HTTP/1.1\r\nHo")
-    assert wait_until(lambda: len(proxy.ctx.in_flight) == 3)
+    # And one refused already, its 400 waiting behind a response: its refusal stays its outcome.
+    refused = RawClient(proxy.port)
+    refused.send(b"GET /waits HTTP/1.1\r\nHost: a\r\n\r\nGET /bad HTTP/1.1\r\nHost: a b\r\n\r\n")
+    assert wait_until(lambda: len(proxy.ctx.in_flight) == 5)
     loop_thread.run(proxy.shutdown(grace=0.3))
     resp = client.response()
     assert resp.status == 503 and resp.headers.get("x-traceproxy-outcome") == "LR"
     assert resp.headers.get("connection") == "close"  # not an invitation to wait for /behind
-    assert client.is_closed_by_peer() and half.is_closed_by_peer()
-    assert wait_until(lambda: len(endings.done) == 3)
-    assert sorted(endings.done) == [("", "LR", "proxy"), ("/behind", "LR", "proxy"), ("/waits", "LR", "proxy")]
+    assert refused.response().status == 503  # its /waits; the 400 of /bad is never sent
+    assert client.is_closed_by_peer() and half.is_closed_by_peer() and refused.is_closed_by_peer()
+    assert wait_until(lambda: len(endings.done) == 5)
+    assert sorted(endings.done) == [("", "LR", "proxy"), ("/bad", "DPE", "client"), ("/behind", "LR", "proxy"),
+                                    ("/waits", "LR", "proxy"), ("/waits", "LR", "proxy")]
 
 
 def _slow_reader_holding_a_finished_response(proxy, loop_thread, size: int) -> socket.socket:

@@ -87,15 +87,17 @@ def test_a_refused_request_is_named_by_what_of_it_was_read(fast_upstream, start_
     # log line still say which request it was; before it, the span is named "HTTP".
     proxy, sink = _traced_proxy(start_proxy, fast_upstream().url)
     for raw in (b"GET /v1/models?a=1 HTTP/1.1\r\nHost: a b\r\n\r\n",
+                b"GET http://alice:s3cret@example.com/v1/models HTTP/1.1\r\nHost: a\r\n\r\n",
                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nBad Header: x\r\n\r\n",
                 b"\x01\x02 / HTTP/1.1\r\n\r\n"):
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
             sock.sendall(raw)
             assert sock.recv(65536).startswith(b"HTTP/1.1 400 ")
-    assert wait_until(lambda: len(sink.items) == 3)
+    assert wait_until(lambda: len(sink.items) == 4)
     names = [spans_for(summary)[0].name for summary in sink.items]
-    assert names == ["GET /v1/models", "POST /v1/chat/completions", "HTTP"]
-    unknown = spans_for(sink.items[2])[0].attributes
+    assert names == ["GET /v1/models", "GET", "POST /v1/chat/completions", "HTTP"]
+    assert spans_for(sink.items[1])[0].attributes[sc.URL_PATH] == "http://example.com/v1/models"  # no password
+    unknown = spans_for(sink.items[3])[0].attributes
     assert unknown[sc.HTTP_REQUEST_METHOD] == "_OTHER"
     assert spans_for(sink.items[0])[0].attributes[sc.URL_QUERY] == "a=1"
 

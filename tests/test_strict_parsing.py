@@ -187,6 +187,16 @@ def test_a_body_before_a_pipelined_head_is_not_counted_as_head(fast_upstream, st
     assert reply.count(b"HTTP/1.1 200 ") == 2 and b" 431 " not in reply
 
 
+def _expect_one_answer_then_a_431(sock: socket.socket) -> None:
+    reply = b""
+    for _ in range(100):  # bounded: two short responses
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 ") and reply.count(b"HTTP/1.1 431 ") == 1, reply[-400:]
+
+
 def test_a_head_begun_behind_another_request_in_a_read_is_held_to_the_limit(fast_upstream, start_proxy):
     # The first read ends a whole request and begins an oversized head; the rest of it,
     # itself well under the limit, comes in a later read.
@@ -197,13 +207,7 @@ def test_a_head_begun_behind_another_request_in_a_read_is_held_to_the_limit(fast
         assert wait_until(lambda: up.requests == 1)
         time.sleep(0.2)
         sock.sendall(b"v" * 3000 + b"\r\nConnection: close\r\n\r\n")
-        reply = b""
-        for _ in range(100):  # bounded: two short responses
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    assert reply.startswith(b"HTTP/1.1 200 ") and reply.count(b"HTTP/1.1 431 ") == 1, reply[-400:]
+        _expect_one_answer_then_a_431(sock)
     assert up.requests == 1
 
 
@@ -292,6 +296,33 @@ def test_whitespace_padding_counts_toward_the_head_limit_across_reads(fast_upstr
         reply = recv_until(sock, b"\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 431 ")
     assert up.requests == 0
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["in-one-read", "ending-in-a-later-read"])
+def test_whitespace_padding_of_a_pipelined_head_counts_toward_the_limit(fast_upstream, start_proxy, split):
+    # llhttp strips the padding, so only the bytes on the wire show it: the head's
+    # start is found right after the request before it in the read.
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"limits.max_header_bytes": 2048})
+    padded = b"GET /health HTTP/1.1\r\nHost: a\r\nX-Pad:" + b" " * 3000 + b"v\r\nConnection: close\r\n\r\n"
+    first = b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello" + padded
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        if split:
+            sock.sendall(first[:-40])
+            assert wait_until(lambda: up.requests == 1)
+            time.sleep(0.1)
+            sock.sendall(first[-40:])
+        else:
+            sock.sendall(first)
+        _expect_one_answer_then_a_431(sock)
+    assert up.requests == 1
+
+
+def test_a_refused_head_request_gets_no_body_even_when_its_target_is_too_long(fast_upstream, start_proxy):
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_target_bytes": 256})
+    reply = raw_exchange(proxy.port, b"HEAD /" + b"x" * 300 + b" HTTP/1.1\r\nHost: a\r\n\r\n")
+    head, sep, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 414 ") and sep and body == b""
 
 
 def test_options_asterisk_is_forwarded_as_is(scripted_upstream, start_proxy):

@@ -83,8 +83,11 @@ class ClientConnection(asyncio.Protocol):
         self._at_request_start = False  # the read being fed began at a request's first byte
         self._continues_head = False  # ... or inside a head begun in an earlier read
         self._head_tail = b""  # the last bytes of the last read counted into the head
-        self._head_mid_read = False  # the current head began behind other bytes of a read
+        self._head_start: int | None = 0  # where the current head began in the read it began in
+        self._head_mid_read = False  # ... and that place is not known (see _where_head_begins)
         self._begun = 0  # requests begun during the read being fed
+        self._read_body_bytes = 0  # body bytes in the read being fed
+        self._first_body_bytes: int | None = None  # those of its first request, None if chunked
         self._chunked_body = False  # a chunked request body is being parsed
         self._body_in_read = False  # the read being fed carried body bytes
         self._framing_bytes = 0  # chunk framing and trailer bytes since the last body bytes
@@ -178,7 +181,13 @@ class ClientConnection(asyncio.Protocol):
             self.active.keep_client_alive = False
             self.active.abort(Flag.LR, reason)
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
-            self.ctx.end_request(self.parsing, Flag.LR, reason)
+            if self.rejection is not None:
+                # Refused already (its 4xx waits behind the response before it): the
+                # refusal is its outcome, though the connection closes before it is sent.
+                _, refused, why = self.rejection
+                self.ctx.end_request(self.parsing, refused, why)
+            else:
+                self.ctx.end_request(self.parsing, Flag.LR, reason)
         self.close()
 
     def reset(self) -> None:
@@ -247,7 +256,7 @@ class ClientConnection(asyncio.Protocol):
             return None
         continues_head = self._continues_head = self.parsing is not None and self._in_head
         self._at_request_start = self.parsing is None
-        self._data, self._begun, self._body_in_read = data, 0, False
+        self._data, self._begun, self._body_in_read, self._read_body_bytes = data, 0, False, 0
         rest = b""
         self.feeding = True
         try:
@@ -308,8 +317,8 @@ class ClientConnection(asyncio.Protocol):
         """Counts the bytes of a head still incomplete at the end of a read."""
         if continues_head and not self._begun:
             self._head_bytes += len(data)  # the whole read belongs to the head begun earlier
-        elif self._at_request_start and self._begun == 1:
-            self._head_bytes = len(data)  # the head began at the read's first byte
+        elif self._begun and self._head_start is not None:
+            self._head_bytes = len(data) - self._head_start  # it began in this read, there
         else:
             return False  # it began behind other requests' bytes: counted from the next read on
         self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
@@ -336,10 +345,24 @@ class ClientConnection(asyncio.Protocol):
         record.waiting_turn = self.active is not None
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
-        self._head_mid_read = not (self._at_request_start and self._begun == 1)
+        start = self._head_start = self._where_head_begins()
+        self._head_mid_read = start is None
         self._in_head = True
         self.ctx.start_request(record)
         self._head_timer_pending = self.active is None
+
+    def _where_head_begins(self) -> int | None:
+        """Where in the read a head just begun starts: at the read's first byte; right after
+        the read's first request when that had no chunked body (pipelined requests mostly
+        come two to a read); else not known (llhttp says no offsets)."""
+        if not self._at_request_start:
+            return None
+        if self._begun == 1:
+            return 0
+        if self._begun == 2 and self._first_body_bytes is not None:
+            end = self._data.find(b"\r\n\r\n")
+            return end + 4 + self._first_body_bytes if end >= 0 else None
+        return None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -357,7 +380,8 @@ class ClientConnection(asyncio.Protocol):
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
         method = self.parser.get_method()
         record.method = _METHODS.get(method) or method.decode("ascii", "replace")
-        record.target = self._url.decode("latin-1")  # now: a refusal below still names it
+        url = self._url  # named now, so that a refusal below still names it
+        record.target = url.decode("latin-1") if url.startswith(b"/") else H.shown_target(url)
         version = record.http_version = self.parser.get_http_version()
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.ctx.fanout.mark_observers:
@@ -422,28 +446,43 @@ class ClientConnection(asyncio.Protocol):
         self._upgrade_offer_ignored = True
 
     def _head_size(self) -> int:
-        """The head's size: exact when it began at the read's first byte, or in earlier
-        reads all counted whole (it ends at the first empty line); else (it began behind
-        another request in a read) its target and header lines as ``name: value`` lines
-        would count them, without the whitespace llhttp strips."""
-        if self._at_request_start and self._begun == 1:
-            end = self._data.find(b"\r\n\r\n")
+        """The head's size: exact when its start is known (see _where_head_begins) and it
+        ends in this read, or it began in earlier reads all counted whole (it ends at the
+        first empty line). Otherwise its start is not known: it is at least its request
+        line and header lines as llhttp read them (only optional whitespace around values,
+        which llhttp strips, goes uncounted), and at least what later reads held of it."""
+        start = self._head_start
+        if self._begun and start is not None:
+            end = self._data.find(b"\r\n\r\n", start)
             if end >= 0:
-                return end + 4
-        elif self._continues_head and not self._begun and self._head_bytes and not self._head_mid_read:
-            # Begun in earlier reads, counted whole: it ends at the first empty line here.
+                return end + 4 - start
+        elif self._continues_head and not self._begun and self._head_bytes:
+            # Begun in earlier reads, counted (whole, or from the read after its first): it
+            # ends at the first empty line here.
             joined = self._head_tail + self._data
             end = joined.find(b"\r\n\r\n")
             if end >= 0:
-                return self._head_bytes - len(self._head_tail) + end + 4
-        return len(self._url) + sum(len(name) + len(value) + 4 for name, value in self._headers)
+                counted = self._head_bytes - len(self._head_tail) + end + 4
+                if not self._head_mid_read:
+                    return counted
+                return max(counted, self._head_lines_size())
+        return self._head_lines_size()
+
+    def _head_lines_size(self) -> int:
+        """``METHOD target HTTP/1.x`` and ``name: value`` lines, CRLF-ended, and the empty line."""
+        method = self.parsing.method if self.parsing is not None else ""
+        return (len(method) + len(self._url) + 12 + sum(len(name) + len(value) + 4 for name, value in self._headers)
+                + 2)
 
     def on_body(self, body: bytes) -> None:
         self._body_in_read = True
+        self._read_body_bytes += len(body)
         self.parsing_exchange.request_body(body)
 
     def on_message_complete(self) -> None:
         exchange = self.parsing_exchange
+        if self._begun == 1:  # where a request pipelined behind it in this read begins
+            self._first_body_bytes = None if self._chunked_body else self._read_body_bytes
         self.parsing, self.parsing_exchange, self._chunked_body = None, None, False
         exchange.request_done()
 
@@ -543,11 +582,12 @@ class ClientConnection(asyncio.Protocol):
             now = time.monotonic_ns()
             record = self.record.begin_request(now)
             self.ctx.start_request(record)
-        elif not record.method and self._url and len(self._url) <= self._max_target_bytes:
-            # llhttp refused the head after its request line: the refusal names it anyway.
+        elif not record.method and self._url:
+            # Refused after its method (llhttp, or a target too long): the refusal names it.
             method = self.parser.get_method()
             record.method = _METHODS.get(method) or method.decode("ascii", "replace")
-            record.target = self._url.decode("latin-1")
+            if len(self._url) <= self._max_target_bytes:
+                record.target = H.shown_target(self._url)
         self.parsing = None
         record.status = status
         if not record.trace_id:

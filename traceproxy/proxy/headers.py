@@ -241,6 +241,24 @@ def check_host(value: bytes) -> None:
         _VALID_HOSTS.add(value)
 
 
+def shown_target(target: bytes) -> str:
+    """A request target as logs and spans show it: as sent, except the user information
+    of an absolute-form or authority-form target (``http://user:password@host/``),
+    which is dropped."""
+    if target[:1] == b"/":
+        return target.decode("latin-1")
+    scheme, sep, rest = target.partition(b"://")
+    if not sep:
+        return target.rpartition(b"@")[2].decode("latin-1")
+    end = len(rest)
+    for stop in (b"/", b"?", b"#"):
+        found = rest.find(stop)
+        if 0 <= found < end:
+            end = found
+    authority = rest[:end].rpartition(b"@")[2]
+    return (scheme + sep + authority + rest[end:]).decode("latin-1")
+
+
 def split_absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
     """``(authority, origin-form target)`` of an absolute-form target
     (``http://host:port/path?q``), or None for any other form. RFC 9112 section
