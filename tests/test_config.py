@@ -571,3 +571,21 @@ def test_settings_keep_where_each_value_came_from_through_a_replace(tmp_path):
     assert settings.source("workers") == "default"
     replaced = settings.replace(**{"workers": 2})
     assert replaced.source("workers") == "replace()" and replaced.source("upstream") == "flag --upstream"
+
+
+@pytest.mark.parametrize("listen, admin, clash", [
+    ("127.0.0.1:7000", "127.0.0.1:7000", True),
+    ("0.0.0.0:7000", "127.0.0.1:7000", True),  # the wildcard covers the admin address
+    ("[::]:7000", "127.0.0.1:7000", True),
+    ("127.0.0.1:7000", "127.0.0.2:7000", False),
+    ("127.0.0.1:7000", "127.0.0.1:7001", False),
+    ("127.0.0.1:0", "127.0.0.1:0", False),  # each picks its own free port
+])
+def test_the_admin_listener_cannot_share_the_proxys_address(tmp_path, listen, admin, clash):
+    argv = ["--listen", listen, "--admin", admin, "--upstream", "http://127.0.0.1:9"]
+    if not clash:
+        assert load(tmp_path, argv).admin is not None
+        return
+    with pytest.raises(ConfigError, match=r"admin = .* \(from flag --admin\) is the listen address .*\(from flag "
+                                          r"--listen\); expected another port"):
+        load(tmp_path, argv)

@@ -675,10 +675,27 @@ def _check_shared_ports(values: dict[str, Any], raw: Raw) -> None:
             )
 
 
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+def _check_distinct_ports(values: dict[str, Any], raw: Raw) -> None:
+    """The proxy and the admin listener on one address: with workers > 1 (SO_REUSEPORT)
+    both would bind and the kernel would split connections between them."""
+    listen, admin = values["listen"], values["admin"]
+    if admin is None or admin.port == 0 or admin.port != listen.port:
+        return
+    if admin.host == listen.host or {admin.host, listen.host} & _WILDCARD_HOSTS:
+        raise ConfigError(
+            f"admin = {str(admin)!r} (from {raw['admin'][1]}) is the listen address {str(listen)!r} (from "
+            f"{raw['listen'][1]}); expected another port for the admin listener, or off"
+        )
+
+
 def _build(raw: Raw) -> Settings:
     values = {s.dotted: _parse(s, *raw[s.dotted]) for s in SCHEMA}
     _check_admin_exposure(values["admin"], values["admin_public"], raw["admin"][1])
     _check_shared_ports(values, raw)
+    _check_distinct_ports(values, raw)
     sections = {
         name: cls(**{s.key: values[s.dotted] for s in SCHEMA if s.section == name})
         for name, (cls, _) in _SECTIONS.items()
