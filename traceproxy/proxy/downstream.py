@@ -86,8 +86,6 @@ class ClientConnection(asyncio.Protocol):
         self._head_start: int | None = 0  # where the current head began in the read it began in
         self._head_mid_read = False  # ... and that place is not known (see _where_head_begins)
         self._begun = 0  # requests begun during the read being fed
-        self._read_body_bytes = 0  # body bytes in the read being fed
-        self._first_body_bytes: int | None = None  # those of its first request, None if chunked
         self._chunked_body = False  # a chunked request body is being parsed
         self._body_in_read = False  # the read being fed carried body bytes
         self._framing_bytes = 0  # chunk framing and trailer bytes since the last body bytes
@@ -256,7 +254,7 @@ class ClientConnection(asyncio.Protocol):
             return None
         continues_head = self._continues_head = self.parsing is not None and self._in_head
         self._at_request_start = self.parsing is None
-        self._data, self._begun, self._body_in_read, self._read_body_bytes = data, 0, False, 0
+        self._data, self._begun, self._body_in_read = data, 0, False
         rest = b""
         self.feeding = True
         try:
@@ -345,24 +343,27 @@ class ClientConnection(asyncio.Protocol):
         record.waiting_turn = self.active is not None
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
-        start = self._head_start = self._where_head_begins()
-        self._head_mid_read = start is None
+        if self._at_request_start and self._begun == 1:
+            self._head_start, self._head_mid_read = 0, False  # at the read's first byte
+        else:
+            start = self._head_start = self._where_head_begins()
+            self._head_mid_read = start is None
         self._in_head = True
         self.ctx.start_request(record)
         self._head_timer_pending = self.active is None
 
     def _where_head_begins(self) -> int | None:
-        """Where in the read a head just begun starts: at the read's first byte; right after
-        the read's first request when that had no chunked body (pipelined requests mostly
-        come two to a read); else not known (llhttp says no offsets)."""
-        if not self._at_request_start:
+        """Where in the read a head begun behind another request starts: right after the
+        read's first request, when that began at the read's first byte and had no chunked
+        body (pipelined requests mostly come two to a read); else not known (llhttp gives
+        no offsets). That request began and ended in this read: its body is all here."""
+        if not (self._at_request_start and self._begun == 2):
             return None
-        if self._begun == 1:
-            return 0
-        if self._begun == 2 and self._first_body_bytes is not None:
-            end = self._data.find(b"\r\n\r\n")
-            return end + 4 + self._first_body_bytes if end >= 0 else None
-        return None
+        first = self.queue[-1] if self.queue else self.active
+        if first is None or first.record.sequence != self.parsing.sequence - 1 or first.head.framing.chunked:
+            return None  # refused, or answered already; or chunk framing of unknown size
+        end = self._data.find(b"\r\n\r\n")
+        return end + 4 + first.record.downstream_rx_body_bytes if end >= 0 else None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -380,8 +381,9 @@ class ClientConnection(asyncio.Protocol):
         self._on_deadline = None  # the head timer stands down (see _arm_timer)
         method = self.parser.get_method()
         record.method = _METHODS.get(method) or method.decode("ascii", "replace")
-        url = self._url  # named now, so that a refusal below still names it
-        record.target = url.decode("latin-1") if url.startswith(b"/") else H.shown_target(url)
+        target = self._url  # named now, so that a refusal below still names it
+        origin_form = target.startswith(b"/")
+        record.target = target.decode("latin-1") if origin_form else H.shown_target(target)
         version = record.http_version = self.parser.get_http_version()
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.ctx.fanout.mark_observers:
@@ -400,8 +402,7 @@ class ClientConnection(asyncio.Protocol):
         parts = H.parse_request_headers(self._headers, version, self.ctx.request_id_names)
         if upgrade:
             self._ignore_upgrade_offer(parts)
-        target = self._url
-        if not target.startswith(b"/"):
+        if not origin_form:
             if target == b"*":
                 if record.method != "OPTIONS":  # RFC 9112 section 3.2.4
                     raise H.BadRequest(400, "the asterisk-form target * is only for OPTIONS")
@@ -476,13 +477,10 @@ class ClientConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_in_read = True
-        self._read_body_bytes += len(body)
         self.parsing_exchange.request_body(body)
 
     def on_message_complete(self) -> None:
         exchange = self.parsing_exchange
-        if self._begun == 1:  # where a request pipelined behind it in this read begins
-            self._first_body_bytes = None if self._chunked_body else self._read_body_bytes
         self.parsing, self.parsing_exchange, self._chunked_body = None, None, False
         exchange.request_done()
 

@@ -572,15 +572,18 @@ class Exchange:
         """
         ctx, record = self.ctx, self.record
         due, outcome = 0, None
+        # The client's last request byte, or this request's start if later: the time a
+        # pipelined request waited for its turn (the proxy not reading) is nobody's silence.
+        last_rx = record.last_downstream_rx_ns or 0
+        if last_rx < self._started_ns:
+            last_rx = self._started_ns
         if ctx.upstream_headers_ns and not self.response_started:
             # Counted from the client's last request byte: its own upload time is
             # never the upstream's (the body deadline covers that).
-            since = max(self._started_ns, record.last_downstream_rx_ns or 0)
-            due, outcome = since + ctx.upstream_headers_ns, Flag.UT
+            due, outcome = last_rx + ctx.upstream_headers_ns, Flag.UT
         if ctx.client_body_ns and not self.request_complete and self._expects_body:
-            # Our own pause (the upstream not reading) is not client silence, nor is the
-            # time a pipelined request waited for its turn (the proxy was not reading).
-            last = now if self.client.reading_paused else max(record.last_downstream_rx_ns or 0, self._started_ns)
+            # Our own pause (the upstream not reading) is not client silence either.
+            last = now if self.client.reading_paused else last_rx
             body_due = last + ctx.client_body_ns
             if outcome is None or body_due <= due:  # a tie is the client's: it went silent first
                 due, outcome = body_due, Flag.DBT
