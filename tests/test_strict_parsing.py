@@ -318,6 +318,25 @@ def test_whitespace_padding_of_a_pipelined_head_counts_toward_the_limit(fast_ups
     assert up.requests == 1
 
 
+def _head_of(size: int) -> bytes:
+    """A GET /health head of exactly ``size`` bytes that closes the connection."""
+    start, end = b"GET /health HTTP/1.1\r\nHost: a\r\nX-Pad: ", b"\r\nConnection: close\r\n\r\n"
+    return start + b"v" * (size - len(start) - len(end)) + end
+
+
+@pytest.mark.parametrize("before, size, refused", [
+    (b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n\r\n", 2048, False),  # an empty line between: not head
+    (b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n\r\n\r\n", 30_000, True),  # nor the end of the next one
+    (b"\r\n\r\n", 30_000, True),  # before the read's only request
+], ids=["at-the-limit-after-an-empty-line", "over-after-two-empty-lines", "over-after-leading-empty-lines"])
+def test_empty_lines_before_a_request_line_are_skipped_not_counted(fast_upstream, start_proxy, before, size,
+                                                                   refused):
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_header_bytes": 2048})
+    reply = raw_exchange(proxy.port, before + _head_of(size))
+    statuses = [line.split(b" ")[1] for line in reply.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+    assert statuses[-1] == (b"431" if refused else b"200"), reply[-300:]
+
+
 def test_a_refused_head_request_gets_no_body_even_when_its_target_is_too_long(fast_upstream, start_proxy):
     proxy = start_proxy(fast_upstream().url, **{"limits.max_target_bytes": 256})
     reply = raw_exchange(proxy.port, b"HEAD /" + b"x" * 300 + b" HTTP/1.1\r\nHost: a\r\n\r\n")

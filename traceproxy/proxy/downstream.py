@@ -316,7 +316,7 @@ class ClientConnection(asyncio.Protocol):
         if continues_head and not self._begun:
             self._head_bytes += len(data)  # the whole read belongs to the head begun earlier
         elif self._begun and self._head_start is not None:
-            self._head_bytes = len(data) - self._head_start  # it began in this read, there
+            self._head_bytes = len(data) - self._past_empty_lines(self._head_start)  # it began in this read
         else:
             return False  # it began behind other requests' bytes: counted from the next read on
         self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
@@ -454,6 +454,7 @@ class ClientConnection(asyncio.Protocol):
         which llhttp strips, goes uncounted), and at least what later reads held of it."""
         start = self._head_start
         if self._begun and start is not None:
+            start = self._past_empty_lines(start)
             end = self._data.find(b"\r\n\r\n", start)
             if end >= 0:
                 return end + 4 - start
@@ -468,6 +469,14 @@ class ClientConnection(asyncio.Protocol):
                     return counted
                 return max(counted, self._head_lines_size())
         return self._head_lines_size()
+
+    def _past_empty_lines(self, offset: int) -> int:
+        """Where a request line begins: llhttp skips the empty lines before one (RFC 9112
+        section 2.2); they are not head, and their CRLFs are not its end."""
+        data = self._data
+        while data[offset:offset + 1] in (b"\r", b"\n"):  # b"" past the end stops it
+            offset += 1
+        return offset
 
     def _head_lines_size(self) -> int:
         """``METHOD target HTTP/1.x`` and ``name: value`` lines, CRLF-ended, and the empty line."""
