@@ -576,7 +576,12 @@ def test_settings_keep_where_each_value_came_from_through_a_replace(tmp_path):
 @pytest.mark.parametrize("listen, admin, clash", [
     ("127.0.0.1:7000", "127.0.0.1:7000", True),
     ("0.0.0.0:7000", "127.0.0.1:7000", True),  # the wildcard covers the admin address
-    ("[::]:7000", "127.0.0.1:7000", True),
+    ("127.0.0.1:7000", "localhost:7000", True),  # localhost binds both loopbacks
+    ("LOCALHOST:7000", "localhost:7000", True),
+    ("[::1]:7000", "[0:0:0:0:0:0:0:1]:7000", True),  # one address, two spellings
+    ("[::]:7000", "[::1]:7000", True),
+    ("[::]:7000", "127.0.0.1:7000", False),  # IPv6 listeners are IPv6-only
+    ("0.0.0.0:7000", "[::1]:7000", False),
     ("127.0.0.1:7000", "127.0.0.2:7000", False),
     ("127.0.0.1:7000", "127.0.0.1:7001", False),
     ("127.0.0.1:0", "127.0.0.1:0", False),  # each picks its own free port

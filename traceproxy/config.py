@@ -675,7 +675,27 @@ def _check_shared_ports(values: dict[str, Any], raw: Raw) -> None:
             )
 
 
-_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+def _bound_addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address | str]:
+    """The addresses a listener on ``host`` binds: localhost is both loopbacks (asyncio
+    binds every address a name resolves to); an IP in any spelling is itself; another
+    name is compared by name (resolving it here would be a side effect)."""
+    name = host.lower()
+    if name == "localhost":
+        return {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+    try:
+        return {ipaddress.ip_address(name)}
+    except ValueError:
+        return {name}
+
+
+def _overlap(a, b) -> bool:
+    """Two bound addresses take the same connections: equal, or one is the wildcard of
+    the other's family (IPv6 listeners are IPv6-only, so :: does not cover IPv4)."""
+    if a == b:
+        return True
+    if isinstance(a, str) or isinstance(b, str) or a.version != b.version:
+        return False
+    return a.is_unspecified or b.is_unspecified
 
 
 def _check_distinct_ports(values: dict[str, Any], raw: Raw) -> None:
@@ -684,7 +704,7 @@ def _check_distinct_ports(values: dict[str, Any], raw: Raw) -> None:
     listen, admin = values["listen"], values["admin"]
     if admin is None or admin.port == 0 or admin.port != listen.port:
         return
-    if admin.host == listen.host or {admin.host, listen.host} & _WILDCARD_HOSTS:
+    if any(_overlap(a, b) for a in _bound_addresses(admin.host) for b in _bound_addresses(listen.host)):
         raise ConfigError(
             f"admin = {str(admin)!r} (from {raw['admin'][1]}) is the listen address {str(listen)!r} (from "
             f"{raw['listen'][1]}); expected another port for the admin listener, or off"
