@@ -328,7 +328,11 @@ def _head_of(size: int) -> bytes:
     (b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n\r\n", 2048, False),  # an empty line between: not head
     (b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n\r\n\r\n", 30_000, True),  # nor the end of the next one
     (b"\r\n\r\n", 30_000, True),  # before the read's only request
-], ids=["at-the-limit-after-an-empty-line", "over-after-two-empty-lines", "over-after-leading-empty-lines"])
+    # before the read's first request, which must not be taken for that head's end
+    (b"\r\n\r\nGET /health HTTP/1.1\r\nHost: a\r\n\r\n", 3000, True),
+    (b"\r\n\r\nPOST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 600\r\n\r\n" + b"b" * 600, 2048, False),
+], ids=["at-the-limit-after-an-empty-line", "over-after-two-empty-lines", "over-after-leading-empty-lines",
+        "over-behind-a-request-after-empty-lines", "at-the-limit-behind-a-body-after-empty-lines"])
 def test_empty_lines_before_a_request_line_are_skipped_not_counted(fast_upstream, start_proxy, before, size,
                                                                    refused):
     proxy = start_proxy(fast_upstream().url, **{"limits.max_header_bytes": 2048})

@@ -61,6 +61,7 @@ PEER_CHECK_INTERVAL = 0.25
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
 # RFC 9110 section 5.6.2: a method is a token (bounded here: it is quoted back).
 _METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
+_EMPTY_LINES = re.compile(rb"[\r\n]*")
 
 
 class ClientConnection(asyncio.Protocol):
@@ -362,7 +363,7 @@ class ClientConnection(asyncio.Protocol):
         first = self.queue[-1] if self.queue else self.active
         if first is None or first.record.sequence != self.parsing.sequence - 1 or first.head.framing.chunked:
             return None  # refused, or answered already; or chunk framing of unknown size
-        end = self._data.find(b"\r\n\r\n")
+        end = self._data.find(b"\r\n\r\n", self._past_empty_lines(0))
         return end + 4 + first.record.downstream_rx_body_bytes if end >= 0 else None
 
     def on_url(self, url: bytes) -> None:
@@ -473,10 +474,7 @@ class ClientConnection(asyncio.Protocol):
     def _past_empty_lines(self, offset: int) -> int:
         """Where a request line begins: llhttp skips the empty lines before one (RFC 9112
         section 2.2); they are not head, and their CRLFs are not its end."""
-        data = self._data
-        while data[offset:offset + 1] in (b"\r", b"\n"):  # b"" past the end stops it
-            offset += 1
-        return offset
+        return _EMPTY_LINES.match(self._data, offset).end()
 
     def _head_lines_size(self) -> int:
         """``METHOD target HTTP/1.x`` and ``name: value`` lines, CRLF-ended, and the empty line."""
