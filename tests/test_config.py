@@ -582,6 +582,9 @@ def test_settings_keep_where_each_value_came_from_through_a_replace(tmp_path):
     ("[::]:7000", "[::1]:7000", True),
     ("[::]:7000", "127.0.0.1:7000", False),  # IPv6 listeners are IPv6-only
     ("0.0.0.0:7000", "[::1]:7000", False),
+    ("127.1:7000", "127.0.0.1:7000", True),  # IPv4 as inet_aton reads it
+    ("0:7000", "127.0.0.1:7000", True),  # the wildcard, so spelt
+    ("0.0.0.0:7000", "localhost:7000", True),  # a name: what it resolves to
     ("127.0.0.1:7000", "127.0.0.2:7000", False),
     ("127.0.0.1:7000", "127.0.0.1:7001", False),
     ("127.0.0.1:0", "127.0.0.1:0", False),  # each picks its own free port

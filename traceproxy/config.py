@@ -13,6 +13,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 import textwrap
 import tomllib
 import urllib.parse
@@ -675,17 +676,25 @@ def _check_shared_ports(values: dict[str, Any], raw: Raw) -> None:
             )
 
 
-def _bound_addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address | str]:
-    """The addresses a listener on ``host`` binds: localhost is both loopbacks (asyncio
-    binds every address a name resolves to); an IP in any spelling is itself; another
-    name is compared by name (resolving it here would be a side effect)."""
-    name = host.lower()
-    if name == "localhost":
-        return {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+def _bound_addresses(host: str) -> set:
+    """The addresses a listener on ``host`` binds, as the bind will find them: an IP in
+    any spelling inet_aton takes (127.1, 2130706433), or what a name resolves to (asyncio
+    binds every address of a name; localhost is not always both loopbacks). A name that
+    does not resolve is compared by name: its bind fails anyway."""
     try:
-        return {ipaddress.ip_address(name)}
+        return {ipaddress.ip_address(host)}
     except ValueError:
-        return {name}
+        pass
+    if ":" not in host:
+        try:
+            return {ipaddress.ip_address(socket.inet_ntoa(socket.inet_aton(host)))}
+        except OSError:
+            pass
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return {host.lower()}
+    return {ipaddress.ip_address(sockaddr[0].partition("%")[0]) for *_, sockaddr in found}
 
 
 def _overlap(a, b) -> bool:
