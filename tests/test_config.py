@@ -584,7 +584,8 @@ def test_settings_keep_where_each_value_came_from_through_a_replace(tmp_path):
     ("0.0.0.0:7000", "[::1]:7000", False),
     ("127.1:7000", "127.0.0.1:7000", True),  # IPv4 as inet_aton reads it
     ("0:7000", "127.0.0.1:7000", True),  # the wildcard, so spelt
-    ("0.0.0.0:7000", "localhost:7000", True),  # a name: what it resolves to
+    ("0.0.0.0:7000", "localhost:7000", True),  # localhost: both loopbacks
+    ("[::1]:7000", "[::1%1]:7000", True),  # a zone does not tell loopbacks apart
     ("127.0.0.1:7000", "127.0.0.2:7000", False),
     ("127.0.0.1:7000", "127.0.0.1:7001", False),
     ("127.0.0.1:0", "127.0.0.1:0", False),  # each picks its own free port

@@ -318,3 +318,20 @@ def test_unsupported_otlp_protocol_is_a_startup_error(upstream_process):
         capture_output=True, text=True, timeout=30,
         env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
     assert result.returncode == 2 and "http/json" in result.stderr and "OTEL_EXPORTER_OTLP" in result.stderr
+
+
+def test_the_port_probe_finds_listen_and_admin_addresses_that_overlap():
+    # A name the config cannot compare without a lookup (here localhost, passed
+    # around the config's own check) is judged by the kernel when the ports are probed.
+    import dataclasses
+
+    from traceproxy.app import _check_port_bindable
+    from traceproxy.config import HostPort, default_settings
+
+    port = free_port()
+    settings = default_settings().replace(**{"listen": f"127.0.0.1:{port}", "upstream": "http://127.0.0.1:9",
+                                             "admin": f"127.0.0.1:{free_port()}"})
+    _check_port_bindable(settings)  # distinct: fine
+    overlapping = dataclasses.replace(settings, admin=HostPort("localhost", port))
+    with pytest.raises(OSError, match=f"admin localhost:{port}: .*[Aa]ddress already in use"):
+        _check_port_bindable(overlapping)

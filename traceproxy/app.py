@@ -403,21 +403,29 @@ def _worker_main(settings: Settings) -> int:
 def _check_port_bindable(settings: Settings) -> None:
     """Fail in the parent, with one clear message, if a port the workers share is taken.
 
-    The probe does not set SO_REUSEPORT: with it, the bind succeeds beside any
+    The probes do not set SO_REUSEPORT: with it, the bind succeeds beside any
     listener of the same user that set it too (another multi-worker instance), and
-    the two would silently share the traffic, proxy and admin ports alike.
-    SO_REUSEADDR, as the workers' own listeners set it, lets a restart bind over
-    connections still in TIME_WAIT."""
-    for key, address in (("listen", settings.listen), ("admin", settings.admin)):
-        if address is None:
-            continue
-        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
+    the two would silently share the traffic, proxy and admin ports alike. Each
+    probe listens while the next is bound, so the listen and admin addresses may not
+    overlap either (a name that resolves to the other's address, a wildcard): the
+    kernel judges, as it will for the workers. SO_REUSEADDR, as the workers' own
+    listeners set it, lets a restart bind over connections still in TIME_WAIT."""
+    probes: list[socket.socket] = []
+    try:
+        for key, address in (("listen", settings.listen), ("admin", settings.admin)):
+            if address is None:
+                continue
+            probe = socket.socket(socket.AF_INET6 if ":" in address.host else socket.AF_INET, socket.SOCK_STREAM)
+            probes.append(probe)
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((address.host, address.port))
+                probe.listen(1)
             except OSError as exc:
                 raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc}") from None
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def _raise_fd_limit() -> None:

@@ -677,24 +677,26 @@ def _check_shared_ports(values: dict[str, Any], raw: Raw) -> None:
 
 
 def _bound_addresses(host: str) -> set:
-    """The addresses a listener on ``host`` binds, as the bind will find them: an IP in
-    any spelling inet_aton takes (127.1, 2130706433), or what a name resolves to (asyncio
-    binds every address of a name; localhost is not always both loopbacks). A name that
-    does not resolve is compared by name: its bind fails anyway."""
+    """The addresses a listener on ``host`` binds, as far as is known without a lookup:
+    an IP in any spelling inet_aton takes (127.1, 0), a zone kept only where it tells
+    addresses apart (link-local), and localhost as both loopbacks. Another name is
+    compared by name; a clash through it shows when the ports are bound (see
+    app._check_port_bindable), where resolving it costs nothing extra."""
+    name = host.lower()
+    if name == "localhost":
+        return {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
     try:
-        return {ipaddress.ip_address(host)}
+        address = ipaddress.ip_address(host)
     except ValueError:
-        pass
-    if ":" not in host:
+        if ":" in host:
+            return {name}
         try:
             return {ipaddress.ip_address(socket.inet_ntoa(socket.inet_aton(host)))}
         except OSError:
-            pass
-    try:
-        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError):
-        return {host.lower()}
-    return {ipaddress.ip_address(sockaddr[0].partition("%")[0]) for *_, sockaddr in found}
+            return {name}
+    if address.version == 6 and address.scope_id and not address.is_link_local:
+        address = ipaddress.ip_address(host.partition("%")[0])
+    return {address}
 
 
 def _overlap(a, b) -> bool:
