@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import re
 import socket
 import threading
 import time
@@ -73,6 +74,8 @@ def test_request_body_stalled_client_gets_408(fast_upstream, start_proxy):
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nonly a few")
         reply = sock.recv(65536)
         assert reply.startswith(b"HTTP/1.1 408 ") and b'"DBT"' in reply
+        # How long the client was silent, counted from its last byte (10 of 100 sent).
+        assert re.search(rb"request body silent for 0\.[3-9] s after 10 bytes", reply), reply
     assert wait_until(lambda: not proxy.ctx.in_flight)
 
 

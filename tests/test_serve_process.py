@@ -242,46 +242,56 @@ def test_a_port_already_served_is_a_clear_startup_error(upstream_process, key, w
         assert f"{key} {ports[key]}" in stderr, stderr  # which address, found before any worker started
 
 
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read()
+    except OSError:
+        return False
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death notice is Linux's")
 def test_workers_stop_when_their_parent_is_killed_outright(upstream_process):
     proc, port, admin = _serve(upstream_process, "--workers", "2")
-    workers = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    workers = _children(proc.pid)
     try:
         assert len(workers) == 2
         proc.kill()  # SIGKILL: the parent cannot relay anything
         proc.wait(5)
-        assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}/status") and
-                                          "zombie" not in open(f"/proc/{pid}/status").read() for pid in workers),
-                          timeout=15), "orphaned workers kept serving"
+        assert wait_until(lambda: not any(map(_running, workers)), timeout=15), "orphaned workers kept serving"
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(workers)
 
 
 def test_a_worker_that_dies_stops_the_service_with_its_status(upstream_process):
     # Workers are not restarted (a supervisor restarts the service): one killed
     # outright (the OOM killer) stops the others, and the parent exits 128 + 9.
     proc, port, _ = _serve(upstream_process, "--workers", "2")
-    workers = [int(pid) for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    workers = _children(proc.pid)
     try:
         assert len(workers) == 2
         os.kill(workers[0], signal.SIGKILL)
         assert proc.wait(20) == 137
-        assert not any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
-                       for pid in workers)
+        assert not any(map(_running, workers))
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(workers)
         _stop(proc)
 
 

@@ -84,8 +84,9 @@ class ClientConnection(asyncio.Protocol):
         self._at_request_start = False  # the read being fed began at a request's first byte
         self._continues_head = False  # ... or inside a head begun in an earlier read
         self._head_tail = b""  # the last bytes of the last read counted into the head
-        self._head_start: int | None = 0  # where the current head began in the read it began in
-        self._head_mid_read = False  # ... and that place is not known (see _where_head_begins)
+        # Where the current head began in the read it began in; None: not known (see
+        # _where_head_begins).
+        self._head_start: int | None = 0
         self._begun = 0  # requests begun during the read being fed
         self._chunked_body = False  # a chunked request body is being parsed
         self._body_in_read = False  # the read being fed carried body bytes
@@ -344,11 +345,8 @@ class ClientConnection(asyncio.Protocol):
         record.waiting_turn = self.active is not None
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes = b"", [], 0
-        if self._at_request_start and self._begun == 1:
-            self._head_start, self._head_mid_read = 0, False  # at the read's first byte
-        else:
-            start = self._head_start = self._where_head_begins()
-            self._head_mid_read = start is None
+        # At the read's first byte, or found behind the request before it.
+        self._head_start = 0 if self._at_request_start and self._begun == 1 else self._where_head_begins()
         self._in_head = True
         self.ctx.start_request(record)
         self._head_timer_pending = self.active is None
@@ -391,7 +389,7 @@ class ClientConnection(asyncio.Protocol):
             self.ctx.fanout.mark(record, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE)
         # The reads counted can exceed the limit only if the head could; a head begun behind
         # other bytes of a read was not counted in that read, so it is always sized.
-        if ((self._head_mid_read or self._head_bytes + len(self._data) > self._max_head_bytes)
+        if ((self._head_start is None or self._head_bytes + len(self._data) > self._max_head_bytes)
                 and self._head_size() > self._max_head_bytes):
             raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         if version != "1.1" and version != "1.0":
@@ -466,7 +464,7 @@ class ClientConnection(asyncio.Protocol):
             end = joined.find(b"\r\n\r\n")
             if end >= 0:
                 counted = self._head_bytes - len(self._head_tail) + end + 4
-                if not self._head_mid_read:
+                if self._head_start is not None:
                     return counted
                 return max(counted, self._head_lines_size())
         return self._head_lines_size()

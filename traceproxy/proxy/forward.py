@@ -621,7 +621,7 @@ class Exchange:
                 self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers within {waited:g} s "
                                     "of the client's last request byte")
         elif expired is Flag.DBT:
-            silent = (now - max(self.record.last_downstream_rx_ns or 0, self._started_ns)) / 1e9
+            silent = (now - due + self.ctx.client_body_ns) / 1e9  # due = the silence's start + the limit
             self.keep_client_alive = False
             self._fail(Flag.DBT, f"request body silent for {silent:.1f} s after "
                        f"{self.record.downstream_rx_body_bytes} bytes")

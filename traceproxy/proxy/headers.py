@@ -241,6 +241,17 @@ def check_host(value: bytes) -> None:
         _VALID_HOSTS.add(value)
 
 
+def _authority_end(rest: bytes) -> int:
+    """Where the authority of ``rest`` (a URI after its ``scheme://``) ends: at the
+    first ``/``, ``?`` or ``#`` (RFC 3986 section 3.2)."""
+    end = len(rest)
+    for stop in (b"/", b"?", b"#"):
+        found = rest.find(stop)
+        if 0 <= found < end:
+            end = found
+    return end
+
+
 def shown_target(target: bytes) -> str:
     """A request target as logs and spans show it: as sent, except the user information
     of an absolute-form or authority-form target (``http://user:password@host/``),
@@ -250,11 +261,7 @@ def shown_target(target: bytes) -> str:
     scheme, sep, rest = target.partition(b"://")
     if not sep:
         return target.rpartition(b"@")[2].decode("latin-1")
-    end = len(rest)
-    for stop in (b"/", b"?", b"#"):
-        found = rest.find(stop)
-        if 0 <= found < end:
-            end = found
+    end = _authority_end(rest)
     authority = rest[:end].rpartition(b"@")[2]
     return (scheme + sep + authority + rest[end:]).decode("latin-1")
 
@@ -266,11 +273,7 @@ def split_absolute_form(target: bytes) -> tuple[bytes, bytes] | None:
     scheme, sep, rest = target.partition(b"://")
     if not sep or scheme.lower() not in (b"http", b"https"):
         return None
-    end = len(rest)
-    for stop in (b"/", b"?", b"#"):
-        found = rest.find(stop)
-        if 0 <= found < end:
-            end = found
+    end = _authority_end(rest)
     authority, path = rest[:end], rest[end:].partition(b"#")[0]
     if not authority or b"@" in authority:
         # RFC 9110 section 4.2.4: userinfo in an http URI is to be treated as an error.
