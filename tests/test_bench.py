@@ -13,6 +13,7 @@ import json
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,8 @@ def test_bench_rejects_unknown_scenario_and_target():
     (["--proxy-set", "pool.bogus=1"], "unknown key pool.bogus in --proxy-set"),
     (["--proxy-set", "timeouts.connect=-1"], "timeouts.connect = '-1' (from --proxy-set)"),
     (["--proxy-set", "nokey"], "expected KEY=VALUE"),
+    (["--proxy-set", "listen=127.0.0.1:8000"], "listen is chosen by the bench for each target"),
+    (["--proxy-set", "admin=0.0.0.0:0"], "admin is chosen by the bench for each target"),
     (["--scale", "inf"], "--scale must be a number > 0"),
     (["--scale", "nan"], "--scale must be a number > 0"),
     (["--scenarios", ","], "no scenario named"),
@@ -134,7 +137,7 @@ def test_bench_rejects_unknown_scenario_and_target():
     (["--scale", "1e308"], "--scale must be a number > 0 and at most 100"),
     (["--proxy-cmd", "{foo}"], "only {port} and {upstream_port} are filled in"),
     (["--proxy-cmd", "nginx -g {port"], "only {port} and {upstream_port} are filled in"),
-], ids=["unknown-key", "bad-value", "no-equals", "scale-inf", "scale-nan", "no-scenario", "json-dir",
+], ids=["unknown-key", "bad-value", "no-equals", "listen", "admin", "scale-inf", "scale-nan", "no-scenario", "json-dir",
         "json-unwritable", "scale-huge", "cmd-unknown-field", "cmd-open-brace"])
 def test_bench_refuses_bad_arguments_before_starting_anything(argv, message):
     result = _run_bench(argv)
@@ -466,3 +469,20 @@ def test_cpu_of_a_tree_keeps_what_exited_children_used_and_a_gone_process_is_unk
         parent.communicate("bye\n", timeout=30)
     assert usage["tree"] is not None and usage["tree"] / 100 * wall >= 0.35, (usage, wall)  # the child's 0.4 s
     assert usage["short"] is None  # gone before the window ended: unknown, never negative
+
+
+def test_the_proxy_process_says_why_it_could_not_bind_rather_than_a_traceback(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "traceproxy.bench.proxy_proc", "--upstream", "http://127.0.0.1:9",
+             "--port-file", str(tmp_path / "port"), "--set", f"listen=127.0.0.1:{taken.getsockname()[1]}",
+             "--set", "tracing.exporter=off", "--set", "access_log.path="],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert result.returncode == 1
+    assert "could not start:" in result.stderr and "address already in use" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -166,8 +166,12 @@ def test_other_environment_variables_are_ignored():
         (["--listen", "0.0.0.0:80"], HostPort("0.0.0.0", 80)),
         (["--listen", "localhost:0"], HostPort("localhost", 0)),
         (["--listen", " proxy.example:8000 "], HostPort("proxy.example", 8000)),
+        # Docker Compose service names resolve, though RFC 1123 has no underscore.
+        (["--listen", "traceproxy_1:8000"], HostPort("traceproxy_1", 8000)),
+        (["--listen", "proxy.example.:8000"], HostPort("proxy.example.", 8000)),
     ],
-    ids=["ipv6-loopback", "ipv6-global", "ipv4-any", "port-0-picks-free-port", "hostname-with-spaces"],
+    ids=["ipv6-loopback", "ipv6-global", "ipv4-any", "port-0-picks-free-port", "hostname-with-spaces",
+         "underscore-in-name", "fully-qualified-name"],
 )
 def test_listen_address_forms(tmp_path, argv, expected):
     assert load(tmp_path, argv=argv).listen == expected
@@ -186,8 +190,9 @@ def test_host_port_str_brackets_ipv6():
         ("HTTP://engine:8080/", "engine", 8080, "engine:8080", "http://engine:8080"),
         ("http://[::1]:30000/", "::1", 30000, "[::1]:30000", "http://[::1]:30000"),
         ("http://[fd00::2]", "fd00::2", 80, "[fd00::2]:80", "http://[fd00::2]:80"),
+        ("http://sglang_router:30000", "sglang_router", 30000, "sglang_router:30000", "http://sglang_router:30000"),
     ],
-    ids=["ipv4", "default-port-and-slash", "uppercase-scheme", "ipv6", "ipv6-default-port"],
+    ids=["ipv4", "default-port-and-slash", "uppercase-scheme", "ipv6", "ipv6-default-port", "compose-service-name"],
 )
 def test_upstream_url_forms(tmp_path, url, host, port, authority, text):
     upstream = load(tmp_path, env={"TRACEPROXY_UPSTREAM": url}).upstream
@@ -301,6 +306,16 @@ ERROR_CASES = [
     ("host-port-empty-host", {"argv": ["--listen", ":8000"]}, ["listen", "HOST:PORT"]),
     ("host-port-bad-hostname", {"argv": ["--listen", "bad_host!:8000"]},
      ["listen", "'bad_host!:8000'", "HOST:PORT"]),
+    # The resolver would refuse these only at startup, as an encoding error.
+    ("host-port-empty-label", {"argv": ["--listen", "127.0.0..1:8000"]}, ["listen", "'127.0.0..1:8000'", "HOST:PORT"]),
+    ("host-port-label-over-63", {"env": {"TRACEPROXY_LISTEN": "a" * 64 + ".internal:8000"}},
+     ["listen", "env TRACEPROXY_LISTEN", "HOST:PORT"]),
+    ("upstream-empty-label", {"argv": ["--upstream", "http://router..internal:30000"]},
+     ["upstream", "flag --upstream", "http://HOST[:PORT]"]),
+    ("access-log-path-with-nul", {"toml": '[access_log]\npath = "/tmp/a\\u0000b.log"\n'},
+     ["access_log.path", "{path}", "expected a file path"]),
+    ("span-file-path-with-nul", {"env": {"TRACEPROXY_TRACING_FILE_PATH": "spans\x00.jsonl"}},
+     ["tracing.file_path", "env TRACEPROXY_TRACING_FILE_PATH", "expected a file path"]),
     ("ipv6-without-brackets", {"argv": ["--listen", "::1:8000"]}, ["listen", "brackets", "[::1]:8000"]),
     ("ipv6-bad-address", {"argv": ["--listen", "[::zz]:8000"]}, ["listen", "'[::zz]:8000'", "HOST:PORT"]),
     ("https-upstream", {"env": {"TRACEPROXY_UPSTREAM": "https://router:443"}},
@@ -312,7 +327,11 @@ ERROR_CASES = [
     ("upstream-port-0", {"argv": ["--upstream", "http://router:0"]}, ["upstream", "out of range 1..65535"]),
     ("unknown-toml-key", {"toml": "[timeouts]\nconect = 1\n"},
      ["unknown key timeouts.conect", "{path}", "did you mean timeouts.connect"]),
-    ("unknown-toml-section", {"toml": "[timeout]\nconnect = 1\n"}, ["unknown key timeout ", "{path}"]),
+    ("unknown-toml-section", {"toml": "[timeout]\nconnect = 1\n"},
+     ["unknown section [timeout]", "{path}", "did you mean [timeouts]?"]),
+    # TOML puts a key written below a [section] header into that section.
+    ("top-level-key-below-a-section", {"toml": '[pool]\nlisten = "127.0.0.1:8000"\n'},
+     ["unknown key pool.listen", "{path}", "listen is a top-level key", "before the first [section]"]),
     ("unknown-top-level-key", {"toml": "worker = 2\n"}, ["unknown key worker ", "did you mean workers"]),
     ("section-given-as-value", {"toml": "timeouts = 5\n"}, ["timeouts", "{path}", "[timeouts] table"]),
     ("admin-public-without-permission", {"argv": ["--admin", "0.0.0.0:9464"]},

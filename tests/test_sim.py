@@ -677,6 +677,8 @@ def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, star
     (["--no-router", "--decode-port", "-1"], "expected a port from 0 to 65535"),
     (["--router-port", "70000"], "expected a port from 0 to 65535"),
     (["--no-router", "--host", "a b"], "expected a host name or IP address"),
+    # an empty label: the resolver would refuse it only when binding, as an encoding error
+    (["--no-router", "--host", "127.0.0..1"], "expected a host name or IP address"),
 ])
 def test_bad_sim_arguments_are_one_line_errors_with_exit_2(capsys, argv, message):
     assert _exit_status(["sim", *argv]) == 2

@@ -20,6 +20,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from .hostnames import is_hostname
+
 ENV_PREFIX = "TRACEPROXY_"
 CONFIG_ENV = "TRACEPROXY_CONFIG"
 
@@ -251,9 +253,6 @@ def boolean() -> Kind:
     return Kind(parse, "true or false (also 1/0, yes/no, on/off)", "BOOL")
 
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
-
-
 def _port(text: str, minimum: int) -> int:
     if not (text.isascii() and text.isdigit()):
         raise ValueError
@@ -274,7 +273,7 @@ def _split_host_port(text: str, *, default_port: int | None, min_port: int) -> t
         host, colon, port_text = text.partition(":")
         if ":" in port_text:
             raise _Rejected("an IPv6 address needs brackets")
-        if not _HOSTNAME.fullmatch(host):
+        if not is_hostname(host):
             raise ValueError
         port_text = port_text if colon else None
     if port_text is None:
@@ -404,6 +403,19 @@ def stall_kinds() -> Kind:
 
 def text() -> Kind:
     return Kind(lambda raw: _str(raw).strip(), "a string", "TEXT")
+
+
+def file_path() -> Kind:
+    """A path the proxy opens (the keys' own help says what - or empty means). A NUL
+    cannot be in a path: open() would refuse it at startup, as a traceback."""
+
+    def parse(raw: Any) -> str:
+        value = _str(raw).strip()
+        if "\0" in value:
+            raise ValueError
+        return value
+
+    return Kind(parse, "a file path", "PATH")
 
 
 # gRPC's own target forms (unix:/path, dns:///host:port, ...), passed to it as they are.
@@ -542,7 +554,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("tracing", "otlp_protocol", choice("", "grpc", "http/protobuf"), "",
             "OTLP protocol; empty = OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL, "
             "else http/protobuf."),
-    Setting("tracing", "file_path", text(), "traceproxy-data/spans.jsonl",
+    Setting("tracing", "file_path", file_path(), "traceproxy-data/spans.jsonl",
             "The local span file (OTLP/JSON lines, as the OpenTelemetry Collector's file exporter "
             "writes and its file receiver reads)."),
     Setting("tracing", "service_name", text(), "",
@@ -580,7 +592,7 @@ SCHEMA: tuple[Setting, ...] = (
             "the request (504 with the outcome if no response started, else a cut stream)."),
     Setting("stall", "abort_on", stall_kinds(), [],
             "Stall kinds that abort even when action is observe, e.g. [\"first_byte\", \"stream_gap\"]."),
-    Setting("access_log", "path", text(), "-",
+    Setting("access_log", "path", file_path(), "-",
             "One JSON line per finished request: - for stdout, a file path, or empty to turn it off."),
     Setting("engines", "metrics_urls", http_urls(), [],
             "Prometheus /metrics URLs of the router and the prefill and decode workers; when empty "
@@ -763,12 +775,23 @@ def _file_values(doc: Mapping[str, Any], where: str) -> Raw:
     for name, value in doc.items():
         if name in _SECTIONS and not isinstance(value, dict):
             raise ConfigError(f"{name} = {value!r} (from {where}): expected a [{name}] table")
+        if name not in _SECTIONS and isinstance(value, dict):
+            raise _unknown("section", f"[{name}]", [f"[{section}]" for section in _SECTIONS], where)
         pairs = {f"{name}.{key}": v for key, v in value.items()} if name in _SECTIONS else {name: value}
         for dotted, v in pairs.items():
             if dotted not in _BY_DOTTED:
-                raise _unknown("key", dotted, _BY_DOTTED, where)
+                raise _misplaced(dotted, where) or _unknown("key", dotted, _BY_DOTTED, where)
             raw[dotted] = (v, where)
     return raw
+
+
+def _misplaced(dotted: str, where: str) -> ConfigError | None:
+    """TOML's usual trap: a top-level key written below a [section] belongs to it."""
+    section, _, key = dotted.partition(".")
+    if key not in _BY_DOTTED:
+        return None
+    return ConfigError(f"unknown key {dotted} in {where}: {key} is a top-level key, "
+                       f"so it must come before the first [section] (here it is under [{section}])")
 
 
 def _env_values(environ: Mapping[str, str]) -> Raw:

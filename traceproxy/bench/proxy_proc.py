@@ -43,6 +43,11 @@ def logged_overrides(access_log_path: str) -> list[str]:
     return ["tracing.exporter=off", f"access_log.path={access_log_path}", "admin=127.0.0.1:0"]
 
 
+# Keys each target's process gets from the bench: its own ephemeral ports, and the
+# bench's upstream. A --proxy-set for them would put every target on one port.
+BENCH_CHOSEN_KEYS = ("listen", "upstream", "admin")
+
+
 def build_settings(upstream: str, overrides: list[str]):
     extra = dict(item.split("=", 1) for item in overrides)
     return default_settings().replace_from({"listen": "127.0.0.1:0", "upstream": upstream, "admin": "off", **extra},
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # found at startup (a log path it cannot write): said, not a traceback
         sys.stderr.write(f"configuration error: {exc}\n")
         return 2
+    except OSError as exc:  # a port it cannot bind: said, not a traceback
+        sys.stderr.write(f"could not start: {exc}\n")
+        return 1
     return 0
 
 

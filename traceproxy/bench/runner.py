@@ -29,7 +29,7 @@ from pathlib import Path
 from ..config import ConfigError
 from . import report
 from .procs import ChildError, Children
-from .proxy_proc import build_settings
+from .proxy_proc import BENCH_CHOSEN_KEYS, build_settings
 from .scenarios import SCENARIOS, Scenario, select
 from .session import Session
 
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "{upstream_port} are filled in, e.g. a config-templated nginx")
     parser.add_argument("--proxy-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a traceproxy settings override for the in-tree proxies, applied after the "
-                             "target's own keys (repeatable)")
+                             "target's own keys (repeatable; not listen, upstream or admin, which the bench "
+                             "chooses)")
     return parser
 
 
@@ -104,6 +105,9 @@ def check_proxy_settings(items: list[str]) -> None:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--proxy-set {item!r}: expected KEY=VALUE, e.g. pool.idle_timeout=2")
+        if key.strip() in BENCH_CHOSEN_KEYS:
+            raise ValueError(f"--proxy-set {item!r}: {key.strip()} is chosen by the bench for each target "
+                             "(every in-tree target needs its own free port, in front of the bench's upstream)")
         try:
             build_settings("http://127.0.0.1:9", [item])
         except ConfigError as exc:

@@ -12,9 +12,9 @@ import asyncio
 import ipaddress
 import logging
 import math
-import re
 import sys
 
+from ..hostnames import is_hostname
 from .faults import FaultError, fault_table, parse_faults
 
 DESCRIPTION = """\
@@ -103,9 +103,8 @@ def _check_rates(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be a number of tokens per second above 0, not {value:g}")
 
 
-# The simulator stands alone (it imports nothing else of traceproxy), so it checks
-# its few addresses itself.
-_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+# The simulator stands apart from the proxy (it imports only the leaf module that
+# says what a host name is), so it checks its few addresses itself.
 
 
 def host_argument(text: str) -> str:
@@ -114,7 +113,7 @@ def host_argument(text: str) -> str:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        if not _HOST_NAME.fullmatch(host):
+        if not is_hostname(host):
             raise argparse.ArgumentTypeError(f"expected a host name or IP address, got {text!r}") from None
     return host
 
