@@ -5,6 +5,7 @@ serving everyone else."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -48,6 +49,12 @@ BAD_REQUESTS = [
     ("http2-version", b"GET / HTTP/2.0\r\nHost: a\r\n\r\n", 505),
     ("http09-version", b"GET / HTTP/0.9\r\nHost: a\r\n\r\n", 505),
     ("no-version", b"GET /\r\n\r\n", 505),
+    ("http2-preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),
+    # llhttp also reads RTSP and ICE request lines, and gives their versions as HTTP's.
+    ("rtsp-protocol", b"POST /v1/chat/completions RTSP/1.0\r\nHost: a\r\nContent-Length: 0\r\n\r\n", 400),
+    ("rtsp-method-and-protocol", b"DESCRIBE /v1/models RTSP/1.0\r\nHost: a\r\n\r\n", 400),
+    ("ice-protocol", b"SOURCE /v1/models ICE/1.0\r\nHost: a\r\n\r\n", 400),
+    ("rtsp-after-empty-lines", b"\r\n\r\nGET /v1/models RTSP/1.0\r\nHost: a\r\n\r\n", 400),
     ("host-with-space-and-path", b"GET / HTTP/1.1\r\nHost: a b/c@evil\r\n\r\n", 400),
     ("host-with-path", b"GET / HTTP/1.1\r\nHost: good.example/../@evil.example\r\n\r\n", 400),
     ("host-with-userinfo", b"GET / HTTP/1.1\r\nHost: user@good.example\r\n\r\n", 400),
@@ -258,6 +265,38 @@ def test_bad_request_behind_a_good_pipelined_one_is_answered_after_it(fast_upstr
     first, _, rest = reply.partition(b"HTTP/1.1 400 ")
     assert first.startswith(b"HTTP/1.1 200 ") and rest
     assert up.requests == 1
+
+
+KEEP = GOOD.replace(b"Connection: close\r\n", b"")
+RTSP = b"GET /health RTSP/1.0\r\nHost: a\r\n\r\n"
+
+
+@pytest.mark.parametrize("before", [
+    KEEP,  # where its head begins is found from the one before it
+    KEEP + KEEP,  # the third in a read: where its head begins is not known
+    b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",  # nor here
+], ids=["second-in-a-read", "third-in-a-read", "behind-a-chunked-body"])
+def test_a_pipelined_request_of_another_protocol_is_refused_in_turn(fast_upstream, start_proxy, before):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    reply = raw_exchange(proxy.port, before + RTSP)
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", reply)  # an echoed body ends without CRLF
+    answered = before.count(b"HTTP/1.1\r\n")
+    assert statuses == [b"200"] * answered + [b"400"], reply
+    assert b"not an HTTP request line: protocol 'RTSP/1.0'" in reply
+    assert up.requests == answered
+
+
+def test_a_request_line_of_another_protocol_split_across_reads_is_refused(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(RTSP[:16])  # "GET /health RTSP"
+        assert wait_until(lambda: proxy.ctx.in_flight)  # the first read was parsed on its own
+        sock.sendall(RTSP[16:])
+        reply = recv_until(sock, b"}")
+    assert reply.startswith(b"HTTP/1.1 400 ") and b"protocol 'RTSP/1.0'" in reply
+    assert up.requests == 0
 
 
 def test_bad_chunk_in_a_pipelined_request_body_is_answered_in_turn(fast_upstream, start_proxy):

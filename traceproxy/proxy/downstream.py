@@ -64,6 +64,10 @@ _METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
 _EMPTY_LINES = re.compile(rb"[\r\n]*")
 
 
+def _unsupported_version(version: str) -> str:
+    return f"HTTP/{version} is not supported: send HTTP/1.1 (or HTTP/1.0)"
+
+
 class ClientConnection(asyncio.Protocol):
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
@@ -84,6 +88,7 @@ class ClientConnection(asyncio.Protocol):
         self._at_request_start = False  # the read being fed began at a request's first byte
         self._continues_head = False  # ... or inside a head begun in an earlier read
         self._head_tail = b""  # the last bytes of the last read counted into the head
+        self._line = b""  # the request line's bytes from earlier reads, when it spans reads
         # Where the current head began in the read it began in; None: not known (see
         # _where_head_begins).
         self._head_start: int | None = 0
@@ -285,7 +290,11 @@ class ClientConnection(asyncio.Protocol):
                 self.reject(400, Flag.DPE, f"malformed request: {exc}")
             return
         except httptools.HttpParserError as exc:
-            self.reject(400, Flag.DPE, f"malformed request: {exc}")
+            if self._url == b"*" and self.parser.get_http_version() == "2.0":
+                # llhttp pauses at HTTP/2's connection preface (PRI * HTTP/2.0).
+                self.reject(505, Flag.DPE, _unsupported_version("2.0"))
+            else:
+                self.reject(400, Flag.DPE, f"malformed request: {exc}")
             return
         finally:
             self.feeding = False
@@ -314,11 +323,17 @@ class ClientConnection(asyncio.Protocol):
         return method.decode("ascii") if _METHOD_TOKEN.fullmatch(method) else None
 
     def _head_too_long(self, data: bytes, continues_head: bool) -> bool:
-        """Counts the bytes of a head still incomplete at the end of a read."""
+        """Counts the bytes of a head still incomplete at the end of a read (and keeps
+        its request line's bytes, for the protocol check when the head is complete)."""
+        line_room = self._max_target_bytes + 64
         if continues_head and not self._begun:
             self._head_bytes += len(data)  # the whole read belongs to the head begun earlier
+            if self._line and b"\n" not in self._line:
+                self._line += data[:line_room]
         elif self._begun and self._head_start is not None:
-            self._head_bytes = len(data) - self._past_empty_lines(self._head_start)  # it began in this read
+            start = self._past_empty_lines(self._head_start)
+            self._head_bytes = len(data) - start  # it began in this read
+            self._line = data[start:start + line_room]
         else:
             return False  # it began behind other requests' bytes: counted from the next read on
         self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
@@ -344,7 +359,7 @@ class ClientConnection(asyncio.Protocol):
         # (it stops at a queued one): until its turn, its silence is not the client's.
         record.waiting_turn = self.active is not None
         self.parsing, self.parsing_exchange = record, None
-        self._url, self._headers, self._head_bytes = b"", [], 0
+        self._url, self._headers, self._head_bytes, self._line = b"", [], 0, b""
         # At the read's first byte, or found behind the request before it.
         self._head_start = 0 if self._at_request_start and self._begun == 1 else self._where_head_begins()
         self._in_head = True
@@ -394,7 +409,13 @@ class ClientConnection(asyncio.Protocol):
             raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         if version != "1.1" and version != "1.0":
             # llhttp reads a request line without a version as HTTP/0.9.
-            raise H.BadRequest(505, f"HTTP/{version} is not supported: send HTTP/1.1 (or HTTP/1.0)")
+            raise H.BadRequest(505, _unsupported_version(version))
+        # The usual head, at the read's first byte, is checked here at once.
+        if not (self._head_start == 0 and self._begun
+                and self._data.startswith(b"HTTP/", len(method) + len(self._url) + 2)):
+            protocol = self._unexpected_protocol(method)
+            if protocol is not None:
+                raise H.BadRequest(400, f"not an HTTP request line: protocol {protocol.decode('latin-1')!r}")
         upgrade = self.parser.should_upgrade()
         if upgrade and record.method == "CONNECT":
             raise H.BadRequest(501, "CONNECT is not supported: this is a reverse proxy")
@@ -444,6 +465,32 @@ class ClientConnection(asyncio.Protocol):
             raise H.BadRequest(501, "an Upgrade: h2c offer on a request with a body is not supported: "
                                     "send it without Upgrade")
         self._upgrade_offer_ignored = True
+
+    def _unexpected_protocol(self, method: bytes) -> bytes | None:
+        """What ends the request line when it is not ``HTTP/`` (llhttp also reads RTSP and
+        ICE request lines), else None. The line is ``METHOD SP target SP protocol``, found
+        from where the head began; for a head begun behind other requests at an unknown
+        place, after every ``METHOD target`` in the read. Not checked: a head begun at an
+        unknown place in an earlier read."""
+        data, line_start = self._data, method + b" " + self._url + b" "
+        if self._begun and self._head_start is not None:
+            start = self._past_empty_lines(self._head_start)
+            return self._protocol_unless_http(data, start + len(line_start))
+        if not self._begun and self._line:
+            return self._protocol_unless_http(self._line + data[:16], len(line_start))
+        at = data.find(line_start) if self._begun else -1
+        while at >= 0:
+            found = self._protocol_unless_http(data, at + len(line_start))
+            if found is not None:
+                return found
+            at = data.find(line_start, at + len(line_start))
+        return None
+
+    @staticmethod
+    def _protocol_unless_http(data: bytes, at: int) -> bytes | None:
+        if data.startswith(b"HTTP/", at):
+            return None
+        return data[at:at + 16].partition(b"\r")[0]
 
     def _head_size(self) -> int:
         """The head's size: exact when its start is known (see _where_head_begins) and it
