@@ -67,6 +67,21 @@ def test_50mb_random_download_byte_identical(scripted_upstream, start_proxy, fra
     assert hashlib.sha256(resp.body).hexdigest() == hashlib.sha256(payload).hexdigest()
 
 
+def test_a_client_still_sending_chunk_framing_or_trailers_is_not_timed_out(fast_upstream, start_proxy):
+    # The body timeout runs between reads, as nginx's does: bytes that carry no body
+    # data (a trailer section sent slowly) are the client sending all the same.
+    proxy = start_proxy(fast_upstream().url, **{"timeouts.client_body": 0.5})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"3\r\nabc\r\n0\r\nX-Trailer: ")
+        for byte in b"slowly":  # 1.2 s in all, each gap under the timeout
+            time.sleep(0.2)
+            sock.sendall(bytes([byte]))
+        sock.sendall(b"\r\n\r\n")
+        reply = recv_until(sock, b"abc")
+    assert reply.startswith(b"HTTP/1.1 200 "), reply
+
+
 def test_request_body_stalled_client_gets_408(fast_upstream, start_proxy):
     up = fast_upstream()
     proxy = start_proxy(up.url, **{"timeouts.client_body": 0.3})

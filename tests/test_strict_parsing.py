@@ -27,6 +27,9 @@ BAD_REQUESTS = [
     ("cl-list-conflict", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5, 6\r\n\r\nhello!", 400),
     ("cl-not-a-number", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 5x\r\n\r\nhello", 400),
     ("cl-negative", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", 400),
+    # Past a signed 64-bit integer (nginx's limit too): an upstream could read another length.
+    ("cl-past-int64", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 9223372036854775808\r\n\r\n", 400),
+    ("cl-max-uint64", b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 18446744073709551615\r\n\r\n", 400),
     ("te-gzip", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
     ("te-chunked-not-last", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", 400),
     ("te-double-chunked", b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", 400),
@@ -62,6 +65,11 @@ BAD_REQUESTS = [
     ("absolute-form-without-host", b"GET http:///path HTTP/1.1\r\nHost: a\r\n\r\n", 400),
     ("connect", b"CONNECT good.example:443 HTTP/1.1\r\nHost: good.example:443\r\n\r\n", 501),
     ("unsupported-expect", b"POST / HTTP/1.1\r\nHost: a\r\nExpect: teapot\r\nContent-Length: 0\r\n\r\n", 417),
+    # Every Expect line counts, whichever comes last.
+    ("unsupported-expect-after-100-continue",
+     b"POST / HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nExpect: teapot\r\nContent-Length: 1\r\n\r\n", 417),
+    ("unsupported-expect-before-100-continue",
+     b"POST / HTTP/1.1\r\nHost: a\r\nExpect: teapot\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n", 417),
     ("websocket-upgrade", b"GET /ws HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", 501),
     # A method llhttp cannot carry is not implemented here (RFC 9110 section 9.1);
     # bytes that are not a method at all are a bad request.
@@ -149,6 +157,18 @@ def test_endless_trailer_value_cut_off_with_431(scripted_upstream, start_proxy):
             reply = recv_until(sock, b"}")
         except ConnectionResetError:
             reply = b""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), reply
+    assert b"trailers exceed 1024 bytes" in body
+    assert wait_until(lambda: not proxy.ctx.in_flight)
+
+
+def test_trailers_over_the_limit_in_the_read_that_ends_the_body_get_431(fast_upstream, start_proxy):
+    # The whole trailer section in one read: llhttp hands its fields over as header lines.
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_header_bytes": 1024})
+    trailers = b"".join(b"X-T%d: %s\r\n" % (i, b"v" * 100) for i in range(30))
+    reply = raw_exchange(proxy.port, b"POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                     b"3\r\nabc\r\n0\r\n" + trailers + b"\r\n")
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 "), reply
     assert b"trailers exceed 1024 bytes" in body

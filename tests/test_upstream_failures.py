@@ -96,8 +96,10 @@ def test_a_later_request_on_a_keep_alive_connection_gets_its_own_full_timeout(sc
     b"HTTP/1.1 099 OK\r\nContent-Length: 0\r\n\r\n",
     b"HTTP/1.1 200 O\x00K\r\nContent-Length: 0\r\n\r\n",
     b"HTTP/1.1 200 O\x1bK\r\nContent-Length: 0\r\n\r\n",
+    # Past a signed 64-bit integer (llhttp takes up to 2**64 - 1): a client would read another length.
+    b"HTTP/1.1 200 OK\r\nContent-Length: 9223372036854775808\r\n\r\nhello",
 ], ids=["conflicting-lengths", "not-http", "bad-chunk-size-after-head", "chunk-overrun-after-head",
-        "status-000", "status-099", "nul-in-reason", "escape-in-reason"])
+        "status-000", "status-099", "nul-in-reason", "escape-in-reason", "length-past-int64"])
 def test_malformed_upstream_response_is_502_upe(reply, scripted_upstream, start_proxy):
     async def garbage(reader, writer, upstream):
         await reader.read_request()

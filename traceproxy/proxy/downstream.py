@@ -96,6 +96,7 @@ class ClientConnection(asyncio.Protocol):
         self._chunked_body = False  # a chunked request body is being parsed
         self._body_in_read = False  # the read being fed carried body bytes
         self._framing_bytes = 0  # chunk framing and trailer bytes since the last body bytes
+        self._head_fields = 0  # header lines of the head being parsed (see _check_trailers)
         self._upgrade_offer_ignored = False  # see _ignore_upgrade_offer
         self._max_head_bytes = ctx.limits.max_header_bytes
         self._max_target_bytes = ctx.limits.max_target_bytes
@@ -307,9 +308,14 @@ class ClientConnection(asyncio.Protocol):
                 if self._head_too_long(data, continues_head):
                     self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
                     return
-            elif self._chunked_body and self._framing_too_long(len(data)):
-                self.reject(431, Flag.DPE, f"request chunk framing or trailers exceed {self._max_head_bytes} bytes")
-                return
+            elif self._chunked_body:
+                if not self._body_in_read:
+                    # Chunk-size lines, extensions or trailers only: the client is still
+                    # sending, and the body timeout runs between reads, as nginx's does.
+                    self.parsing.last_downstream_rx_ns = time.monotonic_ns()
+                if self._framing_too_long(len(data)):
+                    self.reject(431, Flag.DPE, f"request chunk framing or trailers exceed {self._max_head_bytes} bytes")
+                    return
         if self._head_timer_pending:
             self._head_timer_pending = False
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
@@ -434,6 +440,7 @@ class ClientConnection(asyncio.Protocol):
                 parts = H.with_host(parts, host)
                 record.target = target.decode("latin-1")  # what goes upstream: the origin form
         self._chunked_body, self._framing_bytes = parts.framing.chunked, 0
+        self._head_fields = len(self._headers)  # what llhttp hands over after these are trailers
         generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         http11 = record.http_version == "1.1"
         # RFC 9110 section 10.1.1: Expect in an HTTP/1.0 request is ignored (and 1xx
@@ -532,9 +539,18 @@ class ClientConnection(asyncio.Protocol):
         self.parsing_exchange.request_body(body)
 
     def on_message_complete(self) -> None:
+        if self._chunked_body and len(self._headers) > self._head_fields:
+            self._check_trailers()
         exchange = self.parsing_exchange
         self.parsing, self.parsing_exchange, self._chunked_body = None, None, False
         exchange.request_done()
+
+    def _check_trailers(self) -> None:
+        """A trailer section that came whole in one read is not seen by the per-read
+        count (see _framing_too_long): llhttp hands its fields over as header lines."""
+        trailers = self._headers[self._head_fields:]
+        if sum(len(name) + len(value) + 4 for name, value in trailers) > self._max_head_bytes:
+            raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
 
     # ---------------------------------------------------------------------------
     # Answering in order

@@ -172,7 +172,8 @@ def parse_request_headers(
         elif lname == b"connection":
             listed = _connection_listed(listed, value)
         elif lname == b"expect":
-            expect = value
+            # Every line counts: 100-continue then foo is as unsupported as foo alone.
+            expect = value if expect is None else expect + b", " + value
         elif lname in _FORWARDED:
             forwarded.append((name, value))
     if listed is not None and not listed <= _NOT_NAMES:
@@ -200,6 +201,9 @@ def parse_request_headers(
                         traceparents, tracestates, request_id, user_agent)
 
 
+MAX_CONTENT_LENGTH = 2**63 - 1  # as nginx's off_t
+
+
 def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> RequestFraming:
     if lengths and codings:
         raise BadRequest(400, "both Content-Length and Transfer-Encoding are present")
@@ -217,7 +221,11 @@ def _framing(lengths: list[bytes], codings: list[bytes], http_version: str) -> R
         raise BadRequest(400, "invalid or conflicting Content-Length values")
     framing = _LENGTH_FRAMINGS.get(lengths[0])
     if framing is None:
-        framing = RequestFraming(chunked=False, content_length=int(lengths[0]))
+        length = int(lengths[0])
+        if length > MAX_CONTENT_LENGTH:
+            # An upstream that reads it into a signed 64-bit integer would see another length.
+            raise BadRequest(400, f"Content-Length {length} is larger than {MAX_CONTENT_LENGTH}")
+        framing = RequestFraming(chunked=False, content_length=length)
         if len(_LENGTH_FRAMINGS) < 4096:  # immutable, so shared; bounded
             _LENGTH_FRAMINGS[lengths[0]] = framing
     return framing
@@ -434,6 +442,8 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
     if codings is not None and codings != [b"chunked"]:
         shown = b", ".join(codings).decode("latin-1")
         raise BadResponse(f"unsupported response: Transfer-Encoding {shown!r}: only 'chunked' is passed on")
+    if length is not None and len(length) >= 19 and int(length) > MAX_CONTENT_LENGTH:  # llhttp checked the digits
+        raise BadResponse(f"malformed response: Content-Length {length.decode()} is larger than {MAX_CONTENT_LENGTH}")
     return ResponseParts(codings is not None, length, kept, event_stream, header_lines(kept))
 
 
