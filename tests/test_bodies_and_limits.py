@@ -304,3 +304,74 @@ def test_a_client_silent_mid_body_is_blamed_even_when_both_timeouts_are_equal(sc
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nonly some")
         reply = recv_until(sock, b"}")
     assert reply.startswith(b"HTTP/1.1 408 ") and b'"DBT"' in reply
+
+
+def _read_to_the_end(sock: socket.socket) -> tuple[bytes, str]:
+    """Everything the proxy sends, and how the connection ended: eof or reset."""
+    received = b""
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            return received, "reset"
+        if not data:
+            return received, "eof"
+        received += data
+
+
+def _upload_in_background(sock: socket.socket, size: int) -> threading.Thread:
+    def upload():
+        with contextlib.suppress(OSError):
+            for _ in range(size // 65536):
+                sock.sendall(b"x" * 65536)
+
+    sender = threading.Thread(target=upload, daemon=True)
+    sender.start()
+    return sender
+
+
+def test_an_answer_before_the_upload_ends_reaches_the_client_whole(scripted_upstream, start_proxy):
+    # The engine refuses the body at its head (413) while the client is still uploading.
+    # Closing with the upload unread would make the kernel reset the connection, and
+    # the reset destroys the part of the answer the client has not read yet.
+    answer = b"r" * 2_000_000
+
+    async def refuses_at_the_head(reader, writer, upstream):
+        await reader.read_head()
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
+        await writer.drain()
+        await asyncio.sleep(5)  # never reads the body
+
+    proxy = start_proxy(scripted_upstream(refuses_at_the_head).url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % (50 * MB))
+        _upload_in_background(sock, 50 * MB)
+        time.sleep(0.5)  # the client reads its answer only later, as one busy uploading does
+        received, ended = _read_to_the_end(sock)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and header_value(head, b"connection") == b"close"
+    assert ended == "eof" and body == answer
+
+
+def test_a_lingering_close_ends_at_the_clients_fin_or_after_its_limit(fast_upstream, start_proxy):
+    from traceproxy.proxy.downstream import LINGER_SECONDS
+
+    proxy = start_proxy(fast_upstream().url, **{"limits.max_header_bytes": 4096})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: " + b"v" * 8192)
+        assert recv_until(sock, b"}").startswith(b"HTTP/1.1 431 ")
+        assert sock.recv(1) == b""  # the proxy's FIN, right after its answer
+        assert len(proxy.ctx.connections) == 1  # still reading what the client sends
+        sock.shutdown(socket.SHUT_WR)
+        assert wait_until(lambda: not proxy.ctx.connections, timeout=1)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: " + b"v" * 8192)
+        assert recv_until(sock, b"}").startswith(b"HTTP/1.1 431 ")
+        started = time.monotonic()
+        for _ in range(int(LINGER_SECONDS * 20) + 40):  # keeps sending, never a FIN
+            try:
+                sock.sendall(b"v" * 1024)
+            except OSError:
+                break
+            time.sleep(0.05)
+        assert LINGER_SECONDS - 0.2 <= time.monotonic() - started < LINGER_SECONDS + 1.5

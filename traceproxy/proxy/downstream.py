@@ -57,6 +57,9 @@ CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 # How often a connection whose reading is paused is checked for a hang-up: well
 # within the second in which the engine must see an abandoned request's connection close.
 PEER_CHECK_INTERVAL = 0.25
+# Lingering close: how long bytes the client still sends are read and thrown away
+# after the proxy's FIN (see close_lingering).
+LINGER_SECONDS = 2.0
 # The usual methods as str, so that a request does not decode its method.
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
 # RFC 9110 section 5.6.2: a method is a token (bounded here: it is quoted back).
@@ -116,6 +119,7 @@ class ClientConnection(asyncio.Protocol):
         self._exchange_timer: asyncio.TimerHandle | None = None
         self._exchange_timer_due = 0
         self._peer_check: asyncio.TimerHandle | None = None  # see Hazards: Paused reading
+        self._linger: asyncio.TimerHandle | None = None  # set while closing lingeringly
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -148,6 +152,8 @@ class ClientConnection(asyncio.Protocol):
         if self._peer_check is not None:
             self._peer_check.cancel()
             self._peer_check = None
+        if self._linger is not None:
+            self._linger.cancel()
         closed = self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
         for exchange in (self.active, *self.queue):
@@ -176,6 +182,25 @@ class ClientConnection(asyncio.Protocol):
             self.closing = True
             self.transport.close()
 
+    def close_lingering(self) -> None:
+        """Close a connection the client may still be sending on (a response before the
+        end of its request body, a refusal mid-head): a FIN after the reply, then what
+        still arrives is read and thrown away, until the client's FIN or LINGER_SECONDS.
+        A close with the client's bytes unread would make the kernel reset the
+        connection, and a reset destroys what the client has not read yet: the reply
+        (nginx's lingering_close does the same)."""
+        if self.closing:
+            return
+        self.closing = True  # from here every read is dropped unparsed (see _feed)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.reading_paused_for.clear()
+        self.transport.resume_reading()
+        # Past the limit: an abort, which also drops a reply the client never read.
+        self._linger = self.loop.call_later(LINGER_SECONDS, self.transport.abort)
+
     def shut_down(self, reason: str) -> None:
         """The shutdown grace ran out: every request on this connection ends LR (the
         proxy's doing, not the client's). The pipelined ones are dropped first, so
@@ -203,7 +228,7 @@ class ClientConnection(asyncio.Protocol):
         sockets.reset(self.transport)
 
     def write(self, data: bytes) -> None:
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and self._linger is None:  # nothing after our FIN
             self.transport.write(data)
 
     # ---------------------------------------------------------------------------
@@ -574,8 +599,14 @@ class ClientConnection(asyncio.Protocol):
             self.resume_reading("pending")
             self.resume_reading("upstream")
         if not keep_alive or self.closing:
+            # Answered before its body ended, or with requests behind it: the client
+            # may still be sending.
+            still_sending = not exchange.request_complete or self.queue or self.parsing is not None
             self._drop_queue(Flag.LR, "the connection closed before this pipelined request's turn")
-            self.close()
+            if still_sending:
+                self.close_lingering()
+            else:
+                self.close()
             return
         if self.queue:
             exchange = self.queue.popleft()
@@ -664,7 +695,10 @@ class ClientConnection(asyncio.Protocol):
         record.downstream_tx_body_bytes += body_size(reply)
         self.ctx.stamp_once(record, time.monotonic_ns(), MARK.FIRST_DOWNSTREAM_TX_BYTE, MARK.LAST_DOWNSTREAM_TX_BYTE)
         self.ctx.end_request(record, outcome, reason)
-        self.close()
+        if outcome is Flag.DO:
+            self.close()  # not admitted: no connection is held open for it
+        else:
+            self.close_lingering()  # refused while the client may still be sending
 
     # ---------------------------------------------------------------------------
     # Connection timers
