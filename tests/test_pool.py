@@ -553,6 +553,37 @@ def test_a_connect_the_request_gave_up_on_is_not_reported():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_a_connect_given_up_on_as_it_completes_is_never_handed_over_or_pooled(run):
+    # The client left in the same loop pass as the connect completed: the cancel comes
+    # after connection_made was scheduled, before it ran. Handed over, the connection
+    # reached the finished request and was pooled, while the cancelled connect closed
+    # its transport underneath: the next request was given a dead connection.
+    from traceproxy.proxy.upstream import UpstreamConnection
+
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool, user = _pool(server.sockets[0].getsockname()[1]), _User()
+        task = pool.acquire(user)
+        connection_made = UpstreamConnection.connection_made
+
+        def cancelled_first(conn, transport):
+            pool.cancel_connect(task)
+            connection_made(conn, transport)
+
+        (conn,) = pool.connecting.values()
+        conn.connection_made = lambda transport: cancelled_first(conn, transport)
+        await asyncio.wait([task])
+        await asyncio.sleep(0.05)
+        assert user.ready == [] and user.failed == []
+        assert pool.idle == [] and pool.open_count == 0 and not pool.connecting
+        assert conn.transport is None or conn.transport.is_closing()
+        pool.close_all()
+        server.close()
+
+    run(main())
+
+
 def test_a_request_that_never_got_a_connection_under_the_cap_is_the_proxys_504(scripted_upstream, start_proxy):
     # The header timeout ran out while the request waited for pool.max_connections:
     # the proxy's own limit, so the outcome is PWS (blame proxy), not the engine's UT.

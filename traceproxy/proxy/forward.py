@@ -487,7 +487,7 @@ class Exchange:
             # A reset: the engine sees it now, even behind request bytes it has not read.
             self._let_go(conn, outcome.name, reset=True)
         if self.connect_task is not None:
-            self.connect_task.cancel()
+            self.ctx.pool.cancel_connect(self.connect_task)
             self.connect_task = None
         self.ctx.pool.cancel_wait(self)
         linger = False

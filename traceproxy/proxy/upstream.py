@@ -559,6 +559,17 @@ class UpstreamPool:
         task.add_done_callback(self._connect_done)
         return task
 
+    def cancel_connect(self, task: asyncio.Task) -> None:
+        """The request a connect was started for gave up. The connect may complete in the
+        same loop pass (its connection_made is already scheduled): that connection is
+        aborted there, never handed over. Handed over instead, it would reach a finished
+        request and be pooled, while the cancelled connect closes its transport
+        underneath, with no connection_lost: the next request would be given a dead one."""
+        conn = self.connecting.get(task)
+        if conn is not None and conn.opening_for is not None:
+            conn.abandoned = True
+        task.cancel()
+
     def _connected(self, conn: UpstreamConnection) -> None:
         """Hand a new connection to the request it was opened for, or (opened ahead) to the pool."""
         conn.connect_timer.cancel()
