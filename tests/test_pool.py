@@ -562,24 +562,21 @@ def test_a_connect_given_up_on_as_it_completes_is_never_handed_over_or_pooled(ru
     from traceproxy.proxy.upstream import UpstreamConnection
 
     async def main():
-        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        pool, user = _pool(server.sockets[0].getsockname()[1]), _User()
-        task = pool.acquire(user)
-        connection_made = UpstreamConnection.connection_made
+        async with _pool_on_server() as pool:
+            user = _User()
+            task = pool.acquire(user)
+            (conn,) = pool.connecting.values()
 
-        def cancelled_first(conn, transport):
-            pool.cancel_connect(task)
-            connection_made(conn, transport)
+            def cancelled_first(transport):
+                pool.cancel_connect(task)
+                UpstreamConnection.connection_made(conn, transport)
 
-        (conn,) = pool.connecting.values()
-        conn.connection_made = lambda transport: cancelled_first(conn, transport)
-        await asyncio.wait([task])
-        await asyncio.sleep(0.05)
-        assert user.ready == [] and user.failed == []
-        assert pool.idle == [] and pool.open_count == 0 and not pool.connecting
-        assert conn.transport is None or conn.transport.is_closing()
-        pool.close_all()
-        server.close()
+            conn.connection_made = cancelled_first
+            await asyncio.wait([task])
+            await asyncio.sleep(0.05)
+            assert user.ready == [] and user.failed == []
+            assert pool.idle == [] and pool.open_count == 0 and not pool.connecting
+            assert conn.transport is None or conn.transport.is_closing()
 
     run(main())
 
