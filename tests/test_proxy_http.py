@@ -379,6 +379,30 @@ def test_get_after_head_on_the_same_upstream_connection_reads_its_body(scripted_
     assert up.connections == 1
 
 
+def test_a_body_sent_after_a_head_response_retires_its_upstream_connection(scripted_upstream, start_proxy):
+    # The engine answers HEAD as GET: part of the body comes with the head, the rest
+    # later. Reused, that connection would hand the rest to the next request as its response.
+    async def answers_head_with_a_body(reader, writer, upstream):
+        for _ in range(2):
+            head, _ = await reader.read_request()
+            if head.startswith(b"HEAD "):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\n\r\n" + b"b" * 1000)
+                await writer.drain()
+                await asyncio.sleep(0.3)
+                writer.write(b"b" * 2000)  # read as the answer to a request sent on this connection meanwhile
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    up = scripted_upstream(answers_head_with_a_body)
+    client = RawClient(start_proxy(up.url).port)
+    head = client.roundtrip("HEAD", "/v1/models")
+    assert head.status == 200 and head.body == b""
+    resp = client.roundtrip("GET", "/v1/models")  # within the 0.3 s before the rest comes
+    assert (resp.status, resp.body) == (200, b"ok")
+    assert up.connections == 2
+
+
 def test_a_repeated_response_head_then_a_different_one_are_each_framed_by_their_own(scripted_upstream, start_proxy):
     same = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
     responses = iter([same, same, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\n\r\nbye",

@@ -286,6 +286,10 @@ class UpstreamConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self._complete and not self._in_interim:
             self.user.upstream_response_body(body)
+        elif self._complete:
+            # A body after the head of a response to HEAD (llhttp does not know the
+            # request was HEAD): the rest of it may still come, so never reuse.
+            self._extra_message = True
 
     def on_message_complete(self) -> None:
         if self._in_interim:
