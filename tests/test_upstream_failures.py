@@ -4,6 +4,7 @@ started is visible to the client as a truncated response, never a complete one."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import select
 import socket
@@ -108,6 +109,34 @@ def test_malformed_upstream_response_is_502_upe(reply, scripted_upstream, start_
     proxy = start_proxy(scripted_upstream(garbage).url)
     resp = RawClient(proxy.port).roundtrip("GET", "/")
     assert resp.status == 502 and _error(resp)["code"] == "UPE"
+
+
+@pytest.mark.parametrize("after_head, fragment", [
+    (b"X-Huge: ", b"response head exceeds 4096 bytes"),  # a header value that never ends
+    # A trailer value that never ends, which httptools would gather without bound.
+    (b"Transfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nX-Trailer: ", b"trailers exceed 4096 bytes"),
+], ids=["head", "trailers"])
+def test_an_endless_response_head_or_trailer_is_cut_off(after_head, fragment, scripted_upstream, start_proxy):
+    async def endless(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\n" + after_head)
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            for _ in range(4096):  # 64 MiB at most; the proxy must stop it long before
+                await asyncio.sleep(0.001)  # separate reads, as a slow sender's arrive
+                writer.write(b"v" * 16384)
+                await writer.drain()
+
+    up = scripted_upstream(endless)
+    proxy = start_proxy(up.url, **{"limits.max_header_bytes": 4096})
+    started = time.monotonic()
+    resp = RawClient(proxy.port, timeout=10).roundtrip("GET", "/")
+    assert time.monotonic() - started < 5
+    if after_head.startswith(b"X-Huge"):
+        assert resp.status == 502 and _error(resp)["code"] == "UPE" and fragment.decode() in _error(resp)["message"]
+    else:  # the response had started: it is cut short, never ended as if complete
+        assert resp.status == 200 and not resp.complete
+    assert up.closed.wait(5)
 
 
 @pytest.mark.parametrize("coding", [b"gzip", b"gzip, chunked"])

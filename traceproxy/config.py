@@ -534,7 +534,9 @@ SCHEMA: tuple[Setting, ...] = (
             "once on a fresh one; larger requests are not retried."),
     Setting("limits", "max_client_connections", integer(1), 10000,
             "Open client connections; at the cap the longest-idle keep-alive connection is closed to make room."),
-    Setting("limits", "max_header_bytes", integer(1024), 65536, "A request head larger than this gets 431."),
+    Setting("limits", "max_header_bytes", integer(1024), 65536,
+            "A request head larger than this gets 431; a response head or trailer section larger than "
+            "this from the upstream is a 502."),
     Setting("limits", "max_target_bytes", integer(64), 8192, "A request target longer than this gets 414."),
     Setting("forwarding", "preserve_host", boolean(), True,
             "Forward the client's Host header; false sends the upstream's host:port instead."),

@@ -87,6 +87,7 @@ class ServerContext:
             max_connections=settings.pool.max_connections,
             connect_timeout=settings.timeouts.connect,
             keep_warm=settings.pool.keep_warm,
+            max_head_bytes=settings.limits.max_header_bytes,
         )
         self.connections: set[ClientConnection] = set()
         # Idle keep-alive connections, oldest first (dicts keep insertion order).

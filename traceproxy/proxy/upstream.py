@@ -141,7 +141,19 @@ class UpstreamConnection(asyncio.Protocol):
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
             if self._awaiting_head:
+                if self.bytes_received > self.pool.max_head_bytes:
+                    user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
+                    return
                 user.upstream_first_byte()  # the head spans reads: its first byte came now
+            elif self._body_seen:
+                self._body_seen, self._bytes_since_body = False, 0
+            else:
+                # Chunk framing or trailers only, which httptools gathers until a line ends.
+                self._bytes_since_body += len(data)
+                if self._bytes_since_body > self.pool.max_head_bytes:
+                    user.upstream_protocol_error(
+                        f"response chunk framing or trailers exceed {self.pool.max_head_bytes} bytes")
+                    return
             user.flush_client()
 
     def connect_timed_out(self, task: asyncio.Task) -> None:
@@ -227,6 +239,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._close_delimited = False
         self._keep_alive = False
         self.bytes_received = 0
+        self._body_seen = False  # body bytes came in the read being fed
+        self._bytes_since_body = 0  # bytes of the reads since the last body bytes, after the head
 
     def _reusable(self) -> bool:
         return not self._extra_message and not self.closed and self._keep_alive
@@ -240,7 +254,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._complete:
+        if self._awaiting_head:  # not trailers: they are not forwarded, so not kept
             self._headers.append((name, value))
             # Keep-Alive is hop-by-hop (dropped towards the client); the length test
             # keeps this to one comparison for every other header.
@@ -285,6 +299,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if not self._complete and not self._in_interim:
+            self._body_seen = True
             self.user.upstream_response_body(body)
         elif self._complete:
             # A body after the head of a response to HEAD (llhttp does not know the
@@ -445,8 +460,9 @@ class UpstreamPool:
     SPARE_TICK_S = 0.01  # connections opened ahead of demand go out on ticks this far apart
 
     def __init__(self, host: str, port: int, idle_timeout: float, max_connections: int, connect_timeout: float,
-                 keep_warm: float = 0.0):
+                 keep_warm: float = 0.0, max_head_bytes: int = 65536):
         self.host = host
+        self.max_head_bytes = max_head_bytes  # a response head, or trailers, past this is a 502
         self.port = port
         self.idle_timeout_ns = int(idle_timeout * 1e9)
         # The sweeper's period: idle connections past the idle timeout go, and with
