@@ -178,6 +178,25 @@ def test_pipelined_requests_answered_in_order(scripted_upstream, start_proxy):
     assert bodies == [b"/one:abc", b"/two:def", b"/three:"]
 
 
+def test_past_the_pipelining_depth_the_connection_closes_after_the_last_queued_request(fast_upstream,
+                                                                                      start_proxy):
+    # Each queued request costs a record and an exchange: a read of tiny GETs is not
+    # all taken in. Those past the depth go unanswered; the client resends them.
+    from traceproxy.proxy.downstream import MAX_PIPELINED
+
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    sent = 3 * MAX_PIPELINED
+    reply = raw_exchange(proxy.port, b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n" * sent)
+    heads = [part.partition(b"\r\n\r\n")[0] for part in reply.split(b"HTTP/1.1 ")[1:]]
+    answered = 1 + MAX_PIPELINED  # the one answered, and the ones queued behind it
+    assert len(heads) == answered and all(head.startswith(b"200 ") for head in heads)
+    assert header_value(b"HTTP/1.1 " + heads[-1], b"connection") == b"close"
+    assert all(header_value(b"HTTP/1.1 " + head, b"connection") != b"close" for head in heads[:-1])
+    assert up.requests == answered
+    assert wait_until(lambda: not proxy.ctx.in_flight and not proxy.ctx.connections)
+
+
 def test_pipelined_request_behind_a_truncated_response_gets_no_bytes(scripted_upstream, start_proxy):
     up = scripted_upstream(answers_partly_then_resets(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 40))
     proxy = start_proxy(up.url)

@@ -57,6 +57,10 @@ CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 # How often a connection whose reading is paused is checked for a hang-up: well
 # within the second in which the engine must see an abandoned request's connection close.
 PEER_CHECK_INTERVAL = 0.25
+# Pipelined requests queued behind the one being answered, at most: past this the
+# connection closes after the last one queued (each costs a record and an exchange,
+# and a 1 MiB read of minimal GETs would queue 38,000).
+MAX_PIPELINED = 32
 # Lingering close: how long bytes the client still sends are read and thrown away
 # after the proxy's FIN (see close_lingering).
 LINGER_SECONDS = 2.0
@@ -65,6 +69,10 @@ _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PAT
 # RFC 9110 section 5.6.2: a method is a token (bounded here: it is quoted back).
 _METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
 _EMPTY_LINES = re.compile(rb"[\r\n]*")
+
+
+class _PipelineFull(Exception):
+    """Raised inside llhttp's callback to stop it at a request past MAX_PIPELINED."""
 
 
 def _unsupported_version(version: str) -> str:
@@ -120,6 +128,7 @@ class ClientConnection(asyncio.Protocol):
         self._exchange_timer_due = 0
         self._peer_check: asyncio.TimerHandle | None = None  # see Hazards: Paused reading
         self._linger: asyncio.TimerHandle | None = None  # set while closing lingeringly
+        self.reading_stopped = False  # too many requests pipelined: nothing more is parsed
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -283,7 +292,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _feed(self, data: bytes) -> bytes | None:
         """Parse one read; returns the bytes llhttp left after an ignored h2c offer."""
-        if self.closing or self.rejection is not None:
+        if self.closing or self.rejection is not None or self.reading_stopped:
             return None
         continues_head = self._continues_head = self.parsing is not None and self._in_head
         self._at_request_start = self.parsing is None
@@ -296,6 +305,8 @@ class ClientConnection(asyncio.Protocol):
             cause = exc.__context__
             if isinstance(cause, H.BadRequest):
                 self.reject(cause.status, Flag.DPE, cause.reason)
+            elif isinstance(cause, _PipelineFull):
+                self._read_no_more()
             else:
                 raise
             return
@@ -345,6 +356,15 @@ class ClientConnection(asyncio.Protocol):
             self._head_timer_pending = False
             self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
+    def _read_no_more(self) -> None:
+        """MAX_PIPELINED requests wait: the connection closes after the last of them
+        (its response says so), and what the client sent after it is never read: the
+        client resends those requests on a new connection (RFC 9112 section 9.3.2)."""
+        last = self.queue[-1]
+        last.head.keep_alive = last.keep_client_alive = False
+        self.reading_stopped = True
+        self.pause_reading("pipeline full")
+
     def _unknown_method(self) -> str | None:
         """The method of a request llhttp does not know, when it is a well-formed token
         at the read's first byte (not garbage, not behind other requests in the read)."""
@@ -380,6 +400,8 @@ class ClientConnection(asyncio.Protocol):
         return self._framing_bytes > self._max_head_bytes
 
     def on_message_begin(self) -> None:
+        if len(self.queue) >= MAX_PIPELINED:
+            raise _PipelineFull
         now = time.monotonic_ns()
         self._begun += 1
         self._on_deadline = None  # the keep-alive idle timer stands down (see _arm_timer)
@@ -601,7 +623,8 @@ class ClientConnection(asyncio.Protocol):
         if not keep_alive or self.closing:
             # Answered before its body ended, or with requests behind it: the client
             # may still be sending.
-            still_sending = not exchange.request_complete or self.queue or self.parsing is not None
+            still_sending = (not exchange.request_complete or self.queue or self.parsing is not None
+                             or self.reading_stopped)
             self._drop_queue(Flag.LR, "the connection closed before this pipelined request's turn")
             if still_sending:
                 self.close_lingering()
