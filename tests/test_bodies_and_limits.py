@@ -306,6 +306,85 @@ def test_a_client_silent_mid_body_is_blamed_even_when_both_timeouts_are_equal(sc
     assert reply.startswith(b"HTTP/1.1 408 ") and b'"DBT"' in reply
 
 
+def test_a_client_silent_mid_body_is_blamed_when_the_header_timeout_is_the_shorter(scripted_upstream, start_proxy):
+    # The engine cannot answer before the body ends: a client that went silent
+    # mid-body owes the next byte, whichever timeout is shorter.
+    async def waits_for_the_body(reader, writer, upstream):
+        await reader.read_request()
+
+    proxy = start_proxy(scripted_upstream(waits_for_the_body).url,
+                        **{"timeouts.upstream_headers": 0.3, "timeouts.client_body": 0.8})
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\nonly some")
+        reply = recv_until(sock, b"}")
+    assert reply.startswith(b"HTTP/1.1 408 ") and b'"DBT"' in reply
+    assert time.monotonic() - started >= 0.7
+
+
+def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(scripted_upstream, start_proxy):
+    # Its request held an upstream connection (and a slot under pool.max_connections)
+    # for as long as it did not read, which could be forever.
+    async def streams(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        event = b"data: " + b"t" * 4096 + b"\n\n"
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100_000):  # bounded; the proxy lets go long before
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+
+    up = scripted_upstream(streams)
+    proxy = start_proxy(up.url, **{"timeouts.client_send": 0.5})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        assert wait_until(lambda: any(r.downstream_paused_since_ns for r in proxy.ctx.in_flight.values()))
+        paused = time.monotonic()
+        assert up.closed.wait(5)  # the engine is let go
+        assert 0.4 <= time.monotonic() - paused < 2.5
+        assert wait_until(lambda: not proxy.ctx.in_flight and not proxy.ctx.connections)
+
+
+class _FullTransport(asyncio.Transport):
+    """A client transport whose client stopped reading: its written bytes never drain."""
+
+    def __init__(self):
+        super().__init__()
+        self.closed = self.aborted = False
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def get_write_buffer_size(self):
+        return 16384
+
+    def is_closing(self):
+        return self.closed or self.aborted
+
+    def close(self):
+        self.closed = True  # a real transport closes only once it has flushed
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_a_close_waiting_on_a_client_that_never_reads_ends_after_the_send_timeout(start_proxy, loop_thread):
+    from traceproxy.proxy.downstream import ClientConnection
+
+    proxy = start_proxy("http://127.0.0.1:9", **{"timeouts.client_send": 0.3})
+    transport = _FullTransport()
+
+    async def close_with_bytes_unread():
+        client = ClientConnection(proxy.ctx)
+        client.connection_made(transport)
+        client.close()
+
+    loop_thread.run(close_with_bytes_unread())
+    assert transport.closed and not transport.aborted
+    assert wait_until(lambda: transport.aborted, timeout=2)
+
+
 def _read_to_the_end(sock: socket.socket) -> tuple[bytes, str]:
     """Everything the proxy sends, and how the connection ended: eof or reset."""
     received = b""

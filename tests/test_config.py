@@ -43,6 +43,7 @@ EXPECTED_DEFAULTS = Settings(
         upstream_read=600.0,
         client_headers=30.0,
         client_body=60.0,
+        client_send=60.0,
         client_keepalive=75.0,
         shutdown_grace=30.0,
     ),

@@ -67,6 +67,7 @@ class Timeouts:
     upstream_read: float
     client_headers: float
     client_body: float
+    client_send: float
     client_keepalive: float
     shutdown_grace: float
 
@@ -513,6 +514,9 @@ SCHEMA: tuple[Setting, ...] = (
             "Receiving a complete request head, counted from its first byte."),
     Setting("timeouts", "client_body", seconds(zero="off"), 60.0,
             "Longest silence between request body bytes, else 408."),
+    Setting("timeouts", "client_send", seconds(zero="off"), 60.0,
+            "Longest time a client whose connection is full takes none of the response before the "
+            "request is cut (DNR), freeing its upstream connection, as nginx's send_timeout."),
     Setting("timeouts", "client_keepalive", seconds(), 75.0,
             "An idle client keep-alive connection is closed after this."),
     Setting("timeouts", "shutdown_grace", seconds(zero="stop at once"), 30.0,

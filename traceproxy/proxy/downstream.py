@@ -128,6 +128,7 @@ class ClientConnection(asyncio.Protocol):
         self._exchange_timer_due = 0
         self._peer_check: asyncio.TimerHandle | None = None  # see Hazards: Paused reading
         self._linger: asyncio.TimerHandle | None = None  # set while closing lingeringly
+        self._flush_deadline: asyncio.TimerHandle | None = None  # set while a close waits on a full connection
         self.reading_stopped = False  # too many requests pipelined: nothing more is parsed
 
     # ---------------------------------------------------------------------------
@@ -161,8 +162,9 @@ class ClientConnection(asyncio.Protocol):
         if self._peer_check is not None:
             self._peer_check.cancel()
             self._peer_check = None
-        if self._linger is not None:
-            self._linger.cancel()
+        for closing_timer in (self._linger, self._flush_deadline):
+            if closing_timer is not None:
+                closing_timer.cancel()
         closed = self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
         for exchange in (self.active, *self.queue):
@@ -190,6 +192,11 @@ class ClientConnection(asyncio.Protocol):
         if not self.closing:
             self.closing = True
             self.transport.close()
+            send_timeout = self.ctx.timeouts.client_send
+            if send_timeout and self.transport.get_write_buffer_size():
+                # The close waits for the client to take what is written, which a
+                # client that stopped reading never does: not past the send timeout.
+                self._flush_deadline = self.loop.call_later(send_timeout, self.transport.abort)
 
     def close_lingering(self) -> None:
         """Close a connection the client may still be sending on (a response before the

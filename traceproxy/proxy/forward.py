@@ -341,7 +341,9 @@ class Exchange:
             self.record.last_downstream_tx_ns = time.monotonic_ns()
 
     def client_write_paused(self) -> None:
-        self.record.downstream_paused_since_ns = time.monotonic_ns()
+        self.record.downstream_paused_since_ns = now = time.monotonic_ns()
+        if self.ctx.client_send_ns and not self.finished:
+            self._aim_timer(now)  # the send deadline starts now
         if self.upstream is not None and not self._upstream_paused_by_client:
             self._upstream_paused_by_client = True
             self.upstream.transport.pause_reading()
@@ -577,7 +579,7 @@ class Exchange:
         last_rx = record.last_downstream_rx_ns or 0
         if last_rx < self._started_ns:
             last_rx = self._started_ns
-        if ctx.upstream_headers_ns and not self.response_started:
+        if ctx.upstream_headers_ns and not self.response_started and not self._client_owes_body():
             # Counted from the client's last request byte: its own upload time is
             # never the upstream's (the body deadline covers that).
             due, outcome = last_rx + ctx.upstream_headers_ns, Flag.UT
@@ -593,7 +595,19 @@ class Exchange:
             read_due = last + ctx.upstream_read_ns
             if outcome is None or read_due < due:
                 due, outcome = read_due, Flag.SI
+        if ctx.client_send_ns and record.downstream_paused_since_ns is not None:
+            send_due = record.downstream_paused_since_ns + ctx.client_send_ns
+            if outcome is None or send_due < due:
+                due, outcome = send_due, Flag.DNR
         return None if outcome is None else (due, outcome)
+
+    def _client_owes_body(self) -> bool:
+        """The body is still the client's to send, and the body deadline watches it: a
+        silent client mid-body is its own timeout (DBT), not the upstream's (UT). Not
+        while the proxy has stopped reading it (the upstream not taking it, no
+        connection yet): that wait is the upstream's."""
+        return (self.ctx.client_body_ns != 0 and self._expects_body and not self.request_complete
+                and not self.client.reading_paused)
 
     def _aim_timer(self, now: int) -> None:
         nearest = self._next_deadline(now)
@@ -620,6 +634,10 @@ class Exchange:
             else:
                 self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers within {waited:g} s "
                                     "of the client's last request byte")
+        elif expired is Flag.DNR:
+            self.keep_client_alive = False
+            self._fail(Flag.DNR, f"the client took none of the response for {self.ctx.timeouts.client_send:g} s "
+                                 f"after {self.record.downstream_tx_body_bytes} body bytes")
         elif expired is Flag.DBT:
             silent = (now - due + self.ctx.client_body_ns) / 1e9  # due = the silence's start + the limit
             self.keep_client_alive = False
