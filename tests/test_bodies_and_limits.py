@@ -249,20 +249,22 @@ def test_a_large_request_that_failed_leaves_its_connection_readable(start_proxy)
         assert resp.status == 502 and resp.headers["x-traceproxy-outcome"] == "UF"
 
 
+async def _streams_big_events(reader, writer, upstream):
+    """An SSE stream of 4 KiB events, written as fast as the proxy takes them."""
+    await reader.read_request()
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    event = b"data: " + b"t" * 4096 + b"\n\n"
+    with contextlib.suppress(ConnectionError):
+        for _ in range(100_000):  # bounded; the proxy lets go long before
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+
+
 def test_a_client_half_close_while_its_response_is_backed_up_lets_the_engine_go(scripted_upstream, start_proxy):
     # The client stops reading a long stream, then sends FIN: the proxy's writes can
     # never drain, so a graceful close would never finish and the engine would keep
     # the request. The upstream must see its connection end within a second.
-    async def streams(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        event = b"data: " + b"t" * 4096 + b"\n\n"
-        with contextlib.suppress(ConnectionError):
-            for _ in range(100_000):  # bounded; the proxy's reset ends it long before
-                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-                await writer.drain()
-
-    up = scripted_upstream(streams)
+    up = scripted_upstream(_streams_big_events)
     proxy = start_proxy(up.url)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -325,16 +327,7 @@ def test_a_client_silent_mid_body_is_blamed_when_the_header_timeout_is_the_short
 def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(scripted_upstream, start_proxy):
     # Its request held an upstream connection (and a slot under pool.max_connections)
     # for as long as it did not read, which could be forever.
-    async def streams(reader, writer, upstream):
-        await reader.read_request()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        event = b"data: " + b"t" * 4096 + b"\n\n"
-        with contextlib.suppress(ConnectionError):
-            for _ in range(100_000):  # bounded; the proxy lets go long before
-                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-                await writer.drain()
-
-    up = scripted_upstream(streams)
+    up = scripted_upstream(_streams_big_events)
     proxy = start_proxy(up.url, **{"timeouts.client_send": 0.5})
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -76,6 +76,24 @@ def test_pipelined_requests_report_no_idle_gap(fast_upstream, start_proxy):
     assert third.idle_gap_ns == 0
 
 
+def test_the_idle_gap_after_a_refused_request_starts_once_its_body_was_read(start_proxy):
+    # The upstream is down: the first request's 502 goes out at once, and the proxy
+    # reads the rest of its body (1.2 s of it) before the connection carries on.
+    rec = Recorder()
+    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 7\r\n\r\nx")
+        assert recv_until(sock, b"}").startswith(b"HTTP/1.1 502 ")
+        for byte in b"yyyyyy":
+            time.sleep(0.2)
+            sock.sendall(bytes([byte]))
+        sock.sendall(b"GET /b HTTP/1.1\r\nHost: a\r\n\r\n")  # straight after the body
+        assert wait_until(lambda: len(rec.done) == 2)
+    first, second = sorted(rec.done, key=lambda r: r.sequence)
+    assert first.outcome is Flag.UF and second.sequence == 2
+    assert second.idle_gap_ns < 150_000_000, second.idle_gap_ns / 1e9
+
+
 def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):
     rec = Recorder()
     proxy = start_proxy(fast_upstream().url, observers=[rec])

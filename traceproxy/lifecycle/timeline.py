@@ -67,6 +67,11 @@ class ClientConnectionRecord:
             self.requests_open -= 1
         self.last_response_end_ns = now_ns
 
+    def body_drained(self, now_ns: int) -> None:
+        """The rest of a refused request's body was read until ``now_ns`` (the connection
+        then carries on): the idle gap before the next request starts here."""
+        self.last_response_end_ns = now_ns
+
 
 @dataclass(slots=True)
 class UpstreamConnectionRecord:

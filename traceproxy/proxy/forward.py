@@ -550,6 +550,7 @@ class Exchange:
         if self.lingering:
             self.lingering = False
             self._linger_timer.cancel()
+            self.record.connection.body_drained(time.monotonic_ns())
             self.client.exchange_finished(self, body_complete and self.keep_client_alive)
 
     def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True) -> None:
