@@ -421,23 +421,25 @@ class ClientConnection(asyncio.Protocol):
         self.parsing, self.parsing_exchange = record, None
         self._url, self._headers, self._head_bytes, self._line = b"", [], 0, b""
         # At the read's first byte, or found behind the request before it.
-        self._head_start = 0 if self._at_request_start and self._begun == 1 else self._where_head_begins()
+        self._head_start = 0 if self._at_request_start and self._begun == 1 else self._where_head_begins(
+            self._head_start)
         self._in_head = True
         self.ctx.start_request(record)
         self._head_timer_pending = self.active is None
 
-    def _where_head_begins(self) -> int | None:
+    def _where_head_begins(self, previous_start: int | None) -> int | None:
         """Where in the read a head begun behind another request starts: right after the
-        read's first request, when that began at the read's first byte and had no chunked
-        body (pipelined requests mostly come two to a read); else not known (llhttp gives
-        no offsets). That request began and ended in this read: its body is all here."""
-        if not (self._at_request_start and self._begun == 2):
+        request before it, when that one began in this read at a known place (the read's
+        first byte, or found the same way) and had no chunked body; else not known
+        (llhttp gives no offsets). That request began and ended in this read: its body
+        is all here."""
+        if self._begun < 2 or previous_start is None:
             return None
-        first = self.queue[-1] if self.queue else self.active
-        if first is None or first.record.sequence != self.parsing.sequence - 1 or first.head.framing.chunked:
+        before = self.queue[-1] if self.queue else self.active
+        if before is None or before.record.sequence != self.parsing.sequence - 1 or before.head.framing.chunked:
             return None  # refused, or answered already; or chunk framing of unknown size
-        end = self._data.find(b"\r\n\r\n", self._past_empty_lines(0))
-        return end + 4 + first.record.downstream_rx_body_bytes if end >= 0 else None
+        end = self._data.find(b"\r\n\r\n", self._past_empty_lines(previous_start))
+        return end + 4 + before.record.downstream_rx_body_bytes if end >= 0 else None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -530,26 +532,29 @@ class ClientConnection(asyncio.Protocol):
     def _unexpected_protocol(self, method: bytes) -> bytes | None:
         """What ends the request line when it is not ``HTTP/`` (llhttp also reads RTSP and
         ICE request lines), else None. The line is ``METHOD SP target SP protocol``, found
-        from where the head began; for a head begun behind other requests at an unknown
-        place, after every ``METHOD target`` in the read. Not checked: a head begun at an
-        unknown place in an earlier read."""
+        from where the head began. For a head begun at an unknown place in this read (behind
+        a chunked body), the read's ``METHOD target`` lines: refused only when none of them
+        goes on with ``HTTP/``, since a body before it may hold the same words. Not checked:
+        a head begun at an unknown place in an earlier read."""
         data, line_start = self._data, method + b" " + self._url + b" "
         if self._begun and self._head_start is not None:
             start = self._past_empty_lines(self._head_start)
             return self._protocol_unless_http(data, start + len(line_start))
         if not self._begun and self._line:
-            return self._protocol_unless_http(self._line + data[:16], len(line_start))
-        at = data.find(line_start) if self._begun else -1
+            line = self._line + data[:len(line_start) + 16]  # the line may end in this read
+            return self._protocol_unless_http(line, len(line_start))
+        first_found, at = None, data.find(line_start) if self._begun else -1
         while at >= 0:
             found = self._protocol_unless_http(data, at + len(line_start))
-            if found is not None:
-                return found
+            if found is None:
+                return None
+            first_found = first_found or found
             at = data.find(line_start, at + len(line_start))
-        return None
+        return first_found
 
     @staticmethod
     def _protocol_unless_http(data: bytes, at: int) -> bytes | None:
-        if data.startswith(b"HTTP/", at):
+        if data.startswith(b"HTTP/", at) or len(data) < at + 5:  # too short to tell: not refused
             return None
         return data[at:at + 16].partition(b"\r")[0]
 
