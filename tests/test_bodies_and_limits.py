@@ -249,6 +249,17 @@ def test_a_large_request_that_failed_leaves_its_connection_readable(start_proxy)
         assert resp.status == 502 and resp.headers["x-traceproxy-outcome"] == "UF"
 
 
+@contextlib.contextmanager
+def _stream_to_a_full_client(proxy, receive_buffer: int = 4096):
+    """A streamed request from a client with a small receive buffer; yields its socket
+    once the proxy's writes to it are paused (its connection is full)."""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        assert wait_until(lambda: any(r.downstream_paused_since_ns for r in proxy.ctx.in_flight.values()))
+        yield sock
+
+
 async def _streams_big_events(reader, writer, upstream):
     """An SSE stream of 4 KiB events, written as fast as the proxy takes them."""
     await reader.read_request()
@@ -266,10 +277,7 @@ def test_a_client_half_close_while_its_response_is_backed_up_lets_the_engine_go(
     # the request. The upstream must see its connection end within a second.
     up = scripted_upstream(_streams_big_events)
     proxy = start_proxy(up.url)
-    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
-        assert wait_until(lambda: any(r.downstream_paused_since_ns for r in proxy.ctx.in_flight.values()))
+    with _stream_to_a_full_client(proxy) as sock:
         sock.shutdown(socket.SHUT_WR)
         shut = time.monotonic()
         assert up.closed.wait(5)
@@ -329,10 +337,7 @@ def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(scripted_upst
     # for as long as it did not read, which could be forever.
     up = scripted_upstream(_streams_big_events)
     proxy = start_proxy(up.url, **{"timeouts.client_send": 0.5})
-    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
-        assert wait_until(lambda: any(r.downstream_paused_since_ns for r in proxy.ctx.in_flight.values()))
+    with _stream_to_a_full_client(proxy):
         paused = time.monotonic()
         assert up.closed.wait(5)  # the engine is let go
         assert 0.4 <= time.monotonic() - paused < 2.5
@@ -360,6 +365,55 @@ class _FullTransport(asyncio.Transport):
 
     def abort(self):
         self.aborted = True
+
+
+def test_a_client_that_reads_nothing_holds_back_the_upstream_not_the_proxys_memory(scripted_upstream, start_proxy):
+    up = scripted_upstream(_streams_big_events)
+    proxy = start_proxy(up.url)
+    with _stream_to_a_full_client(proxy):
+        time.sleep(0.5)  # the upstream writes as fast as the proxy takes its bytes
+        (client,) = proxy.ctx.connections
+        assert client.transport.get_write_buffer_size() < 1 * MB
+        (record,) = proxy.ctx.in_flight.values()
+        assert record.upstream_rx_body_bytes < 16 * MB
+
+
+def test_a_slow_client_that_keeps_reading_is_not_cut_by_the_send_timeout(scripted_upstream, start_proxy):
+    # Its connection stays full for long (the kernel lets the proxy write again only
+    # once a third of the send buffer is free), but it takes bytes all the while.
+    up = scripted_upstream(_streams_big_events)
+    proxy = start_proxy(up.url, **{"timeouts.client_send": 0.5})
+    with _stream_to_a_full_client(proxy, receive_buffer=8192) as sock:
+        received, started = 0, time.monotonic()
+        while time.monotonic() - started < 2.0:  # 2 s of reading 8 KiB every 50 ms
+            received += len(sock.recv(8192))
+            time.sleep(0.05)
+        assert received > 100_000 and not up.closed.is_set()
+        assert [r.outcome for r in proxy.ctx.in_flight.values()] == [None]
+
+
+def test_a_close_cut_short_by_the_send_timeout_is_a_reset_not_an_end(start_proxy, loop_thread):
+    # A close-delimited response ends where the connection ends: a FIN after what the
+    # kernel still holds would make the client take a cut body for a whole one.
+    from traceproxy.proxy.downstream import ClientConnection
+
+    proxy = start_proxy("http://127.0.0.1:9", **{"timeouts.client_send": 0.3})
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, socket.socket() as client_side:
+        client_side.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client_side.connect(listener.getsockname())
+        accepted, _ = listener.accept()
+
+        async def write_then_close():
+            _, connection = await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: ClientConnection(proxy.ctx), accepted)
+            connection.write(b"HTTP/1.0 200 OK\r\n\r\n" + b"b" * 8 * MB)
+            connection.close()
+
+        loop_thread.run(write_then_close())
+        time.sleep(1.0)  # the client reads nothing past the send timeout
+        received, ended = _read_to_the_end(client_side)
+    assert ended == "reset" and len(received) < 8 * MB
 
 
 def test_a_close_waiting_on_a_client_that_never_reads_ends_after_the_send_timeout(start_proxy, loop_thread):

@@ -192,11 +192,23 @@ class ClientConnection(asyncio.Protocol):
         if not self.closing:
             self.closing = True
             self.transport.close()
-            send_timeout = self.ctx.timeouts.client_send
-            if send_timeout and self.transport.get_write_buffer_size():
+            if self.ctx.timeouts.client_send and self.transport.get_write_buffer_size():
                 # The close waits for the client to take what is written, which a
                 # client that stopped reading never does: not past the send timeout.
-                self._flush_deadline = self.loop.call_later(send_timeout, self.transport.abort)
+                self._arm_flush_deadline(sockets.unsent(self.transport))
+
+    def _arm_flush_deadline(self, unsent: int | None) -> None:
+        self._flush_deadline = self.loop.call_later(self.ctx.timeouts.client_send, self._flush_deadline_passed,
+                                                    unsent)
+
+    def _flush_deadline_passed(self, unsent_before: int | None) -> None:
+        unsent = sockets.unsent(self.transport)
+        if unsent is not None and unsent_before is not None and unsent < unsent_before:
+            self._arm_flush_deadline(unsent)  # it took some since: a slow reader, still reading
+        else:
+            # A reset, not a close: with the rest unsent, a FIN would make a
+            # close-delimited response look complete.
+            sockets.reset(self.transport)
 
     def close_lingering(self) -> None:
         """Close a connection the client may still be sending on (a response before the
@@ -214,8 +226,13 @@ class ClientConnection(asyncio.Protocol):
         self.transport.write_eof()
         self.reading_paused_for.clear()
         self.transport.resume_reading()
-        # Past the limit: an abort, which also drops a reply the client never read.
-        self._linger = self.loop.call_later(LINGER_SECONDS, self.transport.abort)
+        self._linger = self.loop.call_later(LINGER_SECONDS, self._linger_expired)
+
+    def _linger_expired(self) -> None:
+        if sockets.unsent(self.transport):
+            sockets.reset(self.transport)  # the reply is not all taken: the client must see it cut
+        else:
+            self.transport.close()
 
     def shut_down(self, reason: str) -> None:
         """The shutdown grace ran out: every request on this connection ends LR (the

@@ -31,6 +31,7 @@ from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK, Mark
 from ..lifecycle.timeline import Attempt, RequestRecord
 from . import headers as H
+from . import sockets
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
 from .local_reply import body_size, error_response
@@ -74,7 +75,7 @@ class Exchange:
         "sent_size", "request_complete", "response_started", "response_framing", "keep_client_alive",
         "awaiting_drain", "finished", "lingering", "_lingered_bytes", "_client_out", "_upstream_paused_by_client",
         "_linger_timer", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
-        "_mark_observers",
+        "_mark_observers", "_client_taken", "_client_taken_ns",
     )
 
     def __init__(self, ctx: "ServerContext", client: "ClientConnection", record: RequestRecord, head: RequestHead):
@@ -115,6 +116,10 @@ class Exchange:
         self._declared_length: int | None = None  # Content-Length we promised the client
         self._sse = False
         self._mark_observers = ctx.fanout.mark_observers  # the list itself: observers added later count
+        # While the client's connection is full: how much of the response it had taken
+        # (acknowledged), and when that last grew (see timeouts.client_send).
+        self._client_taken = 0
+        self._client_taken_ns = 0
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
@@ -342,11 +347,17 @@ class Exchange:
 
     def client_write_paused(self) -> None:
         self.record.downstream_paused_since_ns = now = time.monotonic_ns()
-        if self.ctx.client_send_ns and not self.finished:
-            self._aim_timer(now)  # the send deadline starts now
         if self.upstream is not None and not self._upstream_paused_by_client:
             self._upstream_paused_by_client = True
             self.upstream.transport.pause_reading()
+        if self.ctx.client_send_ns and not self.finished:
+            self._client_taken, self._client_taken_ns = self._taken_by_client(), now
+            self._aim_timer(now)  # the send deadline starts now
+
+    def _taken_by_client(self) -> int:
+        """Response bytes the client has acknowledged so far (grows while it reads)."""
+        unsent = sockets.unsent(self.client.transport)
+        return -1 if unsent is None else self.record.downstream_tx_body_bytes - unsent
 
     def client_write_resumed(self) -> None:
         self.record.downstream_paused_since_ns = None
@@ -597,7 +608,9 @@ class Exchange:
             if outcome is None or read_due < due:
                 due, outcome = read_due, Flag.SI
         if ctx.client_send_ns and record.downstream_paused_since_ns is not None:
-            send_due = record.downstream_paused_since_ns + ctx.client_send_ns
+            # From when it last took any of the response: a slow reader keeps its
+            # connection full for long, and is still reading.
+            send_due = self._client_taken_ns + ctx.client_send_ns
             if outcome is None or send_due < due:
                 due, outcome = send_due, Flag.DNR
         return None if outcome is None else (due, outcome)
@@ -636,6 +649,11 @@ class Exchange:
                 self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers within {waited:g} s "
                                     "of the client's last request byte")
         elif expired is Flag.DNR:
+            taken = self._taken_by_client()
+            if taken > self._client_taken:  # it read some since: the deadline moves on
+                self._client_taken, self._client_taken_ns = taken, now
+                self._aim_timer(now)
+                return
             self.keep_client_alive = False
             self._fail(Flag.DNR, f"the client took none of the response for {self.ctx.timeouts.client_send:g} s "
                                  f"after {self.record.downstream_tx_body_bytes} body bytes")
