@@ -139,6 +139,35 @@ def test_an_endless_response_head_or_trailer_is_cut_off(after_head, fragment, sc
     assert up.closed.wait(5)
 
 
+def _answers_in_reads(*parts: bytes):
+    async def answer(reader, writer, upstream):
+        await reader.read_request()
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.2)  # each part a read of its own
+
+    return answer
+
+
+def test_a_response_head_over_the_limit_that_ends_in_a_later_read_is_refused(scripted_upstream, start_proxy):
+    head = b"HTTP/1.1 200 OK\r\nX-Big: " + b"h" * 6000
+    proxy = start_proxy(scripted_upstream(_answers_in_reads(
+        head[:3000], head[3000:] + b"\r\nContent-Length: 2\r\n\r\nok")).url, **{"limits.max_header_bytes": 4096})
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert resp.status == 502 and "response head exceeds 4096 bytes" in _error(resp)["message"]
+
+
+def test_a_head_near_the_limit_is_not_counted_as_chunk_framing(scripted_upstream, start_proxy):
+    # The read that ends the head carries no body: its bytes are head, not framing.
+    head = b"HTTP/1.1 200 OK\r\nX-Big: " + b"h" * 3500 + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    trailer = b"X-Trailer: " + b"t" * 1500 + b"\r\n"
+    proxy = start_proxy(scripted_upstream(_answers_in_reads(
+        head, b"0\r\n" + trailer[:700], trailer[700:] + b"\r\n")).url, **{"limits.max_header_bytes": 4096})
+    resp = RawClient(proxy.port).roundtrip("GET", "/")
+    assert (resp.status, resp.body, resp.complete) == (200, b"", True)
+
+
 @pytest.mark.parametrize("coding", [b"gzip", b"gzip, chunked"])
 def test_a_transfer_coding_other_than_chunked_is_refused_not_passed_on(coding, scripted_upstream, start_proxy):
     # llhttp hands over such a body still coded, and the coding is named in a hop-by-hop

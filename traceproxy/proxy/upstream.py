@@ -126,6 +126,11 @@ class UpstreamConnection(asyncio.Protocol):
         parser = self._parser
         if parser is None:  # the response's first read
             parser = self._parser = self._parser_for(data)
+        awaiting_head = self._awaiting_head
+        if awaiting_head and self.bytes_received + len(data) > self.pool.max_head_bytes:
+            if self._head_size_with(data) > self.pool.max_head_bytes:
+                user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
+                return
         self.bytes_received += len(data)
         try:
             parser.feed_data(data)
@@ -141,11 +146,9 @@ class UpstreamConnection(asyncio.Protocol):
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
             if self._awaiting_head:
-                if self.bytes_received > self.pool.max_head_bytes:
-                    user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
-                    return
+                self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
                 user.upstream_first_byte()  # the head spans reads: its first byte came now
-            elif self._body_seen:
+            elif self._body_seen or awaiting_head:  # (the head's own bytes are not framing)
                 self._body_seen, self._bytes_since_body = False, 0
             else:
                 # Chunk framing or trailers only, which httptools gathers until a line ends.
@@ -240,7 +243,17 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = False
         self.bytes_received = 0
         self._body_seen = False  # body bytes came in the read being fed
+        self._head_tail = b""  # the last bytes of the last read, while the head spans reads
         self._bytes_since_body = 0  # bytes of the reads since the last body bytes, after the head
+
+    def _head_size_with(self, data: bytes) -> int:
+        """The response head's size once ``data`` is read: up to its empty line if that is
+        in ``data``, else everything so far."""
+        joined = self._head_tail + data
+        end = joined.find(b"\r\n\r\n")
+        if end < 0:
+            return self.bytes_received + len(data)
+        return self.bytes_received - len(self._head_tail) + end + 4
 
     def _reusable(self) -> bool:
         return not self._extra_message and not self.closed and self._keep_alive
