@@ -3,6 +3,7 @@ and exactly one ``on_done`` per request whatever way it ended."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import socket
 import time
@@ -92,6 +93,56 @@ def test_the_idle_gap_after_a_refused_request_starts_once_its_body_was_read(star
     first, second = sorted(rec.done, key=lambda r: r.sequence)
     assert first.outcome is Flag.UF and second.sequence == 2
     assert second.idle_gap_ns < 150_000_000, second.idle_gap_ns / 1e9
+
+
+def test_a_client_that_leaves_at_done_before_the_terminator_ends_ok_and_the_connection_is_kept(
+        scripted_upstream, start_proxy):
+    # The openai SDK stops reading at data: [DONE] and closes; this engine writes the
+    # chunked terminator a moment later. The client had the whole stream.
+    async def done_then_terminator(reader, writer, upstream):
+        for _ in range(3):  # one more than the turns: open and waiting when they are done
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for event in (b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n"):
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    rec = Recorder()
+    up = scripted_upstream(done_then_terminator)
+    proxy = start_proxy(up.url, observers=[rec])
+    for turn in range(2):
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+            recv_until(sock, b"[DONE]")
+        assert wait_until(lambda: len(rec.done) == turn + 1)
+    assert [(r.outcome, r.status) for r in rec.done] == [(Flag.OK, 200), (Flag.OK, 200)]
+    assert up.connections == 1 and not up.closed.is_set()  # read to its end, then pooled and reused
+
+
+def test_a_client_that_leaves_at_done_ends_ok_even_when_the_terminator_never_comes(scripted_upstream, start_proxy):
+    from traceproxy.proxy.forward import UPSTREAM_TAIL_SECONDS
+
+    async def done_and_nothing_more(reader, writer, upstream):
+        await reader.read_request()
+        event = b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await reader.read(1)  # until the proxy closes this connection
+
+    rec = Recorder()
+    up = scripted_upstream(done_and_nothing_more)
+    proxy = start_proxy(up.url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        recv_until(sock, b"[DONE]")
+    left = time.monotonic()
+    assert up.closed.wait(UPSTREAM_TAIL_SECONDS + 3)
+    assert UPSTREAM_TAIL_SECONDS - 0.2 <= time.monotonic() - left
+    assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.OK
 
 
 def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):

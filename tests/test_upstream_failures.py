@@ -168,6 +168,18 @@ def test_a_head_near_the_limit_is_not_counted_as_chunk_framing(scripted_upstream
     assert (resp.status, resp.body, resp.complete) == (200, b"", True)
 
 
+def test_the_header_timeout_runs_from_the_end_of_the_body_when_shorter_than_the_body_timeout(
+        scripted_upstream, start_proxy):
+    # The timer was aimed at the body deadline while the body was the client's to send;
+    # once the body ended, the shorter header deadline must be the one that fires.
+    proxy = start_proxy(scripted_upstream(never_answers).url,
+                        **{"timeouts.upstream_headers": 0.5, "timeouts.client_body": 5})
+    started = time.monotonic()
+    resp = RawClient(proxy.port, timeout=10).roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true}')
+    assert resp.status == 504 and _error(resp)["code"] == "UT"
+    assert time.monotonic() - started < 2
+
+
 @pytest.mark.parametrize("coding", [b"gzip", b"gzip, chunked"])
 def test_a_transfer_coding_other_than_chunked_is_refused_not_passed_on(coding, scripted_upstream, start_proxy):
     # llhttp hands over such a body still coded, and the coding is named in a hop-by-hop

@@ -52,6 +52,9 @@ LINGER_MAX_BYTES = 8 * 1024 * 1024
 BODY_HEAD_BYTES = 8192
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
 LINGER_MAX_SECONDS = 2.0
+# How long the upstream's last bytes are waited for after the client left at the
+# stream's end (see Exchange.client_lost), before its connection is closed instead.
+UPSTREAM_TAIL_SECONDS = 1.0
 
 
 class RequestHead:
@@ -75,7 +78,7 @@ class Exchange:
         "sent_size", "request_complete", "response_started", "response_framing", "keep_client_alive",
         "awaiting_drain", "finished", "lingering", "_lingered_bytes", "_client_out", "_upstream_paused_by_client",
         "_linger_timer", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
-        "_mark_observers", "_client_taken", "_client_taken_ns",
+        "_mark_observers", "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
     )
 
     def __init__(self, ctx: "ServerContext", client: "ClientConnection", record: RequestRecord, head: RequestHead):
@@ -120,6 +123,10 @@ class Exchange:
         # (acknowledged), and when that last grew (see timeouts.client_send).
         self._client_taken = 0
         self._client_taken_ns = 0
+        # The client left after the stream's end (see client_lost), and the wait for
+        # the upstream's last bytes then.
+        self._client_gone = False
+        self._tail_timer: asyncio.TimerHandle | None = None
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
@@ -219,6 +226,7 @@ class Exchange:
         now = time.monotonic_ns()
         self._stamp(now, MARK.LAST_DOWNSTREAM_RX_BYTE)
         self.request_complete = True
+        self._aim_at_the_header_timeout(now)
         if self._rewrite is not None:
             self._send_rewritten_body()
             return
@@ -229,6 +237,15 @@ class Exchange:
             self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         elif tail:
             self._queue_upstream(tail)
+
+    def _aim_at_the_header_timeout(self, now: int) -> None:
+        """The header timeout applies from here (the body is no longer the client's to
+        send, or the proxy stopped reading it): the timer, aimed at the body deadline,
+        may be due later than it."""
+        upstream_headers_ns = self.ctx.upstream_headers_ns
+        if (upstream_headers_ns and self._expects_body and not self.response_started and not self.finished
+                and self.client.exchange_timer_due_after(now + upstream_headers_ns)):
+            self._aim_timer(now)
 
     def _send_rewritten_body(self) -> None:
         body = inject_rid(b"".join(self._rewrite), self.record.request_id)
@@ -245,6 +262,7 @@ class Exchange:
         self.pending_size += len(data)
         if self.pending_size > PENDING_HIGH_WATER:
             self.client.pause_reading("pending")
+            self._aim_at_the_header_timeout(time.monotonic_ns())
 
     def _send_upstream(self, data: bytes) -> None:
         if not data:
@@ -268,8 +286,9 @@ class Exchange:
             self.upstream.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def upstream_write_paused(self) -> None:
-        self.record.upstream_paused_since_ns = time.monotonic_ns()
+        self.record.upstream_paused_since_ns = now = time.monotonic_ns()
         self.client.pause_reading("upstream")
+        self._aim_at_the_header_timeout(now)
 
     def upstream_write_resumed(self) -> None:
         self.record.upstream_paused_since_ns = None
@@ -380,7 +399,9 @@ class Exchange:
             self._client_out.append(H.LAST_CHUNK)
         self.flush_client()
         self._release_upstream(reusable and self.request_complete)
-        if self.client.write_paused:
+        if self._tail_timer is not None:
+            self._tail_timer.cancel()
+        if self.client.write_paused and not self._client_gone:
             # The client is not reading the tail; finish when its transport drains.
             self.awaiting_drain = True
         else:
@@ -398,15 +419,19 @@ class Exchange:
         if self._declared_length is not None and record.downstream_tx_body_bytes != self._declared_length:
             return Flag.PFE, (f"wrote {record.downstream_tx_body_bytes} body bytes under "
                               f"Content-Length {self._declared_length}")
-        if self._sse and record.status == 200:
-            _, previous, last = record.response_tail
-            # The usual ending is found in the last read's last 2 KiB, without copying them.
-            if last.find(b"[DONE]", -2048) < 0:
-                tail = previous[-512:] + last[-2048:]
-                if b"[DONE]" not in tail and not _FINISH_REASON.search(tail):
-                    return Flag.NDN, (f"SSE stream of {record.upstream_rx_chunks} chunks ended without "
-                                      f"data: [DONE] or a finish reason")
+        if self._sse and record.status == 200 and not self._sse_ended():
+            return Flag.NDN, (f"SSE stream of {record.upstream_rx_chunks} chunks ended without "
+                              f"data: [DONE] or a finish reason")
         return Flag.OK, None
+
+    def _sse_ended(self) -> bool:
+        """The stream's last reads hold data: [DONE] or a finish reason."""
+        _, previous, last = self.record.response_tail
+        # The usual ending is found in the last read's last 2 KiB, without copying them.
+        if last.find(b"[DONE]", -2048) >= 0:
+            return True
+        tail = previous[-512:] + last[-2048:]
+        return b"[DONE]" in tail or _FINISH_REASON.search(tail) is not None
 
     def _release_upstream(self, reusable: bool) -> None:
         conn, self.upstream = self.upstream, None
@@ -430,6 +455,11 @@ class Exchange:
     # ---------------------------------------------------------------------------
     def upstream_lost(self, exc: BaseException | None, bytes_received: int) -> None:
         if self.finished:
+            return
+        if self._client_gone:  # its stream had ended, and nobody reads the rest
+            self.upstream = None
+            self._tail_timer.cancel()
+            self._finish_ok()
             return
         self.upstream = None
         self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
@@ -477,8 +507,26 @@ class Exchange:
 
     def client_lost(self) -> None:
         self.lingering = False
-        if not self.finished:
+        if self.finished or self._client_gone:
+            return
+        if self._sse and self.record.status == 200 and self._sse_ended():
+            self._client_left_after_the_end()
+        else:
             self._fail(Flag.DC, "client closed the connection", client_gone=True)
+
+    def _client_left_after_the_end(self) -> None:
+        """The client closed once the stream's end was forwarded, before the upstream's
+        last bytes (the chunked terminator after data: [DONE]): the openai SDK stops
+        reading at [DONE]. The client had the whole stream: the request ends OK, not DC,
+        and the upstream's last bytes are read, so its connection can be pooled, but
+        not waited on for long."""
+        self._client_gone = True
+        self._tail_timer = asyncio.get_running_loop().call_later(UPSTREAM_TAIL_SECONDS, self._end_without_tail)
+
+    def _end_without_tail(self) -> None:
+        if not self.finished:
+            self._release_upstream(reusable=False)
+            self._finish_ok()
 
     def abort(self, outcome: Outcome, message: str, status: int | None = None) -> None:
         """End the request from outside (shutdown grace expired, watchdog action, a
