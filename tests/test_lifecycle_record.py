@@ -7,6 +7,9 @@ import asyncio
 import collections
 import socket
 import time
+from typing import Callable
+
+import pytest
 
 from traceproxy.lifecycle.flags import Flag
 from traceproxy.lifecycle.marks import Mark
@@ -143,6 +146,66 @@ def test_a_client_that_leaves_at_done_ends_ok_even_when_the_terminator_never_com
     assert up.closed.wait(UPSTREAM_TAIL_SECONDS + 3)
     assert UPSTREAM_TAIL_SECONDS - 0.2 <= time.monotonic() - left
     assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.OK
+
+
+def _sse_events(*events: bytes, then: bytes = b"") -> Callable:
+    """An upstream streaming ``events``, then ``then`` half a second later, then nothing."""
+    async def stream(reader, writer, upstream):
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        writer.write(then)
+        await writer.drain()
+        await reader.read(1)  # until the proxy closes this connection
+
+    return stream
+
+
+@pytest.mark.parametrize("events, leave_after", [
+    # One choice of two finished; the other goes on.
+    ((b'data: {"choices": [{"index": 0, "finish_reason": "stop"}]}\n\n',), b'"stop"'),
+    ((b'data: {"choices": [{"delta": {"content": "print(\\"[DONE]\\")"}}]}\n\n',), b"[DONE]"),
+], ids=["finish-reason-of-one-choice", "done-inside-content"])
+def test_a_client_that_leaves_before_the_streams_end_is_dc_whatever_the_text(scripted_upstream, start_proxy,
+                                                                             events, leave_after):
+    rec = Recorder()
+    more = b'data: {"choices": [{"index": 1, "delta": {"content": "more"}}]}\n\n'
+    up = scripted_upstream(_sse_events(*events, then=b"%x\r\n%s\r\n" % (len(more), more)))
+    proxy = start_proxy(up.url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        recv_until(sock, leave_after)
+    # Ended (and the engine let go) at once, not after the next event or the tail wait.
+    assert wait_until(lambda: len(rec.done) == 1, timeout=0.4) and rec.done[0].outcome is Flag.DC
+
+
+def test_a_client_that_leaves_with_done_still_unread_is_dc(scripted_upstream, start_proxy):
+    rec = Recorder()
+    big = b"data: " + b"x" * 400_000 + b"\n\n"
+    up = scripted_upstream(_sse_events(big, b"data: [DONE]\n\n", then=b"0\r\n\r\n"))
+    proxy = start_proxy(up.url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        sock.recv(4096)
+        time.sleep(0.2)  # [DONE] reached the proxy; the client takes no more of it
+    assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.DC
+
+
+def test_a_shutdown_while_waiting_for_the_upstreams_last_bytes_still_ends_the_request(scripted_upstream,
+                                                                                     start_proxy, loop_thread):
+    rec = Recorder()
+    up = scripted_upstream(_sse_events(b"data: [DONE]\n\n"))  # the terminator never comes
+    proxy = start_proxy(up.url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        recv_until(sock, b"[DONE]")
+    assert wait_until(lambda: proxy.ctx.tail_waits)
+    loop_thread.run(proxy.shutdown(grace=0.1))
+    assert [r.outcome for r in rec.done] == [Flag.OK]
 
 
 def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):

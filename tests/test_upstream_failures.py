@@ -15,7 +15,8 @@ import pytest
 
 from traceproxy.sim.launch import free_port
 
-from .support import RawClient, answers_in_parts, answers_partly_then_resets, header_value, never_answers, wait_until
+from .support import (RawClient, answers_in_parts, answers_partly_then_resets, header_value, never_answers, recv_until,
+                      wait_until)
 
 
 def _error(resp) -> dict:
@@ -178,6 +179,35 @@ def test_the_header_timeout_runs_from_the_end_of_the_body_when_shorter_than_the_
     resp = RawClient(proxy.port, timeout=10).roundtrip("POST", "/v1/chat/completions", body=b'{"stream": true}')
     assert resp.status == 504 and _error(resp)["code"] == "UT"
     assert time.monotonic() - started < 2
+
+
+def test_the_header_timeout_counts_from_a_chunked_bodys_end_sent_after_a_pause(scripted_upstream, start_proxy):
+    async def answers_a_second_after_the_body(reader, writer, upstream):
+        await reader.read_request()
+        await asyncio.sleep(1.0)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    proxy = start_proxy(scripted_upstream(answers_a_second_after_the_body).url,
+                        **{"timeouts.upstream_headers": 2, "timeouts.client_body": 10})
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n")
+        time.sleep(1.5)
+        sock.sendall(b"0\r\n\r\n")  # the last request byte: the 2 s count from here
+        assert recv_until(sock, b"ok").startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("reads, status", [
+    # A 1xx head and an oversized final head in one read: the final one is refused.
+    ((b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: " + b"b" * 6000
+      + b"\r\nContent-Length: 2\r\n\r\nok",), 502),
+    # A 1xx head near the limit, then a small final head: neither is over it.
+    ((b"HTTP/1.1 103 Early Hints\r\nLink: " + b"l" * 3000 + b"\r\n\r\n",
+      b"HTTP/1.1 200 OK\r\nX-Mid: " + b"m" * 2000 + b"\r\nContent-Length: 2\r\n\r\nok"), 200),
+], ids=["oversized-final-head-after-a-1xx", "1xx-then-a-head-each-under-the-limit"])
+def test_the_head_limit_holds_each_head_not_1xx_heads_before_it(reads, status, scripted_upstream, start_proxy):
+    proxy = start_proxy(scripted_upstream(_answers_in_reads(*reads)).url, **{"limits.max_header_bytes": 4096})
+    assert RawClient(proxy.port).roundtrip("GET", "/").status == status
 
 
 @pytest.mark.parametrize("coding", [b"gzip", b"gzip, chunked"])

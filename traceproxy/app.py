@@ -259,6 +259,8 @@ class ProxyServer:
             await asyncio.sleep(0.05)
         for conn in list(ctx.connections):
             conn.shut_down(f"shutdown grace of {grace:g} s ran out")
+        for exchange in list(ctx.tail_waits):
+            exchange.end_without_tail()
         await self._let_clients_take_what_is_written(deadline)
         ctx.pool.close_all()
         self.watchdog.stop()

@@ -24,6 +24,7 @@ from .upstream import UpstreamPool
 if TYPE_CHECKING:
     from ..config import Settings
     from .downstream import ClientConnection
+    from .forward import Exchange
 
 
 # The descriptor table is grown to at most this many slots ahead of time (8 bytes each).
@@ -94,6 +95,9 @@ class ServerContext:
         # Idle keep-alive connections, oldest first (dicts keep insertion order).
         self.idle_connections: dict[ClientConnection, None] = {}
         self.in_flight: dict[int, RequestRecord] = {}
+        # Requests whose client left at their stream's end, still reading the upstream's
+        # last bytes (see Exchange.client_lost): no client connection holds them.
+        self.tail_waits: set[Exchange] = set()
         # Called with the ClientConnectionRecord of every closed client connection.
         self.connection_closed_listeners: list = []
         self.shutting_down = False

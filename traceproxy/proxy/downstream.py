@@ -130,6 +130,7 @@ class ClientConnection(asyncio.Protocol):
         self._linger: asyncio.TimerHandle | None = None  # set while closing lingeringly
         self._flush_deadline: asyncio.TimerHandle | None = None  # set while a close waits on a full connection
         self.reading_stopped = False  # too many requests pipelined: nothing more is parsed
+        self.unsent_at_fin: int | None = None  # response bytes not yet acknowledged when the client's FIN came
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -185,6 +186,8 @@ class ClientConnection(asyncio.Protocol):
         a finished response draining) it is a normal close."""
         if self.active is not None or self.queue or (self.parsing is not None and not self.parsing.finished):
             self.closing = True
+            # Whether it had taken everything written (see Exchange.client_lost).
+            self.unsent_at_fin = sockets.unsent(self.transport)
             self.transport.abort()  # connection_lost follows and ends every request on it
         return False
 

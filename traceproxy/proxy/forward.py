@@ -225,6 +225,9 @@ class Exchange:
             return
         now = time.monotonic_ns()
         self._stamp(now, MARK.LAST_DOWNSTREAM_RX_BYTE)
+        # The last request byte may be framing after a pause (a chunked body's end):
+        # the header timeout counts from it.
+        self.record.last_downstream_rx_ns = now
         self.request_complete = True
         self._aim_at_the_header_timeout(now)
         if self._rewrite is not None:
@@ -399,8 +402,6 @@ class Exchange:
             self._client_out.append(H.LAST_CHUNK)
         self.flush_client()
         self._release_upstream(reusable and self.request_complete)
-        if self._tail_timer is not None:
-            self._tail_timer.cancel()
         if self.client.write_paused and not self._client_gone:
             # The client is not reading the tail; finish when its transport drains.
             self.awaiting_drain = True
@@ -425,7 +426,8 @@ class Exchange:
         return Flag.OK, None
 
     def _sse_ended(self) -> bool:
-        """The stream's last reads hold data: [DONE] or a finish reason."""
+        """The stream's last reads hold data: [DONE] or a finish reason (a stream that
+        ended: no choice is left unfinished)."""
         _, previous, last = self.record.response_tail
         # The usual ending is found in the last read's last 2 KiB, without copying them.
         if last.find(b"[DONE]", -2048) >= 0:
@@ -458,7 +460,6 @@ class Exchange:
             return
         if self._client_gone:  # its stream had ended, and nobody reads the rest
             self.upstream = None
-            self._tail_timer.cancel()
             self._finish_ok()
             return
         self.upstream = None
@@ -509,21 +510,31 @@ class Exchange:
         self.lingering = False
         if self.finished or self._client_gone:
             return
-        if self._sse and self.record.status == 200 and self._sse_ended():
+        if self._client_had_the_whole_stream():
             self._client_left_after_the_end()
         else:
             self._fail(Flag.DC, "client closed the connection", client_gone=True)
 
-    def _client_left_after_the_end(self) -> None:
-        """The client closed once the stream's end was forwarded, before the upstream's
-        last bytes (the chunked terminator after data: [DONE]): the openai SDK stops
-        reading at [DONE]. The client had the whole stream: the request ends OK, not DC,
-        and the upstream's last bytes are read, so its connection can be pooled, but
-        not waited on for long."""
-        self._client_gone = True
-        self._tail_timer = asyncio.get_running_loop().call_later(UPSTREAM_TAIL_SECONDS, self._end_without_tail)
+    def _client_had_the_whole_stream(self) -> bool:
+        """An SSE stream whose last event so far, data: [DONE], the client had taken
+        (acknowledged) when it closed with a FIN: it had everything but the chunked
+        terminator. Not a finish reason, which one choice of several may send mid-stream."""
+        if not (self._sse and self.record.status == 200 and self.client.unsent_at_fin == 0):
+            return False
+        last = self.record.response_tail[2]
+        return last.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
 
-    def _end_without_tail(self) -> None:
+    def _client_left_after_the_end(self) -> None:
+        """The client closed once it had the stream's end, before the upstream's last
+        bytes (the chunked terminator after data: [DONE]): the openai SDK stops reading
+        at [DONE]. The request ends OK, not DC, and the upstream's last bytes are read,
+        so its connection can be pooled, but not waited on for long."""
+        self._client_gone = True
+        self._tail_timer = asyncio.get_running_loop().call_later(UPSTREAM_TAIL_SECONDS, self.end_without_tail)
+        self.ctx.tail_waits.add(self)  # its client connection is gone: shutdown finds it here
+
+    def end_without_tail(self) -> None:
+        """Stop waiting for the upstream's last bytes: its connection is closed."""
         if not self.finished:
             self._release_upstream(reusable=False)
             self._finish_ok()
@@ -614,6 +625,9 @@ class Exchange:
 
     def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True) -> None:
         self.finished = True
+        if self._client_gone:
+            self._tail_timer.cancel()
+            self.ctx.tail_waits.discard(self)
         self._upstream_out.clear()
         self.ctx.end_request(self.record, outcome, error)
         if hand_back:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,8 @@ log = logging.getLogger("traceproxy.upstream")
 # A connection opened ahead of demand that the upstream closes sooner than this after
 # accepting it was refused, not timed out.
 SPARE_CLOSED_AT_ONCE_NS = 100_000_000
+# The status line of an interim (1xx) response, which the proxy consumes.
+_INTERIM_STATUS_LINE = re.compile(rb"HTTP/1\.[01] 1[0-9][0-9] ")
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -127,7 +130,7 @@ class UpstreamConnection(asyncio.Protocol):
         if parser is None:  # the response's first read
             parser = self._parser = self._parser_for(data)
         awaiting_head = self._awaiting_head
-        if awaiting_head and self.bytes_received + len(data) > self.pool.max_head_bytes:
+        if awaiting_head and self._head_bytes_before() + len(data) > self.pool.max_head_bytes:
             if self._head_size_with(data) > self.pool.max_head_bytes:
                 user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
                 return
@@ -147,6 +150,10 @@ class UpstreamConnection(asyncio.Protocol):
         elif self.user is user:
             if self._awaiting_head:
                 self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
+                if self._interim_in_read:
+                    # A 1xx head ended in this read: the final head is counted from the
+                    # next read on (what of it came in this one is not known exactly).
+                    self._interim_in_read, self._interim_bytes = False, self.bytes_received
                 user.upstream_first_byte()  # the head spans reads: its first byte came now
             elif self._body_seen or awaiting_head:  # (the head's own bytes are not framing)
                 self._body_seen, self._bytes_since_body = False, 0
@@ -244,16 +251,28 @@ class UpstreamConnection(asyncio.Protocol):
         self.bytes_received = 0
         self._body_seen = False  # body bytes came in the read being fed
         self._head_tail = b""  # the last bytes of the last read, while the head spans reads
+        self._interim_in_read = False  # a 1xx head ended in the read being fed
+        self._interim_bytes = 0  # bytes of 1xx heads (and reads they ended in): not the final head's
         self._bytes_since_body = 0  # bytes of the reads since the last body bytes, after the head
 
+    def _head_bytes_before(self) -> int:
+        """Bytes of the final head received before the read being fed."""
+        return self.bytes_received - self._interim_bytes
+
     def _head_size_with(self, data: bytes) -> int:
-        """The response head's size once ``data`` is read: up to its empty line if that is
-        in ``data``, else everything so far."""
+        """The final response head's size once ``data`` is read: up to its empty line if
+        that is in ``data``, else everything so far. 1xx heads that begin in ``data``
+        are not counted."""
         joined = self._head_tail + data
-        end = joined.find(b"\r\n\r\n")
+        start, end = 0, joined.find(b"\r\n\r\n")
+        while end >= 0 and _INTERIM_STATUS_LINE.match(joined, start):
+            start = end + 4
+            end = joined.find(b"\r\n\r\n", start)
+        if start:  # the final head begins in this read, after the 1xx ones
+            return (end + 4 if end >= 0 else len(joined)) - start
         if end < 0:
-            return self.bytes_received + len(data)
-        return self.bytes_received - len(self._head_tail) + end + 4
+            return self._head_bytes_before() + len(data)
+        return self._head_bytes_before() - len(self._head_tail) + end + 4
 
     def _reusable(self) -> bool:
         return not self._extra_message and not self.closed and self._keep_alive
@@ -281,7 +300,7 @@ class UpstreamConnection(asyncio.Protocol):
         if 100 <= status < 200:
             # Interim responses (100 Continue, 103 Early Hints) are consumed here:
             # the proxy answered the client's Expect itself.
-            self._in_interim = self._saw_interim = True
+            self._in_interim = self._saw_interim = self._interim_in_read = True
             self._headers = []
             self._reason = b""
             return
