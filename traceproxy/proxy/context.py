@@ -71,6 +71,9 @@ class ServerContext:
         self.client_body_ns = int(settings.timeouts.client_body * 1e9)
         self.upstream_read_ns = int(settings.timeouts.upstream_read * 1e9)
         self.client_send_ns = int(settings.timeouts.client_send * 1e9)
+        # The header timeout ends before the body timeout would: a request's timer,
+        # aimed at its body deadline, is re-aimed when its body ends.
+        self.header_timeout_shorter = 0 < self.upstream_headers_ns < self.client_body_ns
         # The soonest a request's own deadline can fall after it starts (0 with none).
         self.first_request_deadline_ns = min((ns for ns in (self.upstream_headers_ns, self.client_body_ns) if ns),
                                              default=0)

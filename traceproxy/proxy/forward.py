@@ -229,7 +229,8 @@ class Exchange:
         # the header timeout counts from it.
         self.record.last_downstream_rx_ns = now
         self.request_complete = True
-        self._aim_at_the_header_timeout(now)
+        if self.ctx.header_timeout_shorter:
+            self._aim_at_the_header_timeout(now)
         if self._rewrite is not None:
             self._send_rewritten_body()
             return
@@ -244,10 +245,11 @@ class Exchange:
     def _aim_at_the_header_timeout(self, now: int) -> None:
         """The header timeout applies from here (the body is no longer the client's to
         send, or the proxy stopped reading it): the timer, aimed at the body deadline,
-        may be due later than it."""
+        may be due later than it, when the header timeout is the shorter. (When it is
+        the longer, the timer fires first and re-aims itself.)"""
         upstream_headers_ns = self.ctx.upstream_headers_ns
-        if (upstream_headers_ns and self._expects_body and not self.response_started and not self.finished
-                and self.client.exchange_timer_due_after(now + upstream_headers_ns)):
+        if (self.ctx.header_timeout_shorter and self._expects_body and not self.response_started
+                and not self.finished and self.client.exchange_timer_due_after(now + upstream_headers_ns)):
             self._aim_timer(now)
 
     def _send_rewritten_body(self) -> None:

@@ -130,7 +130,7 @@ class UpstreamConnection(asyncio.Protocol):
         if parser is None:  # the response's first read
             parser = self._parser = self._parser_for(data)
         awaiting_head = self._awaiting_head
-        if awaiting_head and self._head_bytes_before() + len(data) > self.pool.max_head_bytes:
+        if awaiting_head and self.bytes_received - self._interim_bytes + len(data) > self.pool.max_head_bytes:
             if self._head_size_with(data) > self.pool.max_head_bytes:
                 user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
                 return
