@@ -102,19 +102,10 @@ def test_a_client_that_leaves_at_done_before_the_terminator_ends_ok_and_the_conn
         scripted_upstream, start_proxy):
     # The openai SDK stops reading at data: [DONE] and closes; this engine writes the
     # chunked terminator a moment later. The client had the whole stream.
-    async def done_then_terminator(reader, writer, upstream):
-        for _ in range(3):  # one more than the turns: open and waiting when they are done
-            await reader.read_request()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            for event in (b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n"):
-                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-            await writer.drain()
-            await asyncio.sleep(0.1)
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
-
+    events = (b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n")
     rec = Recorder()
-    up = scripted_upstream(done_then_terminator)
+    up = scripted_upstream(_streams_in_writes(b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events),
+                                              b"0\r\n\r\n", requests=3))  # open and waiting after the turns
     proxy = start_proxy(up.url, observers=[rec])
     for turn in range(2):
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
@@ -146,6 +137,21 @@ def test_a_client_that_leaves_at_done_ends_ok_even_when_the_terminator_never_com
     assert up.closed.wait(UPSTREAM_TAIL_SECONDS + 3)
     assert UPSTREAM_TAIL_SECONDS - 0.2 <= time.monotonic() - left
     assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.OK
+
+
+def _streams_in_writes(*writes: bytes, requests: int = 2) -> Callable:
+    """An upstream answering each request with an SSE head, then ``writes`` 0.1 s apart."""
+    async def stream(reader, writer, upstream):
+        for _ in range(requests):
+            await reader.read_request()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for index, chunk in enumerate(writes):
+                if index:
+                    await asyncio.sleep(0.1)
+                writer.write(chunk)
+                await writer.drain()
+
+    return stream
 
 
 def _sse_events(*events: bytes, then: bytes = b"") -> Callable:
@@ -193,6 +199,31 @@ def test_a_client_that_leaves_with_done_still_unread_is_dc(scripted_upstream, st
         sock.recv(4096)
         time.sleep(0.2)  # [DONE] reached the proxy; the client takes no more of it
     assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.DC
+
+
+def test_a_client_that_leaves_at_a_done_split_across_reads_ends_ok(scripted_upstream, start_proxy):
+    rec = Recorder()
+    up = scripted_upstream(_streams_in_writes(b"9\r\ndata: [DO\r\n", b"5\r\nNE]\n\n\r\n", b"0\r\n\r\n"))
+    proxy = start_proxy(up.url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        recv_until(sock, b"NE]")
+    assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.OK
+
+
+def test_what_the_upstream_sends_after_the_client_left_at_done_is_not_judged(scripted_upstream, start_proxy):
+    # More events, then a broken chunk: nobody's response, since the client had its whole stream.
+    more = b"data: late\n\n"
+    rec = Recorder()
+    up = scripted_upstream(_sse_events(b"data: [DONE]\n\n",
+                                       then=b"%x\r\n%s\r\n" % (len(more), more) * 100 + b"zz\r\n"))
+    proxy = start_proxy(up.url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        recv_until(sock, b"[DONE]")
+    assert wait_until(lambda: len(rec.done) == 1)
+    (record,) = rec.done
+    assert record.outcome is Flag.OK and record.downstream_tx_body_bytes == len(b"data: [DONE]\n\n")
 
 
 def test_a_shutdown_while_waiting_for_the_upstreams_last_bytes_still_ends_the_request(scripted_upstream,

@@ -204,7 +204,16 @@ def test_the_header_timeout_counts_from_a_chunked_bodys_end_sent_after_a_pause(s
     # A 1xx head near the limit, then a small final head: neither is over it.
     ((b"HTTP/1.1 103 Early Hints\r\nLink: " + b"l" * 3000 + b"\r\n\r\n",
       b"HTTP/1.1 200 OK\r\nX-Mid: " + b"m" * 2000 + b"\r\nContent-Length: 2\r\n\r\nok"), 200),
-], ids=["oversized-final-head-after-a-1xx", "1xx-then-a-head-each-under-the-limit"])
+    # 1xx heads in reads of their own, split, or with no reason phrase, before an oversized final head.
+    ((b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: "
+      + b"b" * 6000 + b"\r\nContent-Length: 2\r\n\r\nok"), 502),
+    ((b"HTTP/1.1 100 Cont", b"inue\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: " + b"b" * 6000
+      + b"\r\nContent-Length: 2\r\n\r\nok"), 502),
+    ((b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: " + b"b" * 3000,
+      b"b" * 3000 + b"\r\nContent-Length: 2\r\n\r\nok"), 502),
+    ((b"HTTP/1.1 100\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: " + b"b" * 6000 + b"\r\nContent-Length: 2\r\n\r\nok",), 502),
+], ids=["oversized-final-head-after-a-1xx", "1xx-then-a-head-each-under-the-limit", "1xx-heads-in-reads-of-their-own",
+        "1xx-split-across-reads", "final-head-split-after-a-1xx", "1xx-without-a-reason"])
 def test_the_head_limit_holds_each_head_not_1xx_heads_before_it(reads, status, scripted_upstream, start_proxy):
     proxy = start_proxy(scripted_upstream(_answers_in_reads(*reads)).url, **{"limits.max_header_bytes": 4096})
     assert RawClient(proxy.port).roundtrip("GET", "/").status == status

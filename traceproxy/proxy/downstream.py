@@ -130,7 +130,6 @@ class ClientConnection(asyncio.Protocol):
         self._linger: asyncio.TimerHandle | None = None  # set while closing lingeringly
         self._flush_deadline: asyncio.TimerHandle | None = None  # set while a close waits on a full connection
         self.reading_stopped = False  # too many requests pipelined: nothing more is parsed
-        self.unsent_at_fin: int | None = None  # response bytes not yet acknowledged when the client's FIN came
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -186,8 +185,8 @@ class ClientConnection(asyncio.Protocol):
         a finished response draining) it is a normal close."""
         if self.active is not None or self.queue or (self.parsing is not None and not self.parsing.finished):
             self.closing = True
-            # Whether it had taken everything written (see Exchange.client_lost).
-            self.unsent_at_fin = sockets.unsent(self.transport)
+            if self.active is not None:
+                self.active.client_sent_fin(sockets.unsent(self.transport))
             self.transport.abort()  # connection_lost follows and ends every request on it
         return False
 
@@ -302,9 +301,12 @@ class ClientConnection(asyncio.Protocol):
         self._peer_check = None
         if self.closing or not self.reading_paused_for:
             return
-        if sockets.peer_hung_up(self.transport):
+        hung_up = sockets.peer_hung_up(self.transport)
+        if hung_up:
             log.debug("client %s hung up while its reading was paused (%s)",
                       self.record.peer, ", ".join(sorted(self.reading_paused_for)))
+            if hung_up == sockets.FIN and self.active is not None:
+                self.active.client_sent_fin(sockets.unsent(self.transport))
             self.reset()  # connection_lost follows and ends every request on it
             return
         self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)

@@ -79,6 +79,7 @@ class Exchange:
         "awaiting_drain", "finished", "lingering", "_lingered_bytes", "_client_out", "_upstream_paused_by_client",
         "_linger_timer", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
         "_mark_observers", "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
+        "_whole_stream_at_fin",
     )
 
     def __init__(self, ctx: "ServerContext", client: "ClientConnection", record: RequestRecord, head: RequestHead):
@@ -127,6 +128,7 @@ class Exchange:
         # the upstream's last bytes then.
         self._client_gone = False
         self._tail_timer: asyncio.TimerHandle | None = None
+        self._whole_stream_at_fin = False  # see client_sent_fin
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
@@ -342,7 +344,7 @@ class Exchange:
     # Phase: the response body (upstream -> client)
     # ---------------------------------------------------------------------------
     def upstream_response_body(self, data: bytes) -> None:
-        if self.finished:
+        if self.finished or self._client_gone:  # read to reuse the connection, not forwarded
             return
         now = time.monotonic_ns()
         record = self.record
@@ -404,7 +406,9 @@ class Exchange:
             self._client_out.append(H.LAST_CHUNK)
         self.flush_client()
         self._release_upstream(reusable and self.request_complete)
-        if self.client.write_paused and not self._client_gone:
+        if self._client_gone:
+            self._end_for_the_client_that_left()
+        elif self.client.write_paused:
             # The client is not reading the tail; finish when its transport drains.
             self.awaiting_drain = True
         else:
@@ -462,7 +466,7 @@ class Exchange:
             return
         if self._client_gone:  # its stream had ended, and nobody reads the rest
             self.upstream = None
-            self._finish_ok()
+            self._end_for_the_client_that_left()
             return
         self.upstream = None
         self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
@@ -512,19 +516,21 @@ class Exchange:
         self.lingering = False
         if self.finished or self._client_gone:
             return
-        if self._client_had_the_whole_stream():
+        if self._whole_stream_at_fin:
             self._client_left_after_the_end()
         else:
             self._fail(Flag.DC, "client closed the connection", client_gone=True)
 
-    def _client_had_the_whole_stream(self) -> bool:
-        """An SSE stream whose last event so far, data: [DONE], the client had taken
-        (acknowledged) when it closed with a FIN: it had everything but the chunked
-        terminator. Not a finish reason, which one choice of several may send mid-stream."""
-        if not (self._sse and self.record.status == 200 and self.client.unsent_at_fin == 0):
-            return False
-        last = self.record.response_tail[2]
-        return last.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
+    def client_sent_fin(self, unsent: int | None) -> None:
+        """The client closed with a FIN, ``unsent`` response bytes not acknowledged by it:
+        judged now, before anything more comes from the upstream. It had the whole stream
+        when data: [DONE] was the last event and it had taken every byte: everything but
+        the chunked terminator. Not a finish reason, which one choice of several may send
+        mid-stream."""
+        if unsent == 0 and self._sse and self.record.status == 200 and not self.finished:
+            _, previous, last = self.record.response_tail
+            tail = previous[-16:] + last  # the event may be split across reads
+            self._whole_stream_at_fin = tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
 
     def _client_left_after_the_end(self) -> None:
         """The client closed once it had the stream's end, before the upstream's last
@@ -539,7 +545,12 @@ class Exchange:
         """Stop waiting for the upstream's last bytes: its connection is closed."""
         if not self.finished:
             self._release_upstream(reusable=False)
-            self._finish_ok()
+            self._end_for_the_client_that_left()
+
+    def _end_for_the_client_that_left(self) -> None:
+        """OK, as judged when it left: what came after is nobody's response."""
+        self._stamp(self.record.last_downstream_tx_ns or time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
+        self._finish(Flag.OK, None)
 
     def abort(self, outcome: Outcome, message: str, status: int | None = None) -> None:
         """End the request from outside (shutdown grace expired, watchdog action, a
@@ -556,6 +567,9 @@ class Exchange:
             self._finish(outcome, message, hand_back=False)
 
     def _fail(self, outcome: Outcome, message: str, client_gone: bool = False, status: int | None = None) -> None:
+        if self._client_gone:  # the client had its whole stream: whatever fails now is past it
+            self.end_without_tail()
+            return
         conn, self.upstream = self.upstream, None
         if conn is not None:
             # A reset: the engine sees it now, even behind request bytes it has not read.

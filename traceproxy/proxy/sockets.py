@@ -49,11 +49,20 @@ def unsent(transport: asyncio.WriteTransport) -> int | None:
     return transport.get_write_buffer_size() + queued
 
 
-def peer_hung_up(transport: asyncio.BaseTransport) -> bool:
-    """True when the peer closed (FIN) or reset the connection, even with unread bytes."""
+FIN, RESET = "fin", "reset"
+
+
+def peer_hung_up(transport: asyncio.BaseTransport) -> str | None:
+    """FIN when the peer closed, RESET when it reset the connection (even with unread
+    bytes); None while it has done neither."""
     sock = transport.get_extra_info("socket")
     if sock is None:
-        return False
+        return None
     poller = select.poll()
     poller.register(sock.fileno(), _HANG_UP)
-    return any(events & _HANG_UP for _, events in poller.poll(0))
+    for _, events in poller.poll(0):
+        if events & (select.POLLHUP | select.POLLERR):
+            return RESET
+        if events & _HANG_UP:
+            return FIN
+    return None

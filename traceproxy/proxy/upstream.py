@@ -72,7 +72,7 @@ log = logging.getLogger("traceproxy.upstream")
 # accepting it was refused, not timed out.
 SPARE_CLOSED_AT_ONCE_NS = 100_000_000
 # The status line of an interim (1xx) response, which the proxy consumes.
-_INTERIM_STATUS_LINE = re.compile(rb"HTTP/1\.[01] 1[0-9][0-9] ")
+_INTERIM_STATUS_LINE = re.compile(rb"HTTP/1\.[01] 1[0-9][0-9][ \r]")
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -130,8 +130,8 @@ class UpstreamConnection(asyncio.Protocol):
         if parser is None:  # the response's first read
             parser = self._parser = self._parser_for(data)
         awaiting_head = self._awaiting_head
-        if awaiting_head and self.bytes_received - self._interim_bytes + len(data) > self.pool.max_head_bytes:
-            if self._head_size_with(data) > self.pool.max_head_bytes:
+        if awaiting_head and self._head_so_far + len(data) > self.pool.max_head_bytes:
+            if self._walk_heads(data)[0]:
                 user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
                 return
         self.bytes_received += len(data)
@@ -149,11 +149,10 @@ class UpstreamConnection(asyncio.Protocol):
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
             if self._awaiting_head:
-                self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
-                if self._interim_in_read:
-                    # A 1xx head ended in this read: the final head is counted from the
-                    # next read on (what of it came in this one is not known exactly).
-                    self._interim_in_read, self._interim_bytes = False, self.bytes_received
+                # The head still incomplete: what of it came so far (1xx heads before it
+                # are not counted), and its last bytes, for its empty line may straddle reads.
+                _, self._head_so_far, self._head_prefix = self._walk_heads(data)
+                self._head_tail = data[-3:] if self._head_so_far else b""
                 user.upstream_first_byte()  # the head spans reads: its first byte came now
             elif self._body_seen or awaiting_head:  # (the head's own bytes are not framing)
                 self._body_seen, self._bytes_since_body = False, 0
@@ -250,29 +249,33 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = False
         self.bytes_received = 0
         self._body_seen = False  # body bytes came in the read being fed
-        self._head_tail = b""  # the last bytes of the last read, while the head spans reads
-        self._interim_in_read = False  # a 1xx head ended in the read being fed
-        self._interim_bytes = 0  # bytes of 1xx heads (and reads they ended in): not the final head's
+        self._head_tail = b""  # the last bytes of the last read, while a head spans reads
+        self._head_so_far = 0  # bytes of the head in progress at the end of the last read
+        self._head_prefix = b""  # its first bytes: a 1xx status line, or the final head's
         self._bytes_since_body = 0  # bytes of the reads since the last body bytes, after the head
 
-    def _head_bytes_before(self) -> int:
-        """Bytes of the final head received before the read being fed."""
-        return self.bytes_received - self._interim_bytes
-
-    def _head_size_with(self, data: bytes) -> int:
-        """The final response head's size once ``data`` is read: up to its empty line if
-        that is in ``data``, else everything so far. 1xx heads that begin in ``data``
-        are not counted."""
-        joined = self._head_tail + data
-        start, end = 0, joined.find(b"\r\n\r\n")
-        while end >= 0 and _INTERIM_STATUS_LINE.match(joined, start):
-            start = end + 4
-            end = joined.find(b"\r\n\r\n", start)
-        if start:  # the final head begins in this read, after the 1xx ones
-            return (end + 4 if end >= 0 else len(joined)) - start
-        if end < 0:
-            return self._head_bytes_before() + len(data)
-        return self._head_bytes_before() - len(self._head_tail) + end + 4
+    def _walk_heads(self, data: bytes) -> tuple[bool, int, bytes]:
+        """Walk the heads ``data`` holds or goes on with (1xx heads, then the final one):
+        whether one is larger than the limit, and the size and first bytes of the head
+        still incomplete at its end (0 and b"" when the last one ended with it)."""
+        limit = self.pool.max_head_bytes
+        size, prefix = self._head_so_far, self._head_prefix
+        joined = self._head_tail + data  # an empty line may begin in the last read
+        position, search_from = len(self._head_tail), 0
+        while True:
+            end = joined.find(b"\r\n\r\n", search_from)
+            stop = len(joined) if end < 0 else end + 4
+            size += stop - position
+            if len(prefix) < 16:
+                prefix = (prefix + joined[position:position + 16])[:16]
+            if size > limit:
+                return True, size, prefix
+            if end < 0:
+                return False, size, prefix
+            if not _INTERIM_STATUS_LINE.match(prefix):
+                return False, 0, b""  # the final head ended here: the body follows
+            position = search_from = stop  # a 1xx head ended: the next one begins here
+            size, prefix = 0, b""
 
     def _reusable(self) -> bool:
         return not self._extra_message and not self.closed and self._keep_alive
@@ -300,7 +303,7 @@ class UpstreamConnection(asyncio.Protocol):
         if 100 <= status < 200:
             # Interim responses (100 Continue, 103 Early Hints) are consumed here:
             # the proxy answered the client's Expect itself.
-            self._in_interim = self._saw_interim = self._interim_in_read = True
+            self._in_interim = self._saw_interim = True
             self._headers = []
             self._reason = b""
             return
