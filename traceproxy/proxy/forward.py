@@ -549,7 +549,7 @@ class Exchange:
 
     def _end_for_the_client_that_left(self) -> None:
         """OK, as judged when it left: what came after is nobody's response."""
-        self._stamp(self.record.last_downstream_tx_ns or time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
+        self._stamp_once(MARK.LAST_DOWNSTREAM_TX_BYTE, self.record.last_downstream_tx_ns or time.monotonic_ns())
         self._finish(Flag.OK, None)
 
     def abort(self, outcome: Outcome, message: str, status: int | None = None) -> None:
