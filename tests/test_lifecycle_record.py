@@ -114,6 +114,8 @@ def test_a_client_that_leaves_at_done_before_the_terminator_ends_ok_and_the_conn
         assert wait_until(lambda: len(rec.done) == turn + 1)
     assert [(r.outcome, r.status) for r in rec.done] == [(Flag.OK, 200), (Flag.OK, 200)]
     assert up.connections == 1 and not up.closed.is_set()  # read to its end, then pooled and reused
+    for record in rec.done:  # its last byte went to the client before the client left
+        assert record.when(Mark.LAST_DOWNSTREAM_TX_BYTE) <= record.when(Mark.DOWNSTREAM_CLOSED)
 
 
 def test_a_client_that_leaves_at_done_ends_ok_even_when_the_terminator_never_comes(scripted_upstream, start_proxy):

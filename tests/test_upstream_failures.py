@@ -212,8 +212,14 @@ def test_the_header_timeout_counts_from_a_chunked_bodys_end_sent_after_a_pause(s
     ((b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: " + b"b" * 3000,
       b"b" * 3000 + b"\r\nContent-Length: 2\r\n\r\nok"), 502),
     ((b"HTTP/1.1 100\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: " + b"b" * 6000 + b"\r\nContent-Length: 2\r\n\r\nok",), 502),
+    # An empty line before a 1xx status line (llhttp skips it) does not hide the final head.
+    ((b"\r\nHTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: " + b"b" * 3000,
+      b"b" * 3000 + b"\r\nContent-Length: 2\r\n\r\nok"), 502),
+    # A head's empty line over three reads, one of them a single byte.
+    ((b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r", b"\n", b"\r\n" + b"b" * 5000), 200),
 ], ids=["oversized-final-head-after-a-1xx", "1xx-then-a-head-each-under-the-limit", "1xx-heads-in-reads-of-their-own",
-        "1xx-split-across-reads", "final-head-split-after-a-1xx", "1xx-without-a-reason"])
+        "1xx-split-across-reads", "final-head-split-after-a-1xx", "1xx-without-a-reason", "empty-line-before-a-1xx",
+        "end-of-head-over-three-reads"])
 def test_the_head_limit_holds_each_head_not_1xx_heads_before_it(reads, status, scripted_upstream, start_proxy):
     proxy = start_proxy(scripted_upstream(_answers_in_reads(*reads)).url, **{"limits.max_header_bytes": 4096})
     assert RawClient(proxy.port).roundtrip("GET", "/").status == status

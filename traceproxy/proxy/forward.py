@@ -79,7 +79,6 @@ class Exchange:
         "awaiting_drain", "finished", "lingering", "_lingered_bytes", "_client_out", "_upstream_paused_by_client",
         "_linger_timer", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
         "_mark_observers", "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
-        "_whole_stream_at_fin",
     )
 
     def __init__(self, ctx: "ServerContext", client: "ClientConnection", record: RequestRecord, head: RequestHead):
@@ -128,7 +127,6 @@ class Exchange:
         # the upstream's last bytes then.
         self._client_gone = False
         self._tail_timer: asyncio.TimerHandle | None = None
-        self._whole_stream_at_fin = False  # see client_sent_fin
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
@@ -402,13 +400,15 @@ class Exchange:
             return
         now = time.monotonic_ns()
         self._stamp(now, MARK.LAST_UPSTREAM_RX_BYTE)
+        if self._client_gone:  # nothing more goes to the client: it had its whole stream
+            self._release_upstream(reusable and self.request_complete)
+            self._end_for_the_client_that_left()
+            return
         if self.response_framing == H.ResponseFraming.CHUNKED:
             self._client_out.append(H.LAST_CHUNK)
         self.flush_client()
         self._release_upstream(reusable and self.request_complete)
-        if self._client_gone:
-            self._end_for_the_client_that_left()
-        elif self.client.write_paused:
+        if self.client.write_paused:
             # The client is not reading the tail; finish when its transport drains.
             self.awaiting_drain = True
         else:
@@ -516,10 +516,7 @@ class Exchange:
         self.lingering = False
         if self.finished or self._client_gone:
             return
-        if self._whole_stream_at_fin:
-            self._client_left_after_the_end()
-        else:
-            self._fail(Flag.DC, "client closed the connection", client_gone=True)
+        self._fail(Flag.DC, "client closed the connection", client_gone=True)
 
     def client_sent_fin(self, unsent: int | None) -> None:
         """The client closed with a FIN, ``unsent`` response bytes not acknowledged by it:
@@ -530,7 +527,9 @@ class Exchange:
         if unsent == 0 and self._sse and self.record.status == 200 and not self.finished:
             _, previous, last = self.record.response_tail
             tail = previous[-16:] + last  # the event may be split across reads
-            self._whole_stream_at_fin = tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
+            if tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")):
+                # From now: the upstream's bytes (in this very loop pass too) are past it.
+                self._client_left_after_the_end()
 
     def _client_left_after_the_end(self) -> None:
         """The client closed once it had the stream's end, before the upstream's last

@@ -73,6 +73,7 @@ log = logging.getLogger("traceproxy.upstream")
 SPARE_CLOSED_AT_ONCE_NS = 100_000_000
 # The status line of an interim (1xx) response, which the proxy consumes.
 _INTERIM_STATUS_LINE = re.compile(rb"HTTP/1\.[01] 1[0-9][0-9][ \r]")
+_EMPTY_LINES = re.compile(rb"[\r\n]*")
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -152,7 +153,7 @@ class UpstreamConnection(asyncio.Protocol):
                 # The head still incomplete: what of it came so far (1xx heads before it
                 # are not counted), and its last bytes, for its empty line may straddle reads.
                 _, self._head_so_far, self._head_prefix = self._walk_heads(data)
-                self._head_tail = data[-3:] if self._head_so_far else b""
+                self._head_tail = (self._head_tail + data)[-3:] if self._head_so_far else b""
                 user.upstream_first_byte()  # the head spans reads: its first byte came now
             elif self._body_seen or awaiting_head:  # (the head's own bytes are not framing)
                 self._body_seen, self._bytes_since_body = False, 0
@@ -263,6 +264,10 @@ class UpstreamConnection(asyncio.Protocol):
         joined = self._head_tail + data  # an empty line may begin in the last read
         position, search_from = len(self._head_tail), 0
         while True:
+            if not prefix:  # a head begins here: llhttp skips empty lines before its status line
+                skipped = _EMPTY_LINES.match(joined, position).end()
+                size += skipped - position
+                position = search_from = skipped
             end = joined.find(b"\r\n\r\n", search_from)
             stop = len(joined) if end < 0 else end + 4
             size += stop - position
