@@ -68,11 +68,15 @@ LINGER_SECONDS = 2.0
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
 # RFC 9110 section 5.6.2: a method is a token (bounded here: it is quoted back).
 _METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
-_EMPTY_LINES = re.compile(rb"[\r\n]*")
 
 
 class _PipelineFull(Exception):
     """Raised inside llhttp's callback to stop it at a request past MAX_PIPELINED."""
+
+
+def _field_lines_size(fields: H.Headers) -> int:
+    """``name: value`` lines as llhttp read them, CRLF-ended (without the whitespace it strips)."""
+    return sum(len(name) + len(value) + 4 for name, value in fields)
 
 
 def _unsupported_version(version: str) -> str:
@@ -518,7 +522,8 @@ class ClientConnection(asyncio.Protocol):
                 parts = H.with_host(parts, host)
                 record.target = target.decode("latin-1")  # what goes upstream: the origin form
         self._chunked_body, self._framing_bytes = parts.framing.chunked, 0
-        self._head_fields = len(self._headers)  # what llhttp hands over after these are trailers
+        if self._chunked_body:
+            self._head_fields = len(self._headers)  # what llhttp hands over after these are trailers
         generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         http11 = record.http_version == "1.1"
         # RFC 9110 section 10.1.1: Expect in an HTTP/1.0 request is ignored (and 1xx
@@ -607,13 +612,12 @@ class ClientConnection(asyncio.Protocol):
     def _past_empty_lines(self, offset: int) -> int:
         """Where a request line begins: llhttp skips the empty lines before one (RFC 9112
         section 2.2); they are not head, and their CRLFs are not its end."""
-        return _EMPTY_LINES.match(self._data, offset).end()
+        return H.EMPTY_LINES.match(self._data, offset).end()
 
     def _head_lines_size(self) -> int:
         """``METHOD target HTTP/1.x`` and ``name: value`` lines, CRLF-ended, and the empty line."""
         method = self.parsing.method if self.parsing is not None else ""
-        return (len(method) + len(self._url) + 12 + sum(len(name) + len(value) + 4 for name, value in self._headers)
-                + 2)
+        return len(method) + len(self._url) + 12 + _field_lines_size(self._headers) + 2
 
     def on_body(self, body: bytes) -> None:
         self._body_in_read = True
@@ -629,8 +633,7 @@ class ClientConnection(asyncio.Protocol):
     def _check_trailers(self) -> None:
         """A trailer section that came whole in one read is not seen by the per-read
         count (see _framing_too_long): llhttp hands its fields over as header lines."""
-        trailers = self._headers[self._head_fields:]
-        if sum(len(name) + len(value) + 4 for name, value in trailers) > self._max_head_bytes:
+        if _field_lines_size(self._headers[self._head_fields:]) > self._max_head_bytes:
             raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
 
     # ---------------------------------------------------------------------------

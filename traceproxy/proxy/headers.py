@@ -50,6 +50,8 @@ class BadResponse(Exception):
 
 # RFC 9112 section 4: reason-phrase = *( HTAB / SP / VCHAR / obs-text )
 _REASON_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# Empty lines llhttp skips before a request line or a status line (RFC 9112 section 2.2).
+EMPTY_LINES = re.compile(rb"[\r\n]*")
 
 
 def check_status_line(status: int, reason: bytes) -> None:

@@ -73,7 +73,6 @@ log = logging.getLogger("traceproxy.upstream")
 SPARE_CLOSED_AT_ONCE_NS = 100_000_000
 # The status line of an interim (1xx) response, which the proxy consumes.
 _INTERIM_STATUS_LINE = re.compile(rb"HTTP/1\.[01] 1[0-9][0-9][ \r]")
-_EMPTY_LINES = re.compile(rb"[\r\n]*")
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -265,7 +264,7 @@ class UpstreamConnection(asyncio.Protocol):
         position, search_from = len(self._head_tail), 0
         while True:
             if not prefix:  # a head begins here: llhttp skips empty lines before its status line
-                skipped = _EMPTY_LINES.match(joined, position).end()
+                skipped = H.EMPTY_LINES.match(joined, position).end()
                 size += skipped - position
                 position = search_from = skipped
             end = joined.find(b"\r\n\r\n", search_from)
