@@ -33,6 +33,18 @@ from .proxy.downstream import ClientConnection
 
 log = logging.getLogger("traceproxy")
 
+# Net new tracked objects (allocations minus frees) before the cycle collector walks
+# the young generation; CPython's default is 700. A request's objects are freed by
+# reference counting when it ends, so walking them finds nothing, and a stream
+# start leaves about 80 of them alive: at 700, 256 streams starting within 20 ms
+# (the benchmark's S2) ran some 25 young and 2 middle collections, 5 to 9 ms of the
+# event loop, inside the window where those requests wait to be read. 50,000 lets
+# about 600 streams start at once without a collection. The garbage there is (a
+# closed connection's protocol, transport and parser, some 20 objects that refer
+# to each other) is still collected, in one pause of about 10 ms per few thousand
+# closed connections. See docs/architecture.md, "The garbage collector".
+YOUNG_COLLECTION_THRESHOLD = 50_000
+
 
 def tracing_export_config(settings: Settings, environ=os.environ):
     """The exporter process's configuration, or None when neither tracing nor the
@@ -161,6 +173,7 @@ class ProxyServer:
         # collection (one landed ~11 ms into the first burst of 256 streams) only
         # walks what requests allocate.
         gc.freeze()
+        gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
     async def _start_tracing(self) -> None:
         config = tracing_export_config(self.settings)

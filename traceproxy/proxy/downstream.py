@@ -88,7 +88,7 @@ class ClientConnection(asyncio.Protocol):
         self.ctx = ctx
         self.transport: asyncio.Transport | None = None
         self.record: ClientConnectionRecord | None = None
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.closing = False
         self.feeding = False  # inside parser.feed_data: upstream writes are batched
         self.write_paused = False
@@ -180,6 +180,16 @@ class ClientConnection(asyncio.Protocol):
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
             self.ctx.stamp_once(self.parsing, closed, MARK.DOWNSTREAM_CLOSED)
             self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
+        self._let_go_of_self()
+
+    def _let_go_of_self(self) -> None:
+        """Drop what refers back to this connection (the parser holds its callbacks,
+        the deadline its bound method), so that it is freed by reference counting as
+        soon as nothing else holds it, not by the cycle collector, which runs rarely
+        (see app.YOUNG_COLLECTION_THRESHOLD). Nothing is parsed after the close
+        (``_feed`` stops at ``closing``), and its timers are cancelled."""
+        self.parser = None
+        self._on_deadline = None
 
     def eof_received(self) -> bool:
         """A FIN from the client. With a request in progress it is a disconnect, as

@@ -165,6 +165,13 @@ class UpstreamConnection(asyncio.Protocol):
                     return
             user.flush_client()
 
+    def stop_connect_timer(self) -> None:
+        # Dropped, not only cancelled: the handle holds our bound method, a cycle
+        # that only the cycle collector would free.
+        if self.connect_timer is not None:
+            self.connect_timer.cancel()
+            self.connect_timer = None
+
     def connect_timed_out(self, task: asyncio.Task) -> None:
         self.timed_out = self.abandoned = True
         task.cancel()
@@ -173,6 +180,14 @@ class UpstreamConnection(asyncio.Protocol):
         return False  # close our side too; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._closed(exc)
+        finally:
+            # The parsers hold this connection's callbacks: without them it is freed
+            # by reference counting, not by the (rarely run) cycle collector.
+            self._parser = self._full_parser = self._known_head_parser = None
+
+    def _closed(self, exc: Exception | None) -> None:
         self.closed = True
         self.record.closed_ns = time.monotonic_ns()
         user = self.user
@@ -631,7 +646,7 @@ class UpstreamPool:
 
     def _connected(self, conn: UpstreamConnection) -> None:
         """Hand a new connection to the request it was opened for, or (opened ahead) to the pool."""
-        conn.connect_timer.cancel()
+        conn.stop_connect_timer()
         self.stats["opened"] += 1
         if conn.spare:
             conn.spare = False
@@ -656,7 +671,7 @@ class UpstreamPool:
         if not task.cancelled() and task.exception() is None and conn.transport is not None:
             self._connected(conn)  # connected without a connection_made call: hand over now
             return
-        conn.connect_timer.cancel()
+        conn.stop_connect_timer()
         failed = not task.cancelled() or conn.timed_out  # else: the request gave up, or shutdown
         if failed:
             self.stats["connect_failed"] += 1
