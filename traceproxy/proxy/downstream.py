@@ -184,12 +184,16 @@ class ClientConnection(asyncio.Protocol):
 
     def _let_go_of_self(self) -> None:
         """Drop what refers back to this connection (the parser holds its callbacks,
-        the deadline its bound method), so that it is freed by reference counting as
+        the deadline its bound method, an exchange its connection), so that it is freed by reference counting as
         soon as nothing else holds it, not by the cycle collector, which runs rarely
         (see app.YOUNG_COLLECTION_THRESHOLD). Nothing is parsed after the close
         (``_feed`` stops at ``closing``), and its timers are cancelled."""
         self.parser = None
         self._on_deadline = None
+        # An exchange refers to its connection: one still here (a request whose body
+        # was arriving, a reply lingering) would make a cycle. Nothing reads these
+        # after the close: exchange_finished stops at ``closing``.
+        self.active = self.parsing_exchange = None
 
     def eof_received(self) -> bool:
         """A FIN from the client. With a request in progress it is a disconnect, as
@@ -346,13 +350,18 @@ class ClientConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            if isinstance(cause, H.BadRequest):
-                self.reject(cause.status, Flag.DPE, cause.reason)
-            elif isinstance(cause, _PipelineFull):
-                self._read_no_more()
-            else:
-                raise
-            return
+            try:
+                if isinstance(cause, H.BadRequest):
+                    self.reject(cause.status, Flag.DPE, cause.reason)
+                elif isinstance(cause, _PipelineFull):
+                    self._read_no_more()
+                else:
+                    raise
+                return
+            finally:
+                # Its traceback holds this frame, which holds it: a cycle that would
+                # keep the refused connection (and its last read) for the collector.
+                del cause
         except httptools.HttpParserUpgrade as upgrade:
             if not self._upgrade_offer_ignored:
                 self.reject(501, Flag.DPE, "protocol upgrade (Upgrade or CONNECT) is not supported")
