@@ -39,10 +39,10 @@ log = logging.getLogger("traceproxy")
 # start leaves about 80 of them alive: at 700, 256 streams starting within 20 ms
 # (the benchmark's S2) ran some 25 young and 2 middle collections, 5 to 9 ms of the
 # event loop, inside the window where those requests wait to be read. 50,000 lets
-# about 600 streams start at once without a collection. The garbage there is (a
-# closed connection's protocol, transport and parser, some 20 objects that refer
-# to each other) is still collected, in one pause of about 10 ms per few thousand
-# closed connections. See docs/architecture.md, "The garbage collector".
+# about 600 streams start at once without a collection. That holds only while what
+# requests and connections leave behind is freed by reference counting, not left in
+# reference cycles for the collector (see docs/architecture.md, "Hot-path rules"
+# and "The garbage collector"; tests/test_collector.py).
 YOUNG_COLLECTION_THRESHOLD = 50_000
 
 

@@ -183,16 +183,14 @@ class ClientConnection(asyncio.Protocol):
         self._let_go_of_self()
 
     def _let_go_of_self(self) -> None:
-        """Drop what refers back to this connection (the parser holds its callbacks,
-        the deadline its bound method, an exchange its connection), so that it is freed by reference counting as
-        soon as nothing else holds it, not by the cycle collector, which runs rarely
-        (see app.YOUNG_COLLECTION_THRESHOLD). Nothing is parsed after the close
-        (``_feed`` stops at ``closing``), and its timers are cancelled."""
+        """Drop what refers back to this connection, so that it is freed by reference
+        counting as soon as nothing else holds it, not by the cycle collector, which
+        runs rarely (see app.YOUNG_COLLECTION_THRESHOLD): the parser holds its
+        callbacks, the deadline its bound method, an exchange still here (a body
+        arriving, a reply lingering) its connection. None is used after the close:
+        ``_feed`` and ``exchange_finished`` stop at ``closing``, the timers are cancelled."""
         self.parser = None
         self._on_deadline = None
-        # An exchange refers to its connection: one still here (a request whose body
-        # was arriving, a reply lingering) would make a cycle. Nothing reads these
-        # after the close: exchange_finished stops at ``closing``.
         self.active = self.parsing_exchange = None
 
     def eof_received(self) -> bool:
@@ -204,7 +202,7 @@ class ClientConnection(asyncio.Protocol):
         if self.active is not None or self.queue or (self.parsing is not None and not self.parsing.finished):
             self.closing = True
             if self.active is not None:
-                self.active.client_sent_fin(sockets.unsent(self.transport))
+                self.active.client_sent_fin()
             self.transport.abort()  # connection_lost follows and ends every request on it
         return False
 
@@ -324,7 +322,7 @@ class ClientConnection(asyncio.Protocol):
             log.debug("client %s hung up while its reading was paused (%s)",
                       self.record.peer, ", ".join(sorted(self.reading_paused_for)))
             if hung_up == sockets.FIN and self.active is not None:
-                self.active.client_sent_fin(sockets.unsent(self.transport))
+                self.active.client_sent_fin()
             self.reset()  # connection_lost follows and ends every request on it
             return
         self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)

@@ -518,18 +518,19 @@ class Exchange:
             return
         self._fail(Flag.DC, "client closed the connection", client_gone=True)
 
-    def client_sent_fin(self, unsent: int | None) -> None:
-        """The client closed with a FIN, ``unsent`` response bytes not acknowledged by it:
-        judged now, before anything more comes from the upstream. It had the whole stream
-        when data: [DONE] was the last event and it had taken every byte: everything but
-        the chunked terminator. Not a finish reason, which one choice of several may send
-        mid-stream."""
-        if unsent == 0 and self._sse and self.record.status == 200 and not self.finished:
-            _, previous, last = self.record.response_tail
-            tail = previous[-16:] + last  # the event may be split across reads
-            if tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")):
-                # From now: the upstream's bytes (in this very loop pass too) are past it.
-                self._client_left_after_the_end()
+    def client_sent_fin(self) -> None:
+        """The client closed with a FIN: judged now, before anything more comes from the
+        upstream. It had the whole stream when data: [DONE] was the last event and it had
+        acknowledged every byte: everything but the chunked terminator. Not a finish
+        reason, which one choice of several may send mid-stream."""
+        if not self._sse or self.record.status != 200 or self.finished:
+            return
+        _, previous, last = self.record.response_tail
+        tail = previous[-18:] + last[-18:]  # the event may be split across reads
+        if (tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
+                and sockets.unsent(self.client.transport) == 0):
+            # From now: the upstream's bytes (in this very loop pass too) are past it.
+            self._client_left_after_the_end()
 
     def _client_left_after_the_end(self) -> None:
         """The client closed once it had the stream's end, before the upstream's last
@@ -668,14 +669,18 @@ class Exchange:
         last_rx = record.last_downstream_rx_ns or 0
         if last_rx < self._started_ns:
             last_rx = self._started_ns
-        if ctx.upstream_headers_ns and not self.response_started and not self._client_owes_body():
+        # The body is still the client's to send, and the body deadline watches it:
+        # a client silent mid-body is its own timeout (DBT), not the upstream's (UT).
+        # Not while the proxy has stopped reading it (the upstream not taking it, no
+        # connection yet): that wait is the upstream's, and not client silence either.
+        owes_body = ctx.client_body_ns and self._expects_body and not self.request_complete
+        reading_paused = owes_body and self.client.reading_paused
+        if ctx.upstream_headers_ns and not self.response_started and (not owes_body or reading_paused):
             # Counted from the client's last request byte: its own upload time is
             # never the upstream's (the body deadline covers that).
             due, outcome = last_rx + ctx.upstream_headers_ns, Flag.UT
-        if ctx.client_body_ns and not self.request_complete and self._expects_body:
-            # Our own pause (the upstream not reading) is not client silence either.
-            last = now if self.client.reading_paused else last_rx
-            body_due = last + ctx.client_body_ns
+        if owes_body:
+            body_due = (now if reading_paused else last_rx) + ctx.client_body_ns
             if outcome is None or body_due <= due:  # a tie is the client's: it went silent first
                 due, outcome = body_due, Flag.DBT
         if ctx.upstream_read_ns and self.response_started and not record.has(MARK.LAST_UPSTREAM_RX_BYTE):
@@ -691,14 +696,6 @@ class Exchange:
             if outcome is None or send_due < due:
                 due, outcome = send_due, Flag.DNR
         return None if outcome is None else (due, outcome)
-
-    def _client_owes_body(self) -> bool:
-        """The body is still the client's to send, and the body deadline watches it: a
-        silent client mid-body is its own timeout (DBT), not the upstream's (UT). Not
-        while the proxy has stopped reading it (the upstream not taking it, no
-        connection yet): that wait is the upstream's."""
-        return (self.ctx.client_body_ns != 0 and self._expects_body and not self.request_complete
-                and not self.client.reading_paused)
 
     def _aim_timer(self, now: int) -> None:
         nearest = self._next_deadline(now)

@@ -152,7 +152,7 @@ class UpstreamConnection(asyncio.Protocol):
                 # The head still incomplete: what of it came so far (1xx heads before it
                 # are not counted), and its last bytes, for its empty line may straddle reads.
                 _, self._head_so_far, self._head_prefix = self._walk_heads(data)
-                self._head_tail = (self._head_tail + data)[-3:] if self._head_so_far else b""
+                self._head_tail = (self._head_tail + data[-3:])[-3:] if self._head_so_far else b""
                 user.upstream_first_byte()  # the head spans reads: its first byte came now
             elif self._body_seen or awaiting_head:  # (the head's own bytes are not framing)
                 self._body_seen, self._bytes_since_body = False, 0
@@ -164,13 +164,6 @@ class UpstreamConnection(asyncio.Protocol):
                         f"response chunk framing or trailers exceed {self.pool.max_head_bytes} bytes")
                     return
             user.flush_client()
-
-    def stop_connect_timer(self) -> None:
-        # Dropped, not only cancelled: the handle holds our bound method, a cycle
-        # that only the cycle collector would free.
-        if self.connect_timer is not None:
-            self.connect_timer.cancel()
-            self.connect_timer = None
 
     def connect_timed_out(self, task: asyncio.Task) -> None:
         self.timed_out = self.abandoned = True
@@ -646,7 +639,7 @@ class UpstreamPool:
 
     def _connected(self, conn: UpstreamConnection) -> None:
         """Hand a new connection to the request it was opened for, or (opened ahead) to the pool."""
-        conn.stop_connect_timer()
+        conn.connect_timer.cancel()
         self.stats["opened"] += 1
         if conn.spare:
             conn.spare = False
@@ -671,7 +664,7 @@ class UpstreamPool:
         if not task.cancelled() and task.exception() is None and conn.transport is not None:
             self._connected(conn)  # connected without a connection_made call: hand over now
             return
-        conn.stop_connect_timer()
+        conn.connect_timer.cancel()
         failed = not task.cancelled() or conn.timed_out  # else: the request gave up, or shutdown
         if failed:
             self.stats["connect_failed"] += 1
