@@ -601,3 +601,98 @@ def test_a_request_that_never_got_a_connection_under_the_cap_is_the_proxys_504(s
     assert resp.status == 504 and resp.headers["x-traceproxy-outcome"] == "PWS"
     error = json.loads(resp.body)["error"]
     assert "pool.max_connections (1)" in error["message"]
+
+
+# -- keeping a connection ready for each recent client -------------------------------
+STREAM_AFTER_300_MS = json.dumps({"model": "m", "stream": True, "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def _one_turn_each(port: int, count: int, headers=()) -> list[RawClient]:
+    """``count`` client connections, one after another, each with one request answered."""
+    clients = []
+    for _ in range(count):
+        client = RawClient(port)
+        assert client.roundtrip("GET", "/health", headers=list(headers)).status == 200
+        clients.append(client)
+    return clients
+
+
+def test_clients_that_connect_together_find_a_connection_ready_for_each_when_they_burst(
+        fast_upstream, start_proxy, loop_thread):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    pool = proxy.ctx.pool
+    # One at a time: at most one upstream connection was ever in use at once.
+    clients = _one_turn_each(proxy.port, 8)
+    assert wait_until(lambda: loop_thread.call(lambda: len(pool.idle)) == 8, timeout=3)
+    opened = pool.stats["opened"]
+    assert opened == 8 and pool.stats["opened_ahead"] == 7
+    # Then all at once, each request held upstream long enough to overlap the others.
+    for client in clients:
+        client.conn.start_next_cycle()
+        client.request("POST", "/v1/chat/completions", body=STREAM_AFTER_300_MS,
+                       headers=[("Content-Type", "application/json"), ("x-fake-ttft-ms", "300")])
+    for client in clients:
+        response = client.response()
+        assert response.status == 200 and response.complete and b"[DONE]" in response.body
+    assert pool.stats["opened"] == opened, "the burst waited on connects"
+    assert pool.stats["reused"] >= 8
+
+
+@pytest.mark.parametrize("ending", ["closes after its turn", "sends Connection: close"])
+def test_clients_that_leave_after_one_request_are_not_kept_a_connection(ending, fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    for _ in range(8):
+        if ending == "closes after its turn":
+            client = RawClient(proxy.port)
+            assert client.roundtrip("GET", "/health").status == 200
+            client.close()
+        else:
+            client = RawClient(proxy.port)
+            assert client.roundtrip("GET", "/health", headers=[("Connection", "close")]).status == 200
+        assert wait_until(lambda: not proxy.ctx.connections, timeout=3)
+    time.sleep(0.1)  # what a connect ahead would need to show up
+    assert proxy.ctx.pool.stats["opened"] == 1 and proxy.ctx.pool.stats["opened_ahead"] == 0
+
+
+def test_connections_kept_for_clients_stop_at_max_connections(fast_upstream, start_proxy, loop_thread):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"pool.max_connections": 3})
+    pool = proxy.ctx.pool
+    clients = _one_turn_each(proxy.port, 8)
+    assert wait_until(lambda: loop_thread.call(lambda: len(pool.idle)) == 3, timeout=3)
+    time.sleep(0.1)
+    assert pool.stats["opened"] == 3 and pool.open_count == 3
+    assert all(client.roundtrip("GET", "/health").status == 200 for client in clients)
+
+
+def test_with_keep_warm_off_no_connection_is_opened_ahead_for_clients(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"pool.keep_warm": 0})
+    _one_turn_each(proxy.port, 8)
+    time.sleep(0.1)
+    assert proxy.ctx.pool.stats["opened"] == 1 and proxy.ctx.pool.stats["opened_ahead"] == 0
+
+
+def test_a_down_upstream_gets_at_most_one_connect_ahead_from_arriving_clients(start_proxy, loop_thread):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens here once this is closed
+    proxy = start_proxy(f"http://127.0.0.1:{port}")
+    for client in _clients_refused(proxy.port, 8):
+        client.close()
+    time.sleep(0.1)
+    pool = proxy.ctx.pool
+    # One connect per request, plus at most one ahead: it failed, and no more followed.
+    assert pool.stats["connect_failed"] <= 9 and pool.stats["opened_ahead"] == 0
+
+
+def _clients_refused(port: int, count: int) -> list[RawClient]:
+    clients = []
+    for _ in range(count):
+        client = RawClient(port)
+        assert client.roundtrip("GET", "/health").status == 502
+        clients.append(client)
+    return clients

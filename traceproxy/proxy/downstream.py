@@ -666,6 +666,9 @@ class ClientConnection(asyncio.Protocol):
         if self.write_paused:
             exchange.client_write_paused()
         exchange.start()
+        ctx = self.ctx
+        if self not in ctx.recent_clients and exchange.head.keep_alive and ctx.pool.keep_warm_ns:
+            ctx.client_sent(self)  # after start: the pool counts the connection it took
 
     def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
         self.active = None
