@@ -668,6 +668,21 @@ def test_connections_kept_for_clients_stop_at_max_connections(fast_upstream, sta
     assert all(client.roundtrip("GET", "/health").status == 200 for client in clients)
 
 
+def test_clients_quiet_for_longer_than_keep_warm_no_longer_keep_connections_open(
+        fast_upstream, start_proxy, loop_thread):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.4, "pool.keep_warm": 0.5})
+    pool = proxy.ctx.pool
+    clients = _one_turn_each(proxy.port, 4)
+    assert wait_until(lambda: loop_thread.call(lambda: pool.warm_target) == 4, timeout=3)
+    # Still connected, and silent: the pool stops renewing for them and drains.
+    assert wait_until(lambda: loop_thread.call(lambda: pool.open_count) == 0, timeout=5)
+    assert pool.warm_target == 0 and len(proxy.ctx.connections) == 4
+    # Sending again, one counts as recent again.
+    assert clients[0].roundtrip("GET", "/health").status == 200
+    assert wait_until(lambda: loop_thread.call(lambda: len(proxy.ctx.recent_clients)) == 1, timeout=3)
+
+
 def test_with_keep_warm_off_no_connection_is_opened_ahead_for_clients(fast_upstream, start_proxy):
     up = fast_upstream()
     proxy = start_proxy(up.url, **{"pool.keep_warm": 0})
