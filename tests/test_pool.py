@@ -603,9 +603,10 @@ def test_a_request_that_never_got_a_connection_under_the_cap_is_the_proxys_504(s
     assert "pool.max_connections (1)" in error["message"]
 
 
-# -- keeping a connection ready for each recent client -------------------------------
+# -- a connection ahead for each client connection that sent a request ----------------
 STREAM_AFTER_300_MS = json.dumps({"model": "m", "stream": True, "max_tokens": 2,
                                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+SLOW_STREAM_HEADERS = [("Content-Type", "application/json"), ("x-fake-ttft-ms", "300")]
 
 
 def _one_turn_each(port: int, count: int, headers=()) -> list[RawClient]:
@@ -618,7 +619,11 @@ def _one_turn_each(port: int, count: int, headers=()) -> list[RawClient]:
     return clients
 
 
-def test_clients_that_connect_together_find_a_connection_ready_for_each_when_they_burst(
+def _open_count(proxy, loop_thread) -> int:
+    return loop_thread.call(lambda: proxy.ctx.pool.open_count)  # connecting ones included
+
+
+def test_clients_that_each_sent_a_request_find_a_connection_ready_for_each_when_they_then_burst(
         fast_upstream, start_proxy, loop_thread):
     up = fast_upstream()
     proxy = start_proxy(up.url)
@@ -631,8 +636,7 @@ def test_clients_that_connect_together_find_a_connection_ready_for_each_when_the
     # Then all at once, each request held upstream long enough to overlap the others.
     for client in clients:
         client.conn.start_next_cycle()
-        client.request("POST", "/v1/chat/completions", body=STREAM_AFTER_300_MS,
-                       headers=[("Content-Type", "application/json"), ("x-fake-ttft-ms", "300")])
+        client.request("POST", "/v1/chat/completions", body=STREAM_AFTER_300_MS, headers=SLOW_STREAM_HEADERS)
     for client in clients:
         response = client.response()
         assert response.status == 200 and response.complete and b"[DONE]" in response.body
@@ -640,74 +644,94 @@ def test_clients_that_connect_together_find_a_connection_ready_for_each_when_the
     assert pool.stats["reused"] >= 8
 
 
-@pytest.mark.parametrize("ending", ["closes after its turn", "sends Connection: close"])
-def test_clients_that_leave_after_one_request_are_not_kept_a_connection(ending, fast_upstream, start_proxy):
+def test_connections_opened_ahead_for_clients_expire_unless_demand_uses_them(fast_upstream, start_proxy, loop_thread):
+    up = fast_upstream()
+    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.4})
+    clients = _one_turn_each(proxy.port, 8)
+    assert _open_count(proxy, loop_thread) == 8
+    # The clients stay connected and silent: only the peak in use (one) is kept.
+    assert wait_until(lambda: _open_count(proxy, loop_thread) <= 1, timeout=5)
+    assert len(proxy.ctx.connections) == len(clients) and proxy.ctx.pool.warm_target == 1
+
+
+def test_clients_that_leave_after_one_request_are_not_kept_a_connection(fast_upstream, start_proxy, loop_thread):
     up = fast_upstream()
     proxy = start_proxy(up.url)
     for _ in range(8):
-        if ending == "closes after its turn":
-            client = RawClient(proxy.port)
-            assert client.roundtrip("GET", "/health").status == 200
-            client.close()
-        else:
-            client = RawClient(proxy.port)
-            assert client.roundtrip("GET", "/health", headers=[("Connection", "close")]).status == 200
-        assert wait_until(lambda: not proxy.ctx.connections, timeout=3)
-    time.sleep(0.1)  # what a connect ahead would need to show up
-    assert proxy.ctx.pool.stats["opened"] == 1 and proxy.ctx.pool.stats["opened_ahead"] == 0
+        client = RawClient(proxy.port)
+        assert client.roundtrip("GET", "/health").status == 200
+        client.close()
+        assert wait_until(lambda: not loop_thread.call(lambda: proxy.ctx.connections), timeout=3)
+        assert _open_count(proxy, loop_thread) == 1
+    assert proxy.ctx.pool.stats["opened_ahead"] == 0
 
 
-def test_connections_kept_for_clients_stop_at_max_connections(fast_upstream, start_proxy, loop_thread):
+def test_requests_that_send_connection_close_do_not_count_their_client(fast_upstream, start_proxy, loop_thread):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    clients = [RawClient(proxy.port) for _ in range(4)]
+    for client in clients:
+        client.request("POST", "/v1/chat/completions", body=STREAM_AFTER_300_MS,
+                       headers=SLOW_STREAM_HEADERS + [("Connection", "close")])
+    assert wait_until(lambda: loop_thread.call(lambda: len(proxy.ctx.in_flight)) == 4, timeout=3)
+    assert loop_thread.call(lambda: len(proxy.ctx.sending_clients)) == 0
+    for client in clients:
+        assert client.response().status == 200
+    assert proxy.ctx.pool.stats["opened_ahead"] == 0
+
+
+def test_connections_opened_ahead_for_clients_stop_at_max_connections(fast_upstream, start_proxy, loop_thread):
     up = fast_upstream()
     proxy = start_proxy(up.url, **{"pool.max_connections": 3})
-    pool = proxy.ctx.pool
     clients = _one_turn_each(proxy.port, 8)
-    assert wait_until(lambda: loop_thread.call(lambda: len(pool.idle)) == 3, timeout=3)
-    time.sleep(0.1)
-    assert pool.stats["opened"] == 3 and pool.open_count == 3
+    assert _open_count(proxy, loop_thread) == 3 and proxy.ctx.pool.stats["opened"] <= 3
     assert all(client.roundtrip("GET", "/health").status == 200 for client in clients)
 
 
-def test_clients_quiet_for_longer_than_keep_warm_no_longer_keep_connections_open(
-        fast_upstream, start_proxy, loop_thread):
-    up = fast_upstream()
-    proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.4, "pool.keep_warm": 0.5})
-    pool = proxy.ctx.pool
-    clients = _one_turn_each(proxy.port, 4)
-    assert wait_until(lambda: loop_thread.call(lambda: pool.warm_target) == 4, timeout=3)
-    # Still connected, and silent: the pool stops renewing for them and drains.
-    assert wait_until(lambda: loop_thread.call(lambda: pool.open_count) == 0, timeout=5)
-    assert pool.warm_target == 0 and len(proxy.ctx.connections) == 4
-    # Sending again, one counts as recent again.
-    assert clients[0].roundtrip("GET", "/health").status == 200
-    assert wait_until(lambda: loop_thread.call(lambda: len(proxy.ctx.recent_clients)) == 1, timeout=3)
-
-
-def test_with_keep_warm_off_no_connection_is_opened_ahead_for_clients(fast_upstream, start_proxy):
+def test_with_keep_warm_off_no_connection_is_opened_ahead_for_clients(fast_upstream, start_proxy, loop_thread):
     up = fast_upstream()
     proxy = start_proxy(up.url, **{"pool.keep_warm": 0})
     _one_turn_each(proxy.port, 8)
-    time.sleep(0.1)
-    assert proxy.ctx.pool.stats["opened"] == 1 and proxy.ctx.pool.stats["opened_ahead"] == 0
+    assert _open_count(proxy, loop_thread) == 1 and proxy.ctx.pool.stats["opened_ahead"] == 0
 
 
-def test_a_down_upstream_gets_at_most_one_connect_ahead_from_arriving_clients(start_proxy, loop_thread):
+def test_a_down_upstream_gets_at_most_one_connect_ahead_from_arriving_clients(start_proxy):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # nothing listens here once this is closed
     proxy = start_proxy(f"http://127.0.0.1:{port}")
-    for client in _clients_refused(proxy.port, 8):
-        client.close()
-    time.sleep(0.1)
-    pool = proxy.ctx.pool
-    # One connect per request, plus at most one ahead: it failed, and no more followed.
-    assert pool.stats["connect_failed"] <= 9 and pool.stats["opened_ahead"] == 0
-
-
-def _clients_refused(port: int, count: int) -> list[RawClient]:
-    clients = []
-    for _ in range(count):
-        client = RawClient(port)
+    for _ in range(8):
+        client = RawClient(proxy.port)
         assert client.roundtrip("GET", "/health").status == 502
-        clients.append(client)
-    return clients
+        client.close()
+    # One connect per request, plus at most one ahead: it failed, and no more followed.
+    assert wait_until(lambda: proxy.ctx.pool.open_count == 0, timeout=3)
+    assert proxy.ctx.pool.stats["connect_failed"] <= 9
+
+
+def test_a_connection_opened_ahead_for_a_client_does_not_retire_a_due_idle_one():
+    async def main():
+        async with _pool_on_server(keep_warm=30) as pool:
+            (user,) = await _burst(pool, 1)
+            (due,) = pool.idle
+            due.record.idle_since_ns -= pool.due_age_ns  # idle long enough to be renewed
+            pool.warm_for_clients(2)
+            assert await _until(lambda: pool.stats["opened_ahead"] == 1)
+            assert due in pool.idle and not due.closed, "a renewal retires a due one; this was not one"
+            assert len(pool.idle) == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("state", ["shut down", "upstream closes idle connections first", "keep_warm off"])
+def test_no_connection_is_opened_ahead_for_clients_when(state):
+    async def main():
+        async with _pool_on_server(keep_warm=0 if state == "keep_warm off" else 30) as pool:
+            if state == "shut down":
+                pool.close_all()
+            elif state == "upstream closes idle connections first":
+                pool.keepalive.misaligned = True
+            pool.warm_for_clients(4)
+            assert pool.open_count == 0 and not pool.connecting
+
+    asyncio.run(main())

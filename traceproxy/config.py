@@ -527,10 +527,11 @@ SCHEMA: tuple[Setting, ...] = (
             "timeout of uvicorn-based engines so a connection the engine is closing is not reused."),
     Setting("pool", "keep_warm", seconds(zero="off"), 60.0,
             "The pool keeps as many connections open as were in use at once during the last this many "
-            "seconds, and at least one for each keep-alive client connection that began a request in "
-            "that time (up to max_connections), replacing each idle one with a fresh one before "
-            "idle_timeout, so a burst after a pause, or from clients that connected together, finds "
-            "them ready instead of opening them all at once. Nothing is renewed while the "
+            "seconds, replacing each idle one with a fresh one before idle_timeout, so a burst after a "
+            "pause finds them ready instead of opening them all at once. Also, as a keep-alive client "
+            "connection sends its first request, one connection is opened ahead while fewer are open "
+            "than such client connections, so clients that each sent a request, then burst, find them "
+            "ready too. Nothing is renewed while the "
             "upstream closes idle connections before idle_timeout (traceproxy_upstream_keepalive_misaligned "
             "is 1): their replacements would be closed the same way."),
     Setting("pool", "max_connections", integer(0, zero="unlimited"), 1024,

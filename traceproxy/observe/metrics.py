@@ -223,8 +223,7 @@ class ProxyMetrics:
                     "included in upstream_connections_opened_total.", [((), stats["opened_ahead"])])
         out.gauge("upstream_pool_warm_target",
                   "Connections the pool keeps open: the most in use at once during the last pool.keep_warm "
-                  "seconds, or the keep-alive client connections that began a request in that time if more "
-                  "(0 when off or unused).", [((), pool.warm_target)])
+                  "seconds (0 when off or unused).", [((), pool.warm_target)])
         out.counter("upstream_connections_reused_total", "Requests sent on a pooled (reused) upstream connection.",
                     [((), stats["reused"])])
         out.counter("upstream_stale_connections_total",

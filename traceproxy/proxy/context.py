@@ -95,10 +95,9 @@ class ServerContext:
             max_head_bytes=settings.limits.max_header_bytes,
         )
         self.connections: set[ClientConnection] = set()
-        # Keep-alive client connections that began a request within pool.keep_warm: each
-        # may send the next at any moment, so the pool keeps a connection ready for each.
-        self.recent_clients: set[ClientConnection] = set()
-        self.pool.count_recent_clients = self._count_recent_clients
+        # Open client connections that have sent a keep-alive request: each may send its
+        # next at any moment (see UpstreamPool.warm_for_clients).
+        self.sending_clients: set[ClientConnection] = set()
         # Idle keep-alive connections, oldest first (dicts keep insertion order).
         self.idle_connections: dict[ClientConnection, None] = {}
         self.in_flight: dict[int, RequestRecord] = {}
@@ -201,24 +200,14 @@ class ServerContext:
     def connection_busy(self, conn: "ClientConnection") -> None:
         self.idle_connections.pop(conn, None)
 
-    def client_sent(self, conn: "ClientConnection") -> None:
-        """A keep-alive connection not counted recent began a request (its first, or its
-        first after a pause longer than pool.keep_warm)."""
-        self.recent_clients.add(conn)
-        self.pool.warm_for_clients(len(self.recent_clients))
-
-    def _count_recent_clients(self, now: int) -> int:
-        """At each pool sweep: the connections whose last request ended longer than
-        keep_warm ago are no longer recent."""
-        since = now - self.pool.keep_warm_ns
-        for conn in [c for c in self.recent_clients if not c.record.requests_open]:
-            if (conn.record.last_response_end_ns or 0) < since:
-                self.recent_clients.discard(conn)
-        return len(self.recent_clients)
+    def client_began_sending(self, conn: "ClientConnection") -> None:
+        """``conn`` began its first keep-alive request."""
+        self.sending_clients.add(conn)
+        self.pool.warm_for_clients(len(self.sending_clients))
 
     def forget(self, conn: "ClientConnection") -> None:
         self.connections.discard(conn)
-        self.recent_clients.discard(conn)
+        self.sending_clients.discard(conn)
         self.idle_connections.pop(conn, None)
         for listener in self.connection_closed_listeners:
             listener(conn.record)

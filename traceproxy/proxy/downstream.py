@@ -667,8 +667,11 @@ class ClientConnection(asyncio.Protocol):
             exchange.client_write_paused()
         exchange.start()
         ctx = self.ctx
-        if self not in ctx.recent_clients and exchange.head.keep_alive and ctx.pool.keep_warm_ns:
-            ctx.client_sent(self)  # after start: the pool counts the connection it took
+        if self not in ctx.sending_clients and exchange.head.keep_alive and ctx.pool.keep_warm_ns:
+            # After start, so that the pool counts the connection this request took. (One
+            # whose body is held for a request id takes it later: then one connection may
+            # open ahead that this request could have used; it expires idle.)
+            ctx.client_began_sending(self)
 
     def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
         self.active = None

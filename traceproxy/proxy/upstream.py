@@ -14,9 +14,7 @@ Hazards this module exists for
   every pause longer than 4 s, and a burst of N requests after it waits for N new
   connections (on a busy engine or router, accepting them is slow). With
   ``pool.keep_warm`` the pool remembers its peak use over that many seconds and
-  keeps that many connections open, and at least one for each keep-alive client
-  connection that began a request within that time (each may send its next at
-  any moment, and no more can be in flight at once), replacing each idle one with a fresh one
+  keeps that many connections open, replacing each idle one with a fresh one
   before it reaches the idle timeout (so none ever outlives it). Replacing is
   make-before-break and spread out: a connection is due two sweep intervals before
   its idle timeout, its replacement opens within half an interval (the other half
@@ -26,13 +24,15 @@ Hazards this module exists for
   and at ``max_connections`` renewing never opens past the cap. A connection opened
   ahead of demand waits idle like any other: handed out, it counts as reused (it
   can go stale like one, and a request on it is resent the same way).
-* Clients that connect together. A harness that starts its agents at once opens
-  their connections, then sends a burst of first turns, faster than any sweep:
-  the pool opens one connection ahead as each client connection begins its first
-  request (``warm_for_clients``), while fewer are open than such clients, so the
-  burst after it finds them ready. A client that sent ``Connection: close`` is not
-  counted, and a closed one stops counting at once: clients that open a connection
-  per request never make the pool open connections for them.
+* Clients that each sent a request, then burst. Peak use says nothing of clients
+  whose requests never overlapped (agents that each made a first call, a warm-up
+  request per connection), and a sweep comes too late for them: as a keep-alive
+  client connection sends its first request, the pool opens one connection ahead
+  while fewer are open than such client connections (``warm_for_clients``), so
+  their burst finds them ready. That is at most one connect per client
+  connection, and nothing renews them beyond peak use: unless demand uses them,
+  they expire at the idle timeout. Clients that open a connection per request,
+  or send ``Connection: close``, never make the pool open any.
 * An upstream that accepts and at once closes (a load balancer with no healthy
   backend, a router restarting) must not turn keep-warm into a connect storm, nor
   teach the keep-alive learner an idle timeout of zero: a connection opened ahead
@@ -63,7 +63,7 @@ import collections
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import httptools
 
@@ -555,9 +555,6 @@ class UpstreamPool:
         self.replaced_response_headers: frozenset[bytes] = frozenset()
         self._known_head: KnownHead | None = None  # see UpstreamConnection's Hazards: Repeated heads
         self.keepalive = KeepAliveLearner(idle_timeout, f"{host}:{port}")
-        # (now ns) -> how many client connections began a request within keep_warm (see
-        # warm_for_clients); None: the pool knows no clients (tests of the pool alone).
-        self.count_recent_clients: Callable[[int], int] | None = None
 
     # -- acquiring ---------------------------------------------------------------
     def acquire(self, user: "Exchange", fresh: bool = False) -> asyncio.Task | None:
@@ -818,8 +815,6 @@ class UpstreamPool:
         while peaks and now - peaks[0][0] > self.keep_warm_ns:
             peaks.popleft()
         target = max(peak for _, peak in peaks) if peaks else 0
-        if self.count_recent_clients is not None:
-            target = max(target, self.count_recent_clients(now))
         self.warm_target = min(target, self.max_connections) if self.max_connections else target
 
     def _schedule_spares(self, count: int) -> None:
@@ -847,12 +842,11 @@ class UpstreamPool:
             self._spare_timer = asyncio.get_running_loop().call_later(self.SPARE_TICK_S, self._open_spares)
 
     def warm_for_clients(self, clients: int) -> None:
-        """One more client connection counts as recent: ``clients`` keep-alive clients
-        may each send a request at any moment, and at most that many can be in flight at
-        once (one per connection). Unless that many connections are open (or opening),
-        one more is opened ahead now, not at the next sweep: a burst from clients that
-        connected together (a harness starting its agents) would otherwise wait on
-        connects, a whole burst of them at once.
+        """A keep-alive client connection sent its first request: ``clients`` such
+        connections are open, and each may send its next at any moment (no more than
+        that can be in flight at once). Unless that many upstream connections are open
+        or opening, one more is opened ahead now, not at the next sweep. It then waits
+        idle like any other, and expires at the idle timeout unless demand uses it.
 
         Not when connects ahead are failing, nor when the upstream closes idle
         connections before the pool's idle timeout: the new one would be closed idle."""
