@@ -648,7 +648,7 @@ def test_connections_opened_ahead_for_clients_expire_unless_demand_uses_them(fas
     up = fast_upstream()
     proxy = start_proxy(up.url, **{"pool.idle_timeout": 0.4})
     clients = _one_turn_each(proxy.port, 8)
-    assert _open_count(proxy, loop_thread) == 8
+    assert wait_until(lambda: proxy.ctx.pool.stats["opened_ahead"] == 7, timeout=3)
     # The clients stay connected and silent: only the peak in use (one) is kept.
     assert wait_until(lambda: _open_count(proxy, loop_thread) <= 1, timeout=5)
     assert len(proxy.ctx.connections) == len(clients) and proxy.ctx.pool.warm_target == 1
@@ -695,18 +695,30 @@ def test_with_keep_warm_off_no_connection_is_opened_ahead_for_clients(fast_upstr
     assert _open_count(proxy, loop_thread) == 1 and proxy.ctx.pool.stats["opened_ahead"] == 0
 
 
-def test_a_down_upstream_gets_at_most_one_connect_ahead_from_arriving_clients(start_proxy):
+def test_a_down_upstream_gets_at_most_one_connect_ahead_from_arriving_clients(start_proxy, loop_thread):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # nothing listens here once this is closed
     proxy = start_proxy(f"http://127.0.0.1:{port}")
-    for _ in range(8):
-        client = RawClient(proxy.port)
-        assert client.roundtrip("GET", "/health").status == 502
-        client.close()
+    clients = []
+    for _ in range(8):  # they stay connected: each counts
+        clients.append(RawClient(proxy.port))
+        assert clients[-1].roundtrip("GET", "/health").status == 502
     # One connect per request, plus at most one ahead: it failed, and no more followed.
-    assert wait_until(lambda: proxy.ctx.pool.open_count == 0, timeout=3)
-    assert proxy.ctx.pool.stats["connect_failed"] <= 9
+    assert wait_until(lambda: loop_thread.call(lambda: proxy.ctx.pool.open_count) == 0, timeout=3)
+    assert proxy.ctx.pool.stats["connect_failed"] <= 9 and proxy.ctx.pool.spares_failing
+
+
+def test_after_connects_ahead_failed_a_reusable_request_connection_lets_clients_have_them_again(
+        fast_upstream, start_proxy, loop_thread):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    pool = proxy.ctx.pool
+    loop_thread.call(lambda: setattr(pool, "spares_failing", True))  # as after a router restart
+    clients = _one_turn_each(proxy.port, 3)  # no pause: no sweep has anything to probe
+    assert not pool.spares_failing
+    assert wait_until(lambda: pool.stats["opened_ahead"] == 2, timeout=3)
+    assert len(clients) == 3
 
 
 def test_a_connection_opened_ahead_for_a_client_does_not_retire_a_due_idle_one():

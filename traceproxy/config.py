@@ -530,8 +530,8 @@ SCHEMA: tuple[Setting, ...] = (
             "seconds, replacing each idle one with a fresh one before idle_timeout, so a burst after a "
             "pause finds them ready instead of opening them all at once. Also, as a keep-alive client "
             "connection sends its first request, one connection is opened ahead while fewer are open "
-            "than such client connections, so clients that each sent a request, then burst, find them "
-            "ready too. Nothing is renewed while the "
+            "than such client connections, so clients that each sent a request, then burst within "
+            "idle_timeout, find them ready too. Nothing is renewed while the "
             "upstream closes idle connections before idle_timeout (traceproxy_upstream_keepalive_misaligned "
             "is 1): their replacements would be closed the same way."),
     Setting("pool", "max_connections", integer(0, zero="unlimited"), 1024,

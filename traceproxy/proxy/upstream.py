@@ -29,10 +29,13 @@ Hazards this module exists for
   request per connection), and a sweep comes too late for them: as a keep-alive
   client connection sends its first request, the pool opens one connection ahead
   while fewer are open than such client connections (``warm_for_clients``), so
-  their burst finds them ready. That is at most one connect per client
-  connection, and nothing renews them beyond peak use: unless demand uses them,
-  they expire at the idle timeout. Clients that open a connection per request,
-  or send ``Connection: close``, never make the pool open any.
+  their burst finds them ready (if it comes within the idle timeout). That is at
+  most one connect per client connection, and nothing renews them beyond peak
+  use: unless demand uses them, they expire at the idle timeout. Requests that
+  send ``Connection: close`` never make the pool open any, and clients that open a
+  connection per request rarely do: each such connection holds the one it took.
+  A failed connect ahead stops them (``spares_failing``) until the sweep's probe
+  survives, or a request's connection comes back reusable.
 * An upstream that accepts and at once closes (a load balancer with no healthy
   backend, a router restarting) must not turn keep-warm into a connect storm, nor
   teach the keep-alive learner an idle timeout of zero: a connection opened ahead
@@ -726,6 +729,10 @@ class UpstreamPool:
         if conn.closed or conn.transport.is_closing():
             self.forget(conn)
             return
+        if self.spares_failing and conn.record.requests:
+            # A request's connection came back reusable: the upstream keeps connections
+            # again, whether or not a sweep has probed it since connects ahead failed.
+            self.spares_failing = False
         if self.shut:
             self.discard(conn, "shutdown")
             return
