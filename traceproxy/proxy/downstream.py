@@ -348,18 +348,18 @@ class ClientConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            try:
-                if isinstance(cause, H.BadRequest):
-                    self.reject(cause.status, Flag.DPE, cause.reason)
-                elif isinstance(cause, _PipelineFull):
-                    self._read_no_more()
-                else:
-                    raise
-                return
-            finally:
-                # Its traceback holds this frame, which holds it: a cycle that would
-                # keep the refused connection (and its last read) for the collector.
-                del cause
+            refusal = (cause.status, cause.reason) if isinstance(cause, H.BadRequest) else None
+            pipeline_full = isinstance(cause, _PipelineFull)
+            # Its traceback holds this frame, which would hold it: a cycle that would
+            # keep the refused connection (and its last read) for the collector.
+            del cause
+            if refusal is not None:
+                self.reject(refusal[0], Flag.DPE, refusal[1])
+            elif pipeline_full:
+                self._read_no_more()
+            else:
+                raise
+            return
         except httptools.HttpParserUpgrade as upgrade:
             if not self._upgrade_offer_ignored:
                 self.reject(501, Flag.DPE, "protocol upgrade (Upgrade or CONNECT) is not supported")
@@ -666,12 +666,11 @@ class ClientConnection(asyncio.Protocol):
         if self.write_paused:
             exchange.client_write_paused()
         exchange.start()
-        ctx = self.ctx
-        if self not in ctx.sending_clients and exchange.head.keep_alive and ctx.pool.keep_warm_ns:
+        if exchange.head.keep_alive and self not in self.ctx.sending_clients:
             # After start, so that the pool counts the connection this request took. (One
             # whose body is held for a request id takes it later: then one connection may
             # open ahead that this request could have used; it expires idle.)
-            ctx.client_began_sending(self)
+            self.ctx.client_began_sending(self)
 
     def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
         self.active = None

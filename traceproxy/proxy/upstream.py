@@ -822,7 +822,10 @@ class UpstreamPool:
         while peaks and now - peaks[0][0] > self.keep_warm_ns:
             peaks.popleft()
         target = max(peak for _, peak in peaks) if peaks else 0
-        self.warm_target = min(target, self.max_connections) if self.max_connections else target
+        self.warm_target = self._capped(target)
+
+    def _capped(self, count: int) -> int:
+        return min(count, self.max_connections) if self.max_connections else count
 
     def _schedule_spares(self, count: int) -> None:
         """Open ``count`` connections ahead of demand, spread over half a sweep interval
@@ -859,8 +862,7 @@ class UpstreamPool:
         connections before the pool's idle timeout: the new one would be closed idle."""
         if not self.keep_warm_ns or self.shut or self.spares_failing or self.keepalive.misaligned:
             return
-        wanted = min(clients, self.max_connections) if self.max_connections else clients
-        if self.open_count + self.spares_to_open < wanted:
+        if self.open_count + self.spares_to_open < self._capped(clients):
             self._open_spare(renewing=False)
 
     def stop_keeping_warm(self) -> None:
