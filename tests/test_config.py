@@ -618,3 +618,31 @@ def test_the_admin_listener_cannot_share_the_proxys_address(tmp_path, listen, ad
     with pytest.raises(ConfigError, match=r"admin = .* \(from flag --admin\) is the listen address .*\(from flag "
                                           r"--listen\); expected another port"):
         load(tmp_path, argv)
+
+
+@pytest.mark.parametrize("listen, upstream, loops", [
+    ("127.0.0.1:7000", "http://127.0.0.1:7000", True),
+    ("0.0.0.0:7000", "http://localhost:7000", True),  # the wildcard takes loopback connections
+    ("0.0.0.0:7000", "http://127.0.0.1:7000", True),
+    ("127.0.0.1:7000", "http://0.0.0.0:7000", True),  # a connection to 0.0.0.0 goes to this host
+    ("[::]:7000", "http://[::1]:7000", True),
+    ("127.0.0.1:7000", "http://127.0.0.1:7001", False),
+    ("0.0.0.0:7000", "http://10.0.0.5:7000", False),  # maybe another host's: not judged
+    ("127.0.0.1:7000", "http://router:7000", False),  # a name: not resolved here
+    ("127.0.0.1:7000", "http://127.0.0.2:7000", False),  # the listener takes 127.0.0.1 only
+    ("127.0.0.1:0", "http://127.0.0.1:7000", False),
+])
+def test_an_upstream_that_is_the_proxys_own_listener_is_refused(tmp_path, listen, upstream, loops):
+    # Every request would come back in, until the pool is full and every client waits.
+    argv = ["--listen", listen, "--upstream", upstream, "--admin", "off"]
+    if not loops:
+        assert str(load(tmp_path, argv).upstream) == upstream
+        return
+    with pytest.raises(ConfigError, match=r"upstream = .* \(from flag --upstream\) is this proxy's own listen "
+                                          r"address .* \(from flag --listen\); expected the router's"):
+        load(tmp_path, argv)
+
+
+def test_an_upstream_that_is_the_admin_listener_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"is this proxy's own admin address '127.0.0.1:9464' \(from default\)"):
+        load(tmp_path, ["--listen", "127.0.0.1:7000", "--upstream", "http://localhost:9464"])

@@ -290,9 +290,110 @@ def test_a_worker_that_dies_stops_the_service_with_its_status(upstream_process):
         assert not any(map(_running, workers))
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        stderr = proc.stderr.read()
+        assert f"worker {workers[0]} ended before the service was asked to stop (killed by SIGKILL)" in stderr, stderr
     finally:
         _kill_all(workers)
         _stop(proc)
+
+
+def test_a_worker_stopped_alone_stops_the_service_and_says_which(upstream_process):
+    # A stop signal sent to one worker (by hand, by a script matching its command
+    # line) must not leave the service on fewer workers with nothing said.
+    proc, port, _ = _serve(upstream_process, "--workers", "2")
+    workers = _children(proc.pid)
+    try:
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGTERM)
+        assert proc.wait(20) == 0  # that worker stopped cleanly; so do the others
+        assert not any(map(_running, workers))
+        stderr = proc.stderr.read()
+        assert f"worker {workers[0]} ended before the service was asked to stop (exit status 0)" in stderr, stderr
+        assert "Traceback" not in stderr
+    finally:
+        _kill_all(workers)
+        _stop(proc)
+
+
+@pytest.mark.parametrize("to_the_group", [False, True], ids=["SIGTERM to the parent", "Ctrl-C to the group"])
+def test_a_stop_signal_while_workers_start_is_a_clean_stop(upstream_process, to_the_group):
+    # Sent as soon as the workers are forked, before their event loops take signals:
+    # held back until they can, then a graceful stop (not death by the signal, not a
+    # KeyboardInterrupt traceback).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--workers", "2", "--listen", f"127.0.0.1:{free_port()}",
+         "--upstream", upstream_process, "--admin", "off"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    workers: list[int] = []
+    try:
+        assert wait_until(lambda: proc.poll() is not None or len(_children(proc.pid)) == 2, timeout=15,
+                          interval=0.0005), "the workers were not forked"
+        workers = _children(proc.pid)
+        if to_the_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    finally:
+        _kill_all(workers)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_NOFILE set for the child as Linux does")
+def test_a_cap_beyond_the_open_file_limit_is_lowered_so_new_clients_are_served(upstream_process):
+    # 128 descriptors cannot hold 10,000 clients: without a lower cap, accept() fails
+    # and a new client is reset with nothing said; at it, the longest-idle goes.
+    import resource
+
+    def low_open_file_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", f"127.0.0.1:{port}", "--upstream",
+         upstream_process, "--admin", "off"],
+        stderr=subprocess.PIPE, text=True, preexec_fn=low_open_file_limit,
+        env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    idle: list[RawClient] = []
+    try:
+        assert wait_until(lambda: proc.poll() is not None or _accepts(port), timeout=15), "not listening"
+        for _ in range(150):  # each sends a request, then stays open and idle
+            client = RawClient(port)
+            assert client.roundtrip("GET", "/health").status == 200
+            idle.append(client)
+        assert RawClient(port).roundtrip("GET", "/health").status == 200
+    finally:
+        for client in idle:
+            client.close()
+        _stop(proc)
+    stderr = proc.stderr.read()
+    assert "limits.max_client_connections = 10000 (from default)" in stderr and "limit of 128" in stderr, stderr
+    assert "client connections are capped at 32" in stderr
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_request_id_header_the_proxy_manages_is_a_startup_error(upstream_process):
+    # Under content-length, the id would go out beside the proxy's own framing.
+    result = subprocess.run(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", f"127.0.0.1:{free_port()}", "--upstream",
+         upstream_process, "--admin", "off", "--request-id-headers", "x-request-id,content-length"],
+        capture_output=True, text=True, timeout=30,
+        env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    assert result.returncode == 2, result.stderr
+    assert "request_id.headers = 'x-request-id,content-length' (from flag --request-id-headers)" in result.stderr
+    assert "content-length is a header the proxy manages itself" in result.stderr
 
 
 def test_a_configuration_error_with_workers_is_said_once_before_any_starts(upstream_process):

@@ -91,6 +91,19 @@ def _named(settings: Settings, dotted: str, value: str) -> str:
     return f"{dotted} = {value!r} (from {settings.source(dotted)})"
 
 
+def check_request_id_headers(settings: Settings) -> None:
+    """A request id under a framing, connection or tracing field would be written
+    beside the proxy's own (a second Content-Length: every request refused)."""
+    from .proxy.headers import PROXY_MANAGED
+
+    names = settings.request_id.headers
+    managed = [name for name in names if name.encode("ascii") in PROXY_MANAGED]
+    if managed:
+        raise ConfigError(f"{_named(settings, 'request_id.headers', ','.join(names))}: {managed[0]} is a header "
+                          "the proxy manages itself (framing, connection, forwarding or tracing); expected "
+                          "request id headers such as x-request-id")
+
+
 def _check_http_endpoint(settings: Settings, environ) -> None:
     """http/protobuf posts to a URL: a HOST:PORT or gRPC target (valid for gRPC) would
     fail every export later, each time with the HTTP client's own words."""
@@ -150,6 +163,7 @@ class ProxyServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        check_request_id_headers(self.settings)
         await self._start_tracing()
         self.ctx = ServerContext(self.settings, self.fanout)
         self._start_watchdog()
@@ -317,6 +331,8 @@ async def serve_until_signalled(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    # A stop signal that came while starting (held back by run) is taken now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     await stop.wait()
     log.info("shutting down: %d requests in flight, grace %g s", len(server.ctx.in_flight),
              settings.timeouts.shutdown_grace)
@@ -324,17 +340,28 @@ async def serve_until_signalled(settings: Settings) -> None:
 
 
 def run(settings: Settings) -> int:
-    """Run in this process (workers == 1) or supervise N forked workers."""
-    if settings.workers <= 1:
-        _run_one(settings)
-        return 0
-    return _run_workers(settings)
+    """Run in this process (workers == 1) or supervise N forked workers.
+
+    Stop signals are held back (blocked, not lost) until the process that gets them
+    can act on them: a worker once its event loop's handlers are in place, the parent
+    once it relays them. Before that, SIGTERM's default action would end a starting
+    worker by the signal (a failed service, status 143) and SIGINT would raise
+    KeyboardInterrupt inside its startup. Forked workers inherit the block."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        if settings.workers <= 1:
+            _run_one(settings)
+            return 0
+        return _run_workers(settings)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _run_one(settings: Settings) -> None:
     import uvloop
 
     _raise_fd_limit()
+    settings = fit_to_open_file_limit(settings)
     log.debug("%s", tune_allocator())
     uvloop.run(serve_until_signalled(settings))
 
@@ -344,18 +371,24 @@ def _run_workers(settings: Settings) -> int:
     # new connections across them; the parent only supervises and relays signals.
     # What every worker would refuse, the parent refuses first: one message, not N.
     tracing_export_config(settings)
+    check_request_id_headers(settings)
     _check_port_bindable(settings)
-    children: list[int] = []
+    # Workers not yet reaped. Only these are signalled: a reaped worker's PID may
+    # already be another process's.
+    running: set[int] = set()
     parent = os.getpid()
     for _ in range(settings.workers):
         pid = os.fork()
         if pid == 0:
             _stop_when_orphaned(parent)
             os._exit(_worker_main(settings))
-        children.append(pid)
+        running.add(pid)
+    asked_to_stop = False
 
     def relay(signum, _frame):
-        for child in children:
+        nonlocal asked_to_stop
+        asked_to_stop = True
+        for child in list(running):
             try:
                 os.kill(child, signum)
             except ProcessLookupError:
@@ -363,18 +396,33 @@ def _run_workers(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, relay)
     signal.signal(signal.SIGINT, relay)
-    # Workers are not restarted: one that fails stops the others, and the whole
-    # service exits with its status, so a supervisor (systemd, compose) sees it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    # Workers are not restarted: one that ends before the service was asked to stop
+    # stops the others, and the whole service exits with its status (0 when that
+    # worker was itself stopped by a signal sent to it), so a supervisor sees it.
     status = 0
-    remaining = set(children)
-    while remaining:
+    while running:
         pid, wait_status = os.wait()
-        remaining.discard(pid)
+        running.discard(pid)
         code = os.waitstatus_to_exitcode(wait_status)
-        if code and not status:
-            status = code if code > 0 else 128 - code  # killed by a signal: 128 + its number
-            relay(signal.SIGTERM, None)
+        if asked_to_stop:
+            log.log(logging.WARNING if code else logging.INFO, "worker %d ended: %s", pid, _exit_status(code))
+            status = status or _service_status(code)
+            continue
+        log.error("worker %d ended before the service was asked to stop (%s): stopping the other %d",
+                  pid, _exit_status(code), len(running))
+        status = _service_status(code)
+        relay(signal.SIGTERM, None)
     return status
+
+
+def _exit_status(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+def _service_status(code: int) -> int:
+    """The status the service exits with for a worker's: killed by a signal, 128 plus its number."""
+    return code if code >= 0 else 128 - code
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -383,9 +431,9 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def _stop_when_orphaned(parent: int) -> None:
     """A worker whose parent was killed outright (SIGKILL, the OOM killer) would go on
     serving the port alone, and a restarted service could not bind it. Linux sends
-    the worker SIGTERM when its parent dies, and it stops as on any stop signal (or,
-    before its handlers are in place, by the signal's default action). Elsewhere,
-    there is no such notice."""
+    the worker SIGTERM when its parent dies, and it stops as on any stop signal (held
+    back until its handlers are in place, see run). Elsewhere, there is no such
+    notice."""
     try:
         import ctypes
 
@@ -441,6 +489,44 @@ def _check_port_bindable(settings: Settings) -> None:
     finally:
         for probe in probes:
             probe.close()
+
+
+DESCRIPTORS_RESERVED = 64  # listeners, admin connections, the exporter's pipes, log files
+
+
+def fit_to_open_file_limit(settings: Settings, soft_limit: int | None = None) -> Settings:
+    """Caps client connections to what the open-file limit can hold.
+
+    Every client connection is a descriptor, and so is every upstream connection.
+    Past the limit, accept() fails: new clients are reset and nothing says why. At
+    a cap below it, the longest-idle connection is closed to make room instead (as at
+    any cap), and the warning names the keys and the limit, as nginx warns when
+    worker_connections exceed it. The upstream side keeps at least half the room."""
+    soft_limit = _open_file_limit() if soft_limit is None else soft_limit
+    clients = settings.limits.max_client_connections
+    upstream = settings.pool.max_connections or clients
+    room = (soft_limit or 0) - DESCRIPTORS_RESERVED
+    if soft_limit is None or clients + upstream <= room:
+        return settings
+    fitted = max(1, min(clients, room - min(upstream, room // 2)))
+    log.warning("limits.max_client_connections = %d (from %s) and pool.max_connections = %d (from %s) need about "
+                "%d open files, over this process's limit of %d: client connections are capped at %d; raise the "
+                "limit (ulimit -n, systemd LimitNOFILE=, docker --ulimit nofile=) or lower the keys",
+                clients, settings.source("limits.max_client_connections"), settings.pool.max_connections,
+                settings.source("pool.max_connections"), clients + upstream + DESCRIPTORS_RESERVED, soft_limit,
+                fitted)
+    return settings.replace(**{"limits.max_client_connections": fitted})
+
+
+def _open_file_limit() -> int | None:
+    """This process's soft RLIMIT_NOFILE; None when unlimited or not known."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, ValueError, OSError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _raise_fd_limit() -> None:

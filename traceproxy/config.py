@@ -535,12 +535,13 @@ SCHEMA: tuple[Setting, ...] = (
             "upstream closes idle connections before idle_timeout (traceproxy_upstream_keepalive_misaligned "
             "is 1): their replacements would be closed the same way."),
     Setting("pool", "max_connections", integer(0, zero="unlimited"), 1024,
-            "Upstream connections open at once; further requests wait."),
+            "Upstream connections open at once, per worker; further requests wait."),
     Setting("pool", "retry_buffer_bytes", integer(0, zero="never retry"), 1048576,
             "Request bytes kept so a request that failed on a stale reused connection can be resent "
             "once on a fresh one; larger requests are not retried."),
     Setting("limits", "max_client_connections", integer(1), 10000,
-            "Open client connections; at the cap the longest-idle keep-alive connection is closed to make room."),
+            "Open client connections, per worker; at the cap the longest-idle keep-alive connection is closed "
+            "to make room. Lowered at startup, with a warning, to what the open-file limit can hold."),
     Setting("limits", "max_header_bytes", integer(1024), 65536,
             "A request head larger than this gets 431; a response head or trailer section larger than "
             "this from the upstream is a 502."),
@@ -551,7 +552,8 @@ SCHEMA: tuple[Setting, ...] = (
             "Append X-Forwarded-For, X-Forwarded-Proto and X-Forwarded-Host."),
     Setting("request_id", "headers", header_names(), ["x-request-id"],
             "Headers that carry the client's request id (like the router's --request-id-headers); "
-            "the first one is generated when none is present, and returned on every response."),
+            "the first one is generated when none is present, and returned on every response. Not a header "
+            "the proxy manages itself (framing, connection, forwarding, tracing)."),
     Setting("request_id", "inject_rid", boolean(), False,
             "For JSON bodies of SGLang /generate, set the body field rid to the request id when absent, "
             "so the engines' own logs carry it (the router keeps rid on /generate, strips it on chat)."),
@@ -743,11 +745,41 @@ def _check_distinct_ports(values: dict[str, Any], raw: Raw) -> None:
         )
 
 
+def _reaches(destination, listener) -> bool:
+    """A connection to ``destination`` lands on a listener bound to ``listener``, as far
+    as is known without a lookup: the same address, a loopback or unspecified destination
+    (which the kernel sends to this host) at a wildcard or loopback listener, and the
+    same name. A specific address at a wildcard listener may be this host's or another's:
+    not judged."""
+    if destination == listener:
+        return True
+    if isinstance(destination, str) or isinstance(listener, str) or destination.version != listener.version:
+        return False
+    local = destination.is_loopback or destination.is_unspecified
+    return local and (listener.is_unspecified or listener.is_loopback and destination.is_unspecified)
+
+
+def _check_upstream_not_self(values: dict[str, Any], raw: Raw) -> None:
+    """An upstream that is the proxy's own listener sends every request back in, until
+    the pool is full and every client waits: refused at startup rather than found then."""
+    upstream = values["upstream"]
+    for key in ("listen", "admin"):
+        address = values[key]
+        if address is None or address.port != upstream.port:
+            continue
+        if any(_reaches(u, a) for u in _bound_addresses(upstream.host) for a in _bound_addresses(address.host)):
+            raise ConfigError(
+                f"upstream = {str(upstream)!r} (from {raw['upstream'][1]}) is this proxy's own {key} address "
+                f"{str(address)!r} (from {raw[key][1]}); expected the router's or engine's address"
+            )
+
+
 def _build(raw: Raw) -> Settings:
     values = {s.dotted: _parse(s, *raw[s.dotted]) for s in SCHEMA}
     _check_admin_exposure(values["admin"], values["admin_public"], raw["admin"][1])
     _check_shared_ports(values, raw)
     _check_distinct_ports(values, raw)
+    _check_upstream_not_self(values, raw)
     sections = {
         name: cls(**{s.key: values[s.dotted] for s in SCHEMA if s.section == name})
         for name, (cls, _) in _SECTIONS.items()

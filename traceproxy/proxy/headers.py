@@ -116,6 +116,9 @@ class RequestParts:
 _NOT_NAMES = HOP_BY_HOP | {b"close"}
 _TRACE = frozenset({b"traceparent", b"tracestate"})
 _REQUEST_SPECIAL = HOP_BY_HOP | _FRAMING | _FORWARDED | _TRACE | {b"host", b"expect"}
+# Fields the proxy reads, writes or replaces itself (framing, the connection, routing,
+# tracing): never free to carry a request id.
+PROXY_MANAGED = _REQUEST_SPECIAL | {b"traceresponse"}
 DEFAULT_REQUEST_ID_NAMES = (b"x-request-id",)
 _NONE: list = []  # shared "none seen" sentinel, compared by identity, never appended to
 
