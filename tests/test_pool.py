@@ -371,6 +371,36 @@ def test_keep_warm_renewing_never_opens_past_max_connections(monkeypatch):
     asyncio.run(main())
 
 
+def test_requests_taking_slots_while_a_renewal_opens_do_not_push_the_pool_past_max_connections():
+    # The upstream restarts and drops the warm pool; the sweep then schedules its
+    # replacements, a few per tick. A burst landing meanwhile takes slots up to the
+    # cap, and the ticks left must not open past it.
+    class User(_User):
+        def upstream_queued(self):
+            pass
+
+        def upstream_connecting(self, task):
+            pass
+
+    async def main():
+        accepted = []
+        async with _pool_on_server(lambda reader, writer: accepted.append(writer), idle_timeout=4.0,
+                                   keep_warm=60, max_connections=8) as pool:
+            await _burst(pool, 8)
+            for writer in accepted:
+                writer.transport.abort()
+            assert await _until(lambda: pool.open_count == 0)
+            assert await _until(lambda: pool.spares_to_open > 0, timeout=5), "no renewal was scheduled"
+            users = [User() for _ in range(8)]
+            for user in users:
+                pool.acquire(user)
+            open_counts = await _sample(1.5, lambda: pool.open_count)
+            assert max(open_counts) <= 8, f"{max(open_counts)} upstream connections open at a cap of 8"
+            assert all(user.ready for user in users)
+
+    asyncio.run(main())
+
+
 def test_keep_warm_learns_an_upstream_that_closes_fresh_idle_connections_early_and_stops_renewing():
     # The upstream closes every connection left idle for 0.3 s, including ones opened
     # ahead that never carried a request: that is an idle timeout, not a failed connect.

@@ -845,6 +845,12 @@ class UpstreamPool:
         if self.shut:
             return
         batch = min(self.spares_per_tick, self.spares_to_open)
+        if self.max_connections:
+            # Requests may have taken slots since the sweep counted them.
+            batch = min(batch, self.max_connections - self.open_count)
+            if batch <= 0:  # the rest would open past the cap; the due idle ones just expire
+                self.spares_to_open = 0
+                return
         for _ in range(batch):
             self._open_spare()
         self.spares_to_open -= batch
