@@ -249,6 +249,38 @@ def test_a_large_request_that_failed_leaves_its_connection_readable(start_proxy)
         assert resp.status == 502 and resp.headers["x-traceproxy-outcome"] == "UF"
 
 
+def test_a_request_pipelined_behind_a_closing_connection_is_never_sent_upstream(scripted_upstream, start_proxy):
+    # A failed before its body was read; the proxy answered 502 and closes once that
+    # body has been drained, which happens within the read that also holds B. B can
+    # never be answered there, and the client resends it on a new connection (RFC 9112
+    # section 9.3.2): started upstream too, a POST would run twice.
+    async def handler(reader, writer, upstream):
+        while True:
+            head = await reader.read_head()
+            if head.startswith(b"POST /a "):
+                return  # A fails before any response byte
+            await reader.readexactly(int(header_value(head, b"content-length")))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    up = scripted_upstream(handler)
+    proxy = start_proxy(up.url)
+    body_size = 8 * MB + 1000  # past what the proxy drains after its early answer: it closes then
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % body_size)
+        reply = recv_until(sock, b"\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 502 ") and b"Connection: close" in reply
+        with contextlib.suppress(ConnectionError):
+            sock.sendall(b"x" * body_size + b"POST /b HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n\r\nbbbb")
+        rest = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := sock.recv(65536):
+                rest += chunk
+    assert b"HTTP/1.1 200" not in rest  # B was not answered: the connection closed
+    assert not wait_until(lambda: any(b"POST /b " in bytes(seen) for seen in up.received), timeout=0.5), \
+        "B was run upstream, though its client never got the answer and will resend it"
+
+
 @contextlib.contextmanager
 def _stream_to_a_full_client(proxy, receive_buffer: int = 4096):
     """A streamed request from a client with a small receive buffer; yields its socket

@@ -446,3 +446,11 @@ def test_options_asterisk_is_forwarded_as_is(scripted_upstream, start_proxy):
     reply = raw_exchange(proxy.port, b"OPTIONS * HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 204 ")
     assert wait_until(lambda: up.received and up.received[0].startswith(b"OPTIONS * HTTP/1.1\r\n"))
+
+
+@pytest.mark.parametrize("host_line", [b"Host: a \r\n", b"Host: a\t\r\n", b"Host: a:80  \r\n"])
+def test_whitespace_after_the_host_value_is_not_part_of_it(fast_upstream, start_proxy, host_line):
+    # RFC 9112 section 5; llhttp strips the whitespace before a value, not after it.
+    proxy = start_proxy(fast_upstream().url)
+    reply = raw_exchange(proxy.port, b"GET /health HTTP/1.1\r\n" + host_line + b"Connection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]

@@ -209,3 +209,16 @@ def test_a_refusal_with_an_empty_request_id_gets_a_generated_one(start_proxy):
     proxy = start_proxy("http://127.0.0.1:9")
     reply = raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nx-request-id: \r\nHost: a/b\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 400 ") and len(header_value(reply, b"x-request-id")) == 32
+
+
+def test_whitespace_after_trace_context_and_request_id_values_is_not_theirs(scripted_upstream, start_proxy):
+    # RFC 9112 section 5: trailing whitespace is not part of a field value (llhttp
+    # keeps it): the trace is continued, and the id comes back as the client sent it.
+    up = _recording_upstream(scripted_upstream)
+    proxy = start_proxy(up.url)
+    reply = raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nHost: a\r\ntraceparent: " + VALID.encode()
+                         + b" \t\r\ntracestate: vendor=abc \r\nx-request-id: client-id-1  \r\nConnection: close\r\n\r\n")
+    head = _upstream_head(up)
+    assert tc.parse_traceparent(header_value(head, b"traceparent")).trace_id == int(TRACE, 16)
+    assert header_value(head, b"tracestate") == b"vendor=abc"
+    assert b"\r\nx-request-id: client-id-1\r\n" in reply.lower()

@@ -70,6 +70,11 @@ _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PAT
 _METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
 
 
+class _BegunAfterClose(Exception):
+    """Raised inside llhttp's callback to stop it at a request begun after the
+    connection was closed within the same read."""
+
+
 class _PipelineFull(Exception):
     """Raised inside llhttp's callback to stop it at a request past MAX_PIPELINED."""
 
@@ -350,6 +355,7 @@ class ClientConnection(asyncio.Protocol):
             cause = exc.__context__
             refusal = (cause.status, cause.reason) if isinstance(cause, H.BadRequest) else None
             pipeline_full = isinstance(cause, _PipelineFull)
+            begun_after_close = isinstance(cause, _BegunAfterClose)
             # Its traceback holds this frame, which would hold it: a cycle that would
             # keep the refused connection (and its last read) for the collector.
             del cause
@@ -357,7 +363,7 @@ class ClientConnection(asyncio.Protocol):
                 self.reject(refusal[0], Flag.DPE, refusal[1])
             elif pipeline_full:
                 self._read_no_more()
-            else:
+            elif not begun_after_close:
                 raise
             return
         except httptools.HttpParserUpgrade as upgrade:
@@ -450,6 +456,11 @@ class ClientConnection(asyncio.Protocol):
         return self._framing_bytes > self._max_head_bytes
 
     def on_message_begin(self) -> None:
+        if self.closing:
+            # Closed while llhttp went on through this read (a lingering request's body
+            # ended, a shutdown): this request can never be answered, and its client
+            # resends it on a new connection, so it is never started (run twice else).
+            raise _BegunAfterClose
         if len(self.queue) >= MAX_PIPELINED:
             raise _PipelineFull
         now = time.monotonic_ns()

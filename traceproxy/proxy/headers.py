@@ -121,6 +121,7 @@ _REQUEST_SPECIAL = HOP_BY_HOP | _FRAMING | _FORWARDED | _TRACE | {b"host", b"exp
 PROXY_MANAGED = _REQUEST_SPECIAL | {b"traceresponse"}
 DEFAULT_REQUEST_ID_NAMES = (b"x-request-id",)
 _NONE: list = []  # shared "none seen" sentinel, compared by identity, never appended to
+_OWS = b" \t"
 
 
 def parse_request_headers(
@@ -144,11 +145,15 @@ def parse_request_headers(
     tracestates: list[bytes] = []
     request_ids: dict[bytes, bytes] | None = None
     expect = user_agent = None
+    # llhttp strips the whitespace before a field value but keeps what follows it, which
+    # RFC 9112 section 5 says is not the value's: stripped here from the values the
+    # proxy reads (Host, request ids, trace context); the others pass as they came.
     for name, value in headers:
         lname = name.lower()
         if lname not in _REQUEST_SPECIAL:
             if lname in request_id_names:
-                if not value.strip():
+                value = value.rstrip(_OWS)
+                if not value:
                     continue  # an empty id is no id: one is generated, and this line dropped
                 if request_ids is None:
                     request_ids = {}
@@ -157,6 +162,7 @@ def parse_request_headers(
                 user_agent = value
             kept.append((name, value))
         elif lname == b"host":
+            value = value.rstrip(_OWS)
             hosts.append(value)
             kept.append((name, value))
         elif lname == b"content-length":
@@ -167,9 +173,9 @@ def parse_request_headers(
             else:
                 lengths.append(value.strip())
         elif lname == b"traceparent":
-            traceparents.append(value)
+            traceparents.append(value.rstrip(_OWS))
         elif lname == b"tracestate":
-            tracestates.append(value)
+            tracestates.append(value.rstrip(_OWS))
         elif lname == b"transfer-encoding":
             if codings is _NONE:
                 codings = []
