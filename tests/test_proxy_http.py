@@ -466,6 +466,23 @@ def test_a_repeated_head_is_taken_for_the_last_one_only_when_every_byte_matches(
     assert up.connections == 1
 
 
+def test_empty_lines_before_a_status_line_are_never_taken_for_a_known_head(scripted_upstream, start_proxy):
+    # llhttp skips empty lines before a status line: the first empty line of such a
+    # read is not the end of a head, and two responses so begun may differ.
+    responses = iter([b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                      b"\r\n\r\nHTTP/1.1 503 Busy\r\nContent-Length: 2\r\n\r\nno"])
+
+    async def handler(reader, writer, upstream):
+        while True:
+            await reader.read_request()
+            writer.write(next(responses))
+            await writer.drain()
+
+    client = RawClient(start_proxy(scripted_upstream(handler).url).port)
+    got = [client.roundtrip("GET", f"/{i}") for i in range(2)]
+    assert [(r.status, r.body) for r in got] == [(200, b"ok"), (503, b"no")]
+
+
 def test_no_content_and_not_modified_have_no_body(scripted_upstream, start_proxy):
     # Each bodiless answer is followed by another on the same connection: a stray
     # terminating chunk after either would be read as the start of the next response.

@@ -171,13 +171,13 @@ class ProxyServer:
         self._start_engines()
         self._start_prober()
         listen = self.settings.listen
-        self._server = await loop.create_server(
+        self._server = await _binding("listen", listen, loop.create_server(
             lambda: ClientConnection(self.ctx),
             host=listen.host,
             port=listen.port,
             reuse_port=self.settings.workers > 1,
             backlog=4096,
-        )
+        ))
         if self.tracing is not None:
             self.tracing.server = (listen.host, self.port)
         if self.settings.admin is not None:
@@ -269,7 +269,7 @@ class ProxyServer:
         await self._admin_runner.setup()
         admin = self.settings.admin
         site = web.TCPSite(self._admin_runner, admin.host, admin.port, reuse_port=self.settings.workers > 1)
-        await site.start()
+        await _binding("admin", admin, site.start())
         self.admin_port = site._server.sockets[0].getsockname()[1]
 
     @property
@@ -314,6 +314,14 @@ class ProxyServer:
             conn.reset()
         if connections:
             await asyncio.sleep(0)  # their connection_lost runs on the next loop pass
+
+
+async def _binding(key: str, address: HostPort, bind):
+    """Await ``bind``; an address taken (or not this machine's) is said with its key."""
+    try:
+        return await bind
+    except OSError as exc:
+        raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc}") from None
 
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}

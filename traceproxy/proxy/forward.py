@@ -54,7 +54,7 @@ _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
 LINGER_MAX_SECONDS = 2.0
 # How long the upstream's last bytes are waited for after the client left at the
 # stream's end (see Exchange.client_lost), before its connection is closed instead.
-UPSTREAM_TAIL_SECONDS = 1.0
+UPSTREAM_TAIL_SECONDS = 0.5  # the engine must see the close within a second of the client leaving
 
 
 class RequestHead:

@@ -717,7 +717,9 @@ class UpstreamPool:
     def learn_head(self, first_read: bytes, status: int, reason: bytes, parts: H.ResponseParts) -> None:
         """Remember a final head that was parsed in full from the first read of its response."""
         end = first_read.find(b"\r\n\r\n")
-        if end >= 0:
+        # Only a head at the read's first byte: llhttp skips empty lines before a status
+        # line, and their CRLFs are not a head's end.
+        if end >= 0 and first_read.startswith(b"HTTP/"):
             # At or after the head's end (the first empty line ends it): bytes that
             # start with these start with the same head.
             self._known_head = KnownHead(first_read[:end + 4], status, reason, parts,
