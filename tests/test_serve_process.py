@@ -277,20 +277,23 @@ def test_workers_stop_when_their_parent_is_killed_outright(upstream_process):
         _kill_all(workers)
 
 
-def test_a_worker_that_dies_stops_the_service_with_its_status(upstream_process):
+@pytest.mark.parametrize("kill, said", [(signal.SIGKILL, "SIGKILL"), (signal.SIGRTMIN + 6, "signal")],
+                         ids=["SIGKILL", "a real-time signal"])
+def test_a_worker_that_dies_stops_the_service_with_its_status(upstream_process, kill, said):
     # Workers are not restarted (a supervisor restarts the service): one killed
     # outright (the OOM killer) stops the others, and the parent exits 128 + 9.
     proc, port, _ = _serve(upstream_process, "--workers", "2")
     workers = _children(proc.pid)
     try:
         assert len(workers) == 2
-        os.kill(workers[0], signal.SIGKILL)
-        assert proc.wait(20) == 137
+        os.kill(workers[0], kill)
+        assert proc.wait(20) == 128 + kill
         assert not any(map(_running, workers))
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
         stderr = proc.stderr.read()
-        assert f"worker {workers[0]} ended before the service was asked to stop (killed by SIGKILL)" in stderr, stderr
+        how = "SIGKILL" if said == "SIGKILL" else f"signal {int(kill)}"
+        assert f"worker {workers[0]} ended before the service was asked to stop (killed by {how})" in stderr, stderr
     finally:
         _kill_all(workers)
         _stop(proc)
@@ -343,6 +346,66 @@ def test_a_stop_signal_while_workers_start_is_a_clean_stop(upstream_process, to_
             proc.communicate()
 
 
+def test_a_stop_asked_for_during_a_startup_that_fails_lets_the_failure_be_said():
+    # The stop signal was held back while starting; the startup then failed. What the
+    # operator must read is why it failed, not a process ended by the signal.
+    script = (
+        "import os, signal, sys\n"
+        "from traceproxy import app\n"
+        "from traceproxy.config import default_settings\n"
+        "def starts_then_fails(settings):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    raise OSError(98, 'listen 127.0.0.1:1: Address already in use')\n"
+        "app._run_one = starts_then_fails\n"
+        "try:\n"
+        "    app.run(default_settings())\n"
+        "except OSError as exc:\n"
+        "    print('said:', exc)\n"
+        "    sys.exit(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 3 and "Address already in use" in result.stdout, (result.returncode, result.stderr)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc lists a process's children")
+def test_ctrl_c_while_the_span_exporter_starts_does_not_end_it(upstream_process, tmp_path):
+    # Ctrl-C reaches the terminal's whole process group. The exporter, still starting,
+    # has not yet set SIGINT aside: if the signal reached it, spans would be dropped
+    # for the rest of the run. The proxy itself stops gracefully.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", f"127.0.0.1:{free_port()}", "--upstream",
+         upstream_process, "--admin", "off", "--tracing-exporter", "file", "--tracing-file-path",
+         str(tmp_path / "spans.jsonl")],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TRACEPROXY_ACCESS_LOG_PATH": ""})
+    exporter = []
+    try:
+        # Sent as soon as it runs the exporter's code (exec'd, still importing).
+        assert wait_until(lambda: proc.poll() is not None or _runs_the_exporter(proc.pid), timeout=15,
+                          interval=0.0005), "no exporter process was started"
+        exporter = _children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        _kill_all(exporter)
+    assert proc.returncode == 0, stderr
+    assert "span exporter process" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+
+
+def _runs_the_exporter(pid: int) -> bool:
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                if b"exporter_main" in cmdline.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_NOFILE set for the child as Linux does")
 def test_a_cap_beyond_the_open_file_limit_is_lowered_so_new_clients_are_served(upstream_process):
     # 128 descriptors cannot hold 10,000 clients: without a lower cap, accept() fails
@@ -373,6 +436,20 @@ def test_a_cap_beyond_the_open_file_limit_is_lowered_so_new_clients_are_served(u
     stderr = proc.stderr.read()
     assert "limits.max_client_connections = 10000 (from default)" in stderr and "limit of 128" in stderr, stderr
     assert "client connections are capped at 32" in stderr
+
+
+def test_the_client_cap_is_lowered_only_when_the_open_file_limit_cannot_hold_it(caplog):
+    from traceproxy.app import fit_to_open_file_limit
+    from traceproxy.config import default_settings
+
+    settings = default_settings()  # 10,000 clients, 1,024 upstream connections
+    assert fit_to_open_file_limit(settings, 20_000) is settings
+    fits = settings.replace(**{"limits.max_client_connections": 200})
+    assert fit_to_open_file_limit(fits, 1024) is fits  # 200 fit beside the upstream's room
+    assert not caplog.records
+    # 1,024 descriptors: 64 kept aside, at least half the rest for the upstream side.
+    assert fit_to_open_file_limit(settings, 1024).limits.max_client_connections == 480
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
 
 
 def _accepts(port: int) -> bool:

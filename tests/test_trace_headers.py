@@ -222,3 +222,12 @@ def test_whitespace_after_trace_context_and_request_id_values_is_not_theirs(scri
     assert tc.parse_traceparent(header_value(head, b"traceparent")).trace_id == int(TRACE, 16)
     assert header_value(head, b"tracestate") == b"vendor=abc"
     assert b"\r\nx-request-id: client-id-1\r\n" in reply.lower()
+
+
+def test_a_refused_request_returns_its_request_id_without_the_whitespace_after_it(start_proxy):
+    # The refusal carries the client's id, so the two can be matched: the same value
+    # a forwarded request would have recorded.
+    proxy = start_proxy("http://127.0.0.1:9")
+    reply = raw_exchange(proxy.port, b"GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n"
+                                     b"x-request-id: client-id-2 \t\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400 ") and b"\r\nx-request-id: client-id-2\r\n" in reply.lower()

@@ -362,6 +362,10 @@ def run(settings: Settings) -> int:
             return 0
         return _run_workers(settings)
     finally:
+        # A stop asked for during a startup that then failed: the failure is what is
+        # said (unblocked, the signal's default action would end the process first).
+        while signal.sigpending() & STOP_SIGNALS:
+            signal.sigtimedwait(STOP_SIGNALS, 0)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
@@ -410,9 +414,7 @@ def _run_workers(settings: Settings) -> int:
     # worker was itself stopped by a signal sent to it), so a supervisor sees it.
     status = 0
     while running:
-        pid, wait_status = os.wait()
-        running.discard(pid)
-        code = os.waitstatus_to_exitcode(wait_status)
+        pid, code = _reap_next_worker(running)
         if asked_to_stop:
             log.log(logging.WARNING if code else logging.INFO, "worker %d ended: %s", pid, _exit_status(code))
             status = status or _service_status(code)
@@ -424,8 +426,27 @@ def _run_workers(settings: Settings) -> int:
     return status
 
 
+def _reap_next_worker(running: set[int]) -> tuple[int, int]:
+    """Wait for a worker to end; take it out of ``running`` before reaping it, and
+    return its PID and exit code. Until reaped its PID is still its own (a zombie's),
+    so a relay that runs in between never signals a new process given that PID."""
+    if hasattr(os, "waitid"):  # not on macOS before Python 3.13
+        pid = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid
+        running.discard(pid)
+        _, wait_status = os.waitpid(pid, 0)
+    else:
+        pid, wait_status = os.wait()
+        running.discard(pid)
+    return pid, os.waitstatus_to_exitcode(wait_status)
+
+
 def _exit_status(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:  # a real-time signal has no name of its own
+        return f"killed by signal {-code}"
 
 
 def _service_status(code: int) -> int:
@@ -517,6 +538,8 @@ def fit_to_open_file_limit(settings: Settings, soft_limit: int | None = None) ->
     if soft_limit is None or clients + upstream <= room:
         return settings
     fitted = max(1, min(clients, room - min(upstream, room // 2)))
+    if fitted >= clients:
+        return settings
     log.warning("limits.max_client_connections = %d (from %s) and pool.max_connections = %d (from %s) need about "
                 "%d open files, over this process's limit of %d: client connections are capped at %d; raise the "
                 "limit (ulimit -n, systemd LimitNOFILE=, docker --ulimit nofile=) or lower the keys",

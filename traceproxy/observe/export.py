@@ -125,6 +125,10 @@ class SpanExportPipe:
             pass_fds=(stats_fd,),
             close_fds=True,
             env=_child_environment(),
+            # Its own session: a terminal's Ctrl-C reaches the proxy's process group,
+            # not this child while it still starts (before it ignores SIGINT, see
+            # exporter_main); it ends when the proxy closes its stdin, as always.
+            start_new_session=True,
         )
 
     async def _connect_pipes(self, data_fd: int, stats_fd: int) -> None:

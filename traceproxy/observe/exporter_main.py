@@ -24,9 +24,11 @@ Theory of operation:
   and exits at once (the parent uses it when draining overran its deadline).
 - It lowers its own CPU priority (``ExportConfig.nice``) before anything else, so
   that when the cores are saturated the proxy's event loop gets them first.
-- SIGINT and SIGTERM are ignored: Ctrl-C in a terminal reaches the whole process
-  group, and systemd's default stop the whole cgroup; the parent's orderly stop,
-  after its shutdown grace, not the signal, should end this process.
+- It runs in its own session, so a terminal's Ctrl-C (sent to the proxy's process
+  group) never reaches it; SIGINT and SIGTERM are ignored too, for systemd's default
+  stop, which signals the whole cgroup. The parent's orderly stop, after its shutdown
+  grace, not the signal, should end this process. (A stop signal that reaches it
+  before it ignores them, in its first fraction of a second, still ends it.)
 """
 
 from __future__ import annotations

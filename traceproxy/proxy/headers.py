@@ -314,13 +314,13 @@ def ids_only(headers: Headers, request_id_names: tuple[bytes, ...] = DEFAULT_REQ
     for name, value in headers:
         lname = name.lower()
         if lname == b"traceparent":
-            traceparents.append(value)
+            traceparents.append(value.rstrip(_OWS))
         elif lname == b"tracestate":
-            tracestates.append(value)
+            tracestates.append(value.rstrip(_OWS))
         elif lname == b"user-agent":
             user_agent = value
         elif lname in request_id_names and value.strip():
-            request_ids.setdefault(lname, value)
+            request_ids.setdefault(lname, value.rstrip(_OWS))
     request_id = _first_request_id(request_ids, request_id_names)
     return RequestParts(_NO_BODY, None, None, [], [], traceparents, tracestates, request_id, user_agent)
 
