@@ -522,3 +522,33 @@ def test_the_port_probe_finds_listen_and_admin_addresses_that_overlap():
     overlapping = dataclasses.replace(settings, admin=HostPort("localhost", port))
     with pytest.raises(OSError, match=f"admin localhost:{port}: .*[Aa]ddress already in use"):
         _check_port_bindable(overlapping)
+
+
+def test_the_port_probe_binds_what_a_name_resolves_to_as_the_workers_will(monkeypatch):
+    # A name that resolves to IPv6 only: probed as IPv4, it could not be resolved and
+    # a startup the workers could make was refused; a taken port must still show.
+    import dataclasses
+
+    from traceproxy.app import _check_port_bindable
+    from traceproxy.config import HostPort, default_settings
+
+    resolve = socket.getaddrinfo
+
+    def only_ipv6_loopback(host, port, *args, **kwargs):
+        if host == "engine-v6.test":
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))]
+        return resolve(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", only_ipv6_loopback)
+    taken = socket.socket(socket.AF_INET6)
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    taken.bind(("::1", 0))
+    taken.listen()
+    try:
+        settings = dataclasses.replace(default_settings(), admin=None)
+        _check_port_bindable(dataclasses.replace(settings, listen=HostPort("engine-v6.test", free_port())))
+        held = HostPort("engine-v6.test", taken.getsockname()[1])
+        with pytest.raises(OSError, match=f"listen {held}: .*[Aa]ddress already in use"):
+            _check_port_bindable(dataclasses.replace(settings, listen=held))
+    finally:
+        taken.close()

@@ -501,23 +501,37 @@ def _check_port_bindable(settings: Settings) -> None:
     probe listens while the next is bound, so the listen and admin addresses may not
     overlap either (a name that resolves to the other's address, a wildcard): the
     kernel judges, as it will for the workers. SO_REUSEADDR, as the workers' own
-    listeners set it, lets a restart bind over connections still in TIME_WAIT."""
+    listeners set it, lets a restart bind over connections still in TIME_WAIT.
+
+    Each address is probed as the workers' listeners will bind it: every address its
+    name resolves to, IPv6 ones IPv6-only (a probe of :: that also took IPv4 would
+    clash with a listener on 0.0.0.0 that the workers could bind beside)."""
     probes: list[socket.socket] = []
     try:
         for key, address in (("listen", settings.listen), ("admin", settings.admin)):
             if address is None:
                 continue
-            probe = socket.socket(socket.AF_INET6 if ":" in address.host else socket.AF_INET, socket.SOCK_STREAM)
-            probes.append(probe)
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                probe.bind((address.host, address.port))
-                probe.listen(1)
+                for family, kind, proto, sockaddr in _passive_addresses(address):
+                    probe = socket.socket(family, kind, proto)
+                    probes.append(probe)
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:
+                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    probe.bind(sockaddr)
+                    probe.listen(1)
             except OSError as exc:
                 raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc}") from None
     finally:
         for probe in probes:
             probe.close()
+
+
+def _passive_addresses(address: HostPort) -> list[tuple]:
+    """What a listener on ``address`` binds, as asyncio's create_server resolves it."""
+    infos = socket.getaddrinfo(address.host or None, address.port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    return list(dict.fromkeys((family, kind, proto, sockaddr) for family, kind, proto, _, sockaddr in infos))
 
 
 DESCRIPTORS_RESERVED = 64  # listeners, admin connections, the exporter's pipes, log files
