@@ -136,8 +136,9 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits(upstream_process):
 
 
 def test_sigterm_to_the_whole_group_still_logs_the_stream_that_finishes_in_grace(upstream_process, tmp_path):
-    """systemd's default stop (and a terminal's Ctrl-C) signals every process of the
-    service, the exporter child included: it must outlive the proxy's grace."""
+    """systemd's default stop signals every process of the service's cgroup, the
+    exporter child included (which runs in its own session, out of the terminal's
+    reach): it must outlive the proxy's grace."""
     access_log = tmp_path / "access.jsonl"
     port, admin = free_port(), free_port()
     proc = subprocess.Popen(
@@ -152,7 +153,10 @@ def test_sigterm_to_the_whole_group_still_logs_the_stream_that_finishes_in_grace
         client.request("POST", "/v1/chat/completions", headers=[("x-fake-tps", "20"), ("x-request-id", "in-grace")],
                        body=b'{"stream": true, "max_tokens": 20}')
         assert wait_until(lambda: _healthz(admin)["requests_in_flight"] == 1)
+        exporter = _children(proc.pid)
+        assert len(exporter) == 1
         os.killpg(proc.pid, signal.SIGTERM)
+        os.kill(exporter[0], signal.SIGTERM)  # as the cgroup-wide stop reaches it
         assert client.response().complete
         assert proc.wait(15) == 0
         assert "exited" not in proc.stderr.read()
@@ -552,3 +556,34 @@ def test_the_port_probe_binds_what_a_name_resolves_to_as_the_workers_will(monkey
             _check_port_bindable(dataclasses.replace(settings, listen=held))
     finally:
         taken.close()
+
+
+def test_the_port_probe_skips_an_address_family_the_host_lacks_as_the_workers_do(monkeypatch):
+    # IPv6 turned off (ipv6.disable=1) while /etc/hosts still maps ::1 to localhost:
+    # the workers' listeners skip the IPv6 address and serve on the other.
+    import dataclasses
+    import errno
+
+    from traceproxy.app import _check_port_bindable
+    from traceproxy.config import HostPort, default_settings
+
+    resolve, make_socket = socket.getaddrinfo, socket.socket
+
+    def both_loopbacks(host, port, *args, **kwargs):
+        if host == "dual.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+                    (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))]
+        return resolve(host, port, *args, **kwargs)
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return make_socket(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", both_loopbacks)
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    settings = dataclasses.replace(default_settings(), admin=None)
+    _check_port_bindable(dataclasses.replace(settings, listen=HostPort("dual.test", free_port())))
+    only_ipv6 = HostPort("::1", free_port())
+    with pytest.raises(OSError, match=re.escape(f"listen {only_ipv6}: Address family not supported")):
+        _check_port_bindable(dataclasses.replace(settings, listen=only_ipv6))

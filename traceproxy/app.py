@@ -364,7 +364,7 @@ def run(settings: Settings) -> int:
     finally:
         # A stop asked for during a startup that then failed: the failure is what is
         # said (unblocked, the signal's default action would end the process first).
-        while signal.sigpending() & STOP_SIGNALS:
+        while hasattr(signal, "sigtimedwait") and signal.sigpending() & STOP_SIGNALS:  # not on macOS
             signal.sigtimedwait(STOP_SIGNALS, 0)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
@@ -512,19 +512,34 @@ def _check_port_bindable(settings: Settings) -> None:
             if address is None:
                 continue
             try:
-                for family, kind, proto, sockaddr in _passive_addresses(address):
-                    probe = socket.socket(family, kind, proto)
-                    probes.append(probe)
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    if family == socket.AF_INET6:
-                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                    probe.bind(sockaddr)
-                    probe.listen(1)
+                _probe(_passive_addresses(address), probes)
             except OSError as exc:
                 raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc}") from None
     finally:
         for probe in probes:
             probe.close()
+
+
+def _probe(addresses: list[tuple], probes: list[socket.socket]) -> None:
+    """Bind and listen on each address; one of a family this host lacks (IPv6 turned
+    off) is skipped, as the workers' listeners skip it, unless none could be probed."""
+    unsupported: OSError | None = None
+    bound = 0
+    for family, kind, proto, sockaddr in addresses:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError as exc:
+            unsupported = exc
+            continue
+        probes.append(probe)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        probe.bind(sockaddr)
+        probe.listen(1)
+        bound += 1
+    if not bound and unsupported is not None:
+        raise unsupported
 
 
 def _passive_addresses(address: HostPort) -> list[tuple]:
