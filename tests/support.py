@@ -309,6 +309,20 @@ def answers_then_drops_next_request(drop_after: int = 1) -> Callable:
     return handler
 
 
+def answers_in_turn(*responses: bytes) -> Callable:
+    """Answers each request with the next of ``responses``, whole, across the
+    connections it is given: one upstream answering in a scripted order."""
+    pending = iter(responses)
+
+    async def handler(reader, writer, upstream) -> None:
+        while True:
+            await reader.read_request()
+            writer.write(next(pending))
+            await writer.drain()
+
+    return handler
+
+
 def answers_in_parts(*parts: bytes, pause: float = 0.0) -> Callable:
     """Reads one request, writes ``parts`` with ``pause`` seconds between them, then
     holds the connection open until the proxy closes it."""

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from .support import RawClient, answers_partly_then_resets, header_value, raw_exchange, recv_until, wait_until
+from .support import (RawClient, answers_in_turn, answers_partly_then_resets, header_value, raw_exchange, recv_until,
+                      wait_until)
 
 HOP_BY_HOP_REQUEST = (
     b"GET /v1/models HTTP/1.1\r\n"
@@ -380,14 +381,8 @@ def test_head_request_gets_headers_and_no_body(scripted_upstream, start_proxy):
 def test_get_after_head_on_the_same_upstream_connection_reads_its_body(scripted_upstream, start_proxy):
     # The HEAD response declares 1234 bytes that never come: the upstream
     # connection's parser must not be carried over to the next response.
-    responses = iter([b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n",
-                      b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"])
-
-    async def handler(reader, writer, upstream):
-        while True:
-            await reader.read_request()
-            writer.write(next(responses))
-            await writer.drain()
+    handler = answers_in_turn(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n",
+                              b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
 
     up = scripted_upstream(handler)
     client = RawClient(start_proxy(up.url).port)
@@ -424,14 +419,8 @@ def test_a_body_sent_after_a_head_response_retires_its_upstream_connection(scrip
 
 def test_a_repeated_response_head_then_a_different_one_are_each_framed_by_their_own(scripted_upstream, start_proxy):
     same = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n"
-    responses = iter([same, same, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\n\r\nbye",
-                      same])
-
-    async def handler(reader, writer, upstream):
-        while True:
-            await reader.read_request()
-            writer.write(next(responses))
-            await writer.drain()
+    handler = answers_in_turn(same, same, b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\n\r\nbye",
+                              same)
 
     client = RawClient(start_proxy(scripted_upstream(handler).url).port)
     bodies = [client.roundtrip("GET", f"/{i}") for i in range(4)]
@@ -469,14 +458,8 @@ def test_a_repeated_head_is_taken_for_the_last_one_only_when_every_byte_matches(
 def test_empty_lines_before_a_status_line_are_never_taken_for_a_known_head(scripted_upstream, start_proxy):
     # llhttp skips empty lines before a status line: the first empty line of such a
     # read is not the end of a head, and two responses so begun may differ.
-    responses = iter([b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
-                      b"\r\n\r\nHTTP/1.1 503 Busy\r\nContent-Length: 2\r\n\r\nno"])
-
-    async def handler(reader, writer, upstream):
-        while True:
-            await reader.read_request()
-            writer.write(next(responses))
-            await writer.drain()
+    handler = answers_in_turn(b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                              b"\r\n\r\nHTTP/1.1 503 Busy\r\nContent-Length: 2\r\n\r\nno")
 
     client = RawClient(start_proxy(scripted_upstream(handler).url).port)
     got = [client.roundtrip("GET", f"/{i}") for i in range(2)]
@@ -486,14 +469,8 @@ def test_empty_lines_before_a_status_line_are_never_taken_for_a_known_head(scrip
 def test_no_content_and_not_modified_have_no_body(scripted_upstream, start_proxy):
     # Each bodiless answer is followed by another on the same connection: a stray
     # terminating chunk after either would be read as the start of the next response.
-    responses = iter([b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n", b"HTTP/1.1 204 No Content\r\n\r\n",
-                      b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"])
-
-    async def handler(reader, writer, upstream):
-        while True:
-            await reader.read_request()
-            writer.write(next(responses))
-            await writer.drain()
+    handler = answers_in_turn(b"HTTP/1.1 304 Not Modified\r\nETag: \"x\"\r\n\r\n", b"HTTP/1.1 204 No Content\r\n\r\n",
+                              b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
     proxy = start_proxy(scripted_upstream(handler).url)
     client = RawClient(proxy.port)
