@@ -9,6 +9,7 @@ accepting, close idle client connections, let in-flight requests finish within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -28,7 +29,7 @@ from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
 from .observe.metrics import ProxyMetrics
 from .observe.watchdog import StallLog, Watchdog
-from .proxy.context import ServerContext
+from .proxy.context import DESCRIPTORS_RESERVED, ServerContext, descriptors_needed
 from .proxy.downstream import ClientConnection
 
 log = logging.getLogger("traceproxy")
@@ -171,13 +172,14 @@ class ProxyServer:
         self._start_engines()
         self._start_prober()
         listen = self.settings.listen
-        self._server = await _binding("listen", listen, loop.create_server(
-            lambda: ClientConnection(self.ctx),
-            host=listen.host,
-            port=listen.port,
-            reuse_port=self.settings.workers > 1,
-            backlog=4096,
-        ))
+        with _binding("listen", listen):
+            self._server = await loop.create_server(
+                lambda: ClientConnection(self.ctx),
+                host=listen.host,
+                port=listen.port,
+                reuse_port=self.settings.workers > 1,
+                backlog=4096,
+            )
         if self.tracing is not None:
             self.tracing.server = (listen.host, self.port)
         if self.settings.admin is not None:
@@ -269,7 +271,8 @@ class ProxyServer:
         await self._admin_runner.setup()
         admin = self.settings.admin
         site = web.TCPSite(self._admin_runner, admin.host, admin.port, reuse_port=self.settings.workers > 1)
-        await _binding("admin", admin, site.start())
+        with _binding("admin", admin):
+            await site.start()
         self.admin_port = site._server.sockets[0].getsockname()[1]
 
     @property
@@ -316,10 +319,11 @@ class ProxyServer:
             await asyncio.sleep(0)  # their connection_lost runs on the next loop pass
 
 
-async def _binding(key: str, address: HostPort, bind):
-    """Await ``bind``; an address taken (or not this machine's) is said with its key."""
+@contextlib.contextmanager
+def _binding(key: str, address: HostPort):
+    """An address taken (or not this machine's) is said with its key."""
     try:
-        return await bind
+        yield
     except OSError as exc:
         raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc}") from None
 
@@ -511,10 +515,8 @@ def _check_port_bindable(settings: Settings) -> None:
         for key, address in (("listen", settings.listen), ("admin", settings.admin)):
             if address is None:
                 continue
-            try:
+            with _binding(key, address):
                 _probe(_passive_addresses(address), probes)
-            except OSError as exc:
-                raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc}") from None
     finally:
         for probe in probes:
             probe.close()
@@ -549,9 +551,6 @@ def _passive_addresses(address: HostPort) -> list[tuple]:
     return list(dict.fromkeys((family, kind, proto, sockaddr) for family, kind, proto, _, sockaddr in infos))
 
 
-DESCRIPTORS_RESERVED = 64  # listeners, admin connections, the exporter's pipes, log files
-
-
 def fit_to_open_file_limit(settings: Settings, soft_limit: int | None = None) -> Settings:
     """Caps client connections to what the open-file limit can hold.
 
@@ -561,20 +560,19 @@ def fit_to_open_file_limit(settings: Settings, soft_limit: int | None = None) ->
     any cap), and the warning names the keys and the limit, as nginx warns when
     worker_connections exceed it. The upstream side keeps at least half the room."""
     soft_limit = _open_file_limit() if soft_limit is None else soft_limit
-    clients = settings.limits.max_client_connections
-    upstream = settings.pool.max_connections or clients
-    room = (soft_limit or 0) - DESCRIPTORS_RESERVED
-    if soft_limit is None or clients + upstream <= room:
+    clients, upstream_cap = settings.limits.max_client_connections, settings.pool.max_connections
+    needed = descriptors_needed(clients, upstream_cap)
+    if soft_limit is None or needed <= soft_limit:
         return settings
-    fitted = max(1, min(clients, room - min(upstream, room // 2)))
+    room = soft_limit - DESCRIPTORS_RESERVED
+    fitted = max(1, min(clients, room - min(upstream_cap or clients, room // 2)))
     if fitted >= clients:
         return settings
     log.warning("limits.max_client_connections = %d (from %s) and pool.max_connections = %d (from %s) need about "
                 "%d open files, over this process's limit of %d: client connections are capped at %d; raise the "
                 "limit (ulimit -n, systemd LimitNOFILE=, docker --ulimit nofile=) or lower the keys",
-                clients, settings.source("limits.max_client_connections"), settings.pool.max_connections,
-                settings.source("pool.max_connections"), clients + upstream + DESCRIPTORS_RESERVED, soft_limit,
-                fitted)
+                clients, settings.source("limits.max_client_connections"), upstream_cap,
+                settings.source("pool.max_connections"), needed, soft_limit, fitted)
     return settings.replace(**{"limits.max_client_connections": fitted})
 
 

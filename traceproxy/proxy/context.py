@@ -31,6 +31,15 @@ if TYPE_CHECKING:
 MAX_RESERVED_DESCRIPTORS = 65536
 
 
+DESCRIPTORS_RESERVED = 64  # listeners, admin connections, the exporter's pipes, log files
+
+
+def descriptors_needed(clients: int, upstream_cap: int) -> int:
+    """Every client connection and every upstream connection is a descriptor
+    (``upstream_cap`` 0: unlimited, at most one per client)."""
+    return clients + (upstream_cap or clients) + DESCRIPTORS_RESERVED
+
+
 def reserve_descriptor_table(slots: int) -> int:
     """Grow this process's file-descriptor table to hold ``slots`` descriptors now.
 
@@ -82,9 +91,8 @@ class ServerContext:
         self.upstream_authority = settings.upstream.authority
         self.advertised_keepalive = int(settings.timeouts.client_keepalive)
         self.fanout = fanout or Fanout()
-        # Every client connection and every upstream connection is a descriptor.
-        clients = settings.limits.max_client_connections
-        reserve_descriptor_table(clients + (settings.pool.max_connections or clients) + 64)
+        reserve_descriptor_table(descriptors_needed(settings.limits.max_client_connections,
+                                                    settings.pool.max_connections))
         self.pool = UpstreamPool(
             settings.upstream.host,
             settings.upstream.port,

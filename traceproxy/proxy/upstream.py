@@ -623,14 +623,18 @@ class UpstreamPool:
         conn.opening_for = user
         return self._start_connect(conn)
 
-    def _open_spare(self, renewing: bool = True) -> None:
+    def _open_spare(self, renewing: bool = True) -> bool:
         """Open a connection ahead of demand; it joins the idle list once connected
-        (renewing: in place of the oldest idle one, when that one is due)."""
+        (renewing: in place of the oldest idle one, when that one is due). Never past
+        ``max_connections``: False then, and nothing opened (the due just expire)."""
+        if self.max_connections and self.open_count >= self.max_connections:
+            return False
         conn = UpstreamConnection(self)
         conn.spare = conn.opened_ahead = True
         conn.renewing = renewing
         self.spares_connecting += 1
         self._start_connect(conn)
+        return True
 
     def _start_connect(self, conn: UpstreamConnection) -> asyncio.Task:
         self.open_count += 1
@@ -804,10 +808,7 @@ class UpstreamPool:
         # idle timeout (misaligned): the replacements would be closed the same way.
         if self.warm_target and self.due_age_ns > 0 and not self.keepalive.misaligned:
             due = sum(1 for c in self.idle if c.record.idle_age_ns(now) >= self.due_age_ns)
-            wanted = self.warm_target - (self.open_count - due)
-            if self.max_connections:  # make-before-break stops at the cap; the due then just expire
-                wanted = min(wanted, self.max_connections - self.open_count)
-            self._schedule_spares(wanted)
+            self._schedule_spares(self.warm_target - (self.open_count - due))
         if self.idle or self.warm_target:
             self._arm_sweeper()
 
@@ -824,10 +825,7 @@ class UpstreamPool:
         while peaks and now - peaks[0][0] > self.keep_warm_ns:
             peaks.popleft()
         target = max(peak for _, peak in peaks) if peaks else 0
-        self.warm_target = self._capped(target)
-
-    def _capped(self, count: int) -> int:
-        return min(count, self.max_connections) if self.max_connections else count
+        self.warm_target = min(target, self.max_connections) if self.max_connections else target
 
     def _schedule_spares(self, count: int) -> None:
         """Open ``count`` connections ahead of demand, spread over half a sweep interval
@@ -847,14 +845,10 @@ class UpstreamPool:
         if self.shut:
             return
         batch = min(self.spares_per_tick, self.spares_to_open)
-        if self.max_connections:
-            # Requests may have taken slots since the sweep counted them.
-            batch = min(batch, self.max_connections - self.open_count)
-            if batch <= 0:  # the rest would open past the cap; the due idle ones just expire
+        for _ in range(batch):
+            if not self._open_spare():  # at the cap: requests took the slots since the sweep
                 self.spares_to_open = 0
                 return
-        for _ in range(batch):
-            self._open_spare()
         self.spares_to_open -= batch
         if self.spares_to_open > 0:
             self._spare_timer = asyncio.get_running_loop().call_later(self.SPARE_TICK_S, self._open_spares)
@@ -870,7 +864,7 @@ class UpstreamPool:
         connections before the pool's idle timeout: the new one would be closed idle."""
         if not self.keep_warm_ns or self.shut or self.spares_failing or self.keepalive.misaligned:
             return
-        if self.open_count + self.spares_to_open < self._capped(clients):
+        if self.open_count + self.spares_to_open < clients:
             self._open_spare(renewing=False)
 
     def stop_keeping_warm(self) -> None:
