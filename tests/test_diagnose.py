@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+import traceproxy
 from traceproxy.app import ProxyServer
 from traceproxy.config import default_settings
 from traceproxy.diagnose import find_requests, jaeger_spans, run
@@ -37,9 +39,19 @@ CHAT = json.dumps({"model": "m", "stream": True, "max_tokens": 4,
                    "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def diagnose(*args: str) -> subprocess.CompletedProcess:
+SPANS_ENV = "TRACEPROXY_TRACING_FILE_PATH"  # the variable serve reads for [tracing] file_path
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(traceproxy.__file__)))
+
+
+def diagnose(*args: str, cwd=None, spans_env: str | None = None) -> subprocess.CompletedProcess:
+    """The command in a subprocess, from ``cwd``, with ``spans_env`` as the span-file variable (unset: None)."""
+    env = {k: v for k, v in os.environ.items() if k != SPANS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    if spans_env is not None:
+        env[SPANS_ENV] = spans_env
     return subprocess.run([sys.executable, "-m", "traceproxy", "diagnose", *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, cwd=cwd, env=env)
+
 
 
 def _settings(upstream_url: str, spans, **overrides):
@@ -132,6 +144,34 @@ def test_unknown_id_exits_1_and_a_missing_file_2(traced, tmp_path):
     assert diagnose("0" * 31 + "1", "--spans", str(spans)).returncode == 1
     missing = diagnose("anything", "--spans", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2 and "no span file" in missing.stderr
+
+
+def test_run_from_another_folder_it_names_the_absolute_path_it_looked_in_and_how_to_point_it(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = diagnose("some-request", cwd=elsewhere)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    # serve writes traceproxy-data/spans.jsonl relative to its own folder: this one looked in its own
+    assert f"no span file at {elsewhere / 'traceproxy-data' / 'spans.jsonl'} (the default" in done.stderr
+    assert "--spans PATH" in done.stderr and f"{SPANS_ENV}=PATH" in done.stderr and "--jaeger URL" in done.stderr
+
+
+def test_the_variable_serve_reads_points_it_at_the_file_and_a_miss_names_the_file(traced, tmp_path):
+    spans, responses = traced
+    wanted = responses[0].headers["x-request-id"]
+    found = diagnose(wanted, cwd=tmp_path, spans_env=str(spans))
+    assert found.returncode == 0 and f"request {wanted}" in found.stdout, found.stderr
+    missed = diagnose("no-such-request", cwd=tmp_path, spans_env=str(spans))
+    assert missed.returncode == 1
+    assert f"no request with trace id or request id 'no-such-request' in {spans} (env {SPANS_ENV})" in missed.stderr
+    assert "--spans PATH" in missed.stderr and "--jaeger URL" in missed.stderr
+    # --spans wins over the variable; a relative one is taken from the current folder, and said so
+    (tmp_path / "empty.jsonl").write_text("")
+    relative = diagnose(wanted, "--spans", "empty.jsonl", cwd=tmp_path, spans_env=str(spans))
+    assert relative.returncode == 1
+    assert f"in {tmp_path / 'empty.jsonl'} (--spans empty.jsonl, from the current folder)" in relative.stderr
+    blank = diagnose(wanted, "--spans", " ", cwd=tmp_path, spans_env=str(spans))
+    assert blank.returncode == 2 and "--spans takes the span file's path" in blank.stderr
 
 
 def test_lines_of_the_wrong_shape_are_skipped_not_a_traceback(traced, tmp_path):

@@ -20,6 +20,11 @@ A request still hung when the spans were written has no SERVER span yet (it is
 exported when the request ends) but has its stall span, exported the moment the
 stall was detected; the timeline then says so and shows the stall.
 
+Which span file: ``--spans PATH``, else ``TRACEPROXY_TRACING_FILE_PATH`` (the variable
+``serve`` reads for ``[tracing] file_path``), else serve's default. A relative path is
+taken from the current folder, as serve takes it from its own: run from another folder,
+the command says which absolute path it looked in and how to point it elsewhere.
+
 Exit status: 0 found, 1 not found, 2 usage or I/O error.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import sys
 import time
@@ -38,10 +44,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .config import SCHEMA
 from .lifecycle.marks import Mark
 from .observe import semconv as sc
 
-DEFAULT_SPANS = "traceproxy-data/spans.jsonl"
+# The span file is serve's [tracing] file_path: its default, and the variable that sets it.
+_FILE_PATH_SETTING = next(s for s in SCHEMA if s.dotted == "tracing.file_path")
+DEFAULT_SPANS = _FILE_PATH_SETTING.default
+SPANS_ENV = _FILE_PATH_SETTING.env
 DEFAULT_SERVICE = "traceproxy"
 JAEGER_TIMEOUT_S = 10.0
 JAEGER_LIMIT = 20
@@ -57,6 +67,41 @@ STALL_EVENT, STALL_RESOLVED_EVENT = "stall", "stall_resolved"
 
 class DiagnoseError(Exception):
     """Usage or I/O trouble: a missing file, an unreachable Jaeger (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class SpanFile:
+    """The span file to read, absolute, and what named it."""
+
+    path: Path
+    named_by: str  # "--spans", "env TRACEPROXY_TRACING_FILE_PATH" or "the default"
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.named_by})"
+
+
+def span_file(flag: str | None, environ=None) -> SpanFile:
+    """``--spans``, else the environment variable serve reads, else serve's default;
+    relative to the current folder."""
+    environ = os.environ if environ is None else environ
+    from_env = (environ.get(SPANS_ENV) or "").strip()
+    if flag is not None:
+        path, named_by = flag, "--spans"
+    elif from_env:
+        path, named_by = from_env, f"env {SPANS_ENV}"
+    else:
+        path, named_by = DEFAULT_SPANS, "the default"
+    if not os.path.isabs(path):
+        named_by += f" {path}, from the current folder"
+    return SpanFile(Path(os.path.abspath(path)), named_by)
+
+
+def pointing_lines() -> list[str]:
+    """How to point the command at the file serve writes, or at Jaeger."""
+    return [f"  traceproxy serve writes [tracing] file_path (default {DEFAULT_SPANS}) relative to the folder it "
+            "was started in, when [tracing] exporter is \"file\" (or \"auto\" with no OTLP endpoint).",
+            f"  Point diagnose at that file with --spans PATH or {SPANS_ENV}=PATH, "
+            "or at Jaeger's query API with --jaeger URL."]
 
 
 @dataclass
@@ -637,22 +682,34 @@ def report_lines(requests: list[RequestSpans], ident: str, source: str) -> list[
 # ----------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------
-def run(ident: str, spans_path: str = DEFAULT_SPANS, jaeger: str | None = None,
-        service: str = DEFAULT_SERVICE, out=None, err=None) -> int:
-    """Print the timeline of the request(s) ``ident`` names; the exit status."""
+def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
+        service: str = DEFAULT_SERVICE, out=None, err=None, environ=None) -> int:
+    """Print the timeline of the request(s) ``ident`` names; the exit status.
+    ``spans_path`` None: the variable serve reads, else serve's default."""
     out, err = out or sys.stdout, err or sys.stderr
     ident = ident.strip()
     if not ident:
         print("traceproxy diagnose: give a trace id or a request id", file=err)
         return ERROR
+    if spans_path is not None and not spans_path.strip():
+        print("traceproxy diagnose: --spans takes the span file's path, not an empty string", file=err)
+        return ERROR
+    where = None if jaeger else span_file(spans_path, environ)
     try:
-        spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(spans_path, ident)
+        spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(where.path, ident)
     except DiagnoseError as exc:
-        print(f"traceproxy diagnose: {exc}", file=err)
+        if where is not None and not where.path.is_file():
+            lines = [f"traceproxy diagnose: no span file at {where}"] + pointing_lines()
+        else:
+            lines = [f"traceproxy diagnose: {exc}"]
+        print("\n".join(lines), file=err)
         return ERROR
     requests = find_requests(spans, ident)
-    source = f"Jaeger at {jaeger}" if jaeger else str(spans_path)
+    source = f"Jaeger at {jaeger} (service {service})" if jaeger else str(where)
     lines = report_lines(requests, ident, source)
+    if not requests and where is not None:
+        lines += ["  A request is written there when it ends, and its stall span at once when it stalls; a healthy "
+                  "one may be sampled out ([tracing] healthy_sample_ratio)."] + pointing_lines()
     print("\n".join(lines), file=out if requests else err)
     return FOUND if requests else NOT_FOUND
 
@@ -663,8 +720,9 @@ def add_arguments(parser) -> None:
                           "bytes, the keep-alive ledger, each upstream attempt, stalls, and the outcome with "
                           "its blame. Exit status: 0 found, 1 not found, 2 usage or I/O error.")
     parser.add_argument("id", metavar="ID", help="a trace id (32 hex digits) or a request id (x-request-id)")
-    parser.add_argument("--spans", default=DEFAULT_SPANS, metavar="PATH",
-                        help=f"the proxy's span file, OTLP/JSON lines (default: {DEFAULT_SPANS})")
+    parser.add_argument("--spans", default=None, metavar="PATH",
+                        help=f"the proxy's span file, OTLP/JSON lines (default: ${SPANS_ENV} as serve reads it, "
+                        f"else {DEFAULT_SPANS}; relative to the current folder)")
     parser.add_argument("--jaeger", metavar="URL", default=None,
                         help="ask Jaeger's HTTP query API instead (e.g. http://127.0.0.1:16686)")
     parser.add_argument("--service", default=DEFAULT_SERVICE,
