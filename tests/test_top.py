@@ -211,18 +211,34 @@ def _read_until(proc: subprocess.Popen, needle: bytes, timeout: float) -> bytes:
     return seen
 
 
-def test_live_view_keeps_retrying_an_unreachable_admin_and_ctrl_c_exits_0():
+def _started_with_sigint(disposition, *argv: str) -> list[str]:
+    """A command line that runs argv with SIGINT set to disposition (SIG_DFL or SIG_IGN) on entry.
+
+    What a child starts with is otherwise inherited from however this test run was
+    launched: a shell's ``pytest &`` without job control ignores SIGINT, and so would
+    every process the tests start. Setting it, then exec'ing, makes each case the same
+    on every run."""
+    launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.%s); "
+                "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])" % disposition.name)
+    return [sys.executable, "-c", launcher, *argv]
+
+
+@pytest.mark.parametrize("on_entry", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored"])
+def test_live_view_keeps_retrying_an_unreachable_admin_and_ctrl_c_exits_0(on_entry):
     with _refused_port() as sock:
         port = sock.getsockname()[1]
-        proc = subprocess.Popen([sys.executable, "-m", "traceproxy", "top", "--admin", f"127.0.0.1:{port}",
-                                 "--interval", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        command = _started_with_sigint(on_entry, "-m", "traceproxy", "top", "--admin", f"127.0.0.1:{port}",
+                                       "--interval", "0.1")
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            first = _read_until(proc, b"retrying", timeout=15)
-            again = _read_until(proc, b"retrying", timeout=5)  # a second frame: it kept trying
+            # A frame on screen is the readiness signal: Ctrl-C is taken before the first one.
+            first = _read_until(proc, b"retrying", timeout=30)
+            again = _read_until(proc, b"retrying", timeout=30)  # a second frame: it kept trying
             proc.send_signal(signal.SIGINT)
             rest, err = proc.communicate(timeout=10)
         finally:
             proc.kill()
+            proc.wait(timeout=10)
     assert f"http://127.0.0.1:{port}/debug/inflight".encode() in first and b"retrying" in again
     assert first.startswith(top.ENTER_ALT_SCREEN.encode()) and rest.endswith(top.LEAVE_ALT_SCREEN.encode())
     assert proc.returncode == 0 and b"Traceback" not in err

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import textwrap
 import time
@@ -455,7 +456,18 @@ def _next_frame(base_url: str, interval: float, use_color: bool) -> list[str]:
         return render_unreachable(exc, size.columns, _clock(), interval)
 
 
+def _take_ctrl_c() -> object:
+    """Make Ctrl-C raise KeyboardInterrupt here, whatever SIGINT was on entry; returns the previous handler.
+
+    A process started with SIGINT ignored keeps it ignored, and Python then installs no
+    KeyboardInterrupt for it: a shell does that to every ``command &`` it starts without
+    job control (scripts, CI steps, ``sh -c``), and the view would then say "Ctrl-C to
+    quit" and never quit. The view owns its terminal while it runs, so it takes Ctrl-C back."""
+    return signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_live(base_url: str, interval: float, use_color: bool) -> int:
+    previous = _take_ctrl_c()  # before the first frame: once a frame is shown, Ctrl-C works
     sys.stdout.write(ENTER_ALT_SCREEN)
     try:
         while True:
@@ -466,6 +478,8 @@ def run_live(base_url: str, interval: float, use_color: bool) -> int:
     finally:
         sys.stdout.write(LEAVE_ALT_SCREEN)
         sys.stdout.flush()
+        if previous is not None:  # None: set outside Python, and cannot be put back from here
+            signal.signal(signal.SIGINT, previous)
 
 
 def _options(args: argparse.Namespace) -> tuple[str, float]:
