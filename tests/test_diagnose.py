@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 import threading
+import time
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
@@ -23,11 +25,11 @@ import pytest
 import traceproxy
 from traceproxy.app import ProxyServer
 from traceproxy.config import default_settings
-from traceproxy.diagnose import find_requests, jaeger_spans, run
+from traceproxy.diagnose import RequestSpans, Span, find_requests, jaeger_spans, request_lines, run, wall_clock
 from traceproxy.lifecycle.hooks import Fanout
 from traceproxy.sim.fast import FastUpstream
 
-from .support import RawClient, ScriptedUpstream, wait_until
+from .support import RawClient, ScriptedUpstream, never_answers, wait_until
 
 # Causally ordered marks: each cannot happen before the one before it. (The request body
 # streams upstream while it arrives, so last_downstream_rx_byte has no fixed place.)
@@ -213,6 +215,75 @@ def test_a_request_still_hung_shows_its_stall_span(loop_thread, tmp_path):
         client.close()
         loop_thread.run(proxy.shutdown(grace=0))
         loop_thread.run(up.stop())
+
+
+def _timeline_start(text: str) -> float:
+    """The wall-clock start on the timeline's heading, as a unix time."""
+    stamp = re.search(r"timeline \((?:start |from its first stall's wait, )([\d-]+ [\d:.]+) UTC", text).group(1)
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.xfail(strict=True, reason="the stall span does not yet carry traceproxy.stall.request_age_s")
+def test_a_request_still_hung_shows_when_it_began_not_when_its_wait_did(loop_thread, tmp_path):
+    # The body comes 0.3 s after the head, then the engine never answers: the stall's
+    # wait (FBS) begins with the body, and is detected 0.2 s later. The request began
+    # with its head.
+    spans = tmp_path / "spans.jsonl"
+    up = loop_thread.run(ScriptedUpstream(never_answers).start())
+    proxy = ProxyServer(_settings(up.url, spans, **{"stall.first_byte": 0.2, "stall.client_body": 5}), Fanout([]))
+    loop_thread.run(proxy.start())
+    client = RawClient(proxy.port)
+    try:
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test.local\r\nContent-Type: application/json\r\n"
+                b"x-request-id: hung-turn-8\r\nContent-Length: %d\r\n\r\n" % len(CHAT))
+        before_head = time.time()
+        client.sock.sendall(head)
+        time.sleep(0.3)
+        before_body = time.time()
+        client.sock.sendall(CHAT)
+        assert wait_until(lambda: spans.exists() and "hung-turn-8" in spans.read_text(), timeout=10)
+        out, err = io.StringIO(), io.StringIO()
+        assert run("hung-turn-8", str(spans), out=out, err=err) == 0, err.getvalue()
+        text = out.getvalue()
+        assert "not finished when the spans were written" in text and "still in flight" in text, text
+        # 5 ms: the proxy's wall clock is its monotonic one plus an offset read at its start
+        assert before_head - 0.005 <= _timeline_start(text) < before_body, text
+        rows = _timeline(text)
+        assert rows[0] == (0.0, "first_downstream_rx_byte"), text
+    finally:
+        client.close()
+        loop_thread.run(proxy.shutdown(grace=0))
+        loop_thread.run(up.stop())
+
+
+def _in_flight(stall_start_ns: int, detected_ns: int, **attributes) -> RequestSpans:
+    stall = Span(TRACE, "5" * 16, SERVER, "stall FBS awaiting_upstream_headers", "internal", stall_start_ns,
+                 detected_ns, {"traceproxy.request_id": "r", "traceproxy.stall.outcome": "FBS",
+                               "traceproxy.stall.phase": "awaiting_upstream_headers", "traceproxy.blame": "engine",
+                               "traceproxy.stall.waited_s": (detected_ns - stall_start_ns) / 1e9, **attributes})
+    [found] = find_requests([stall], "r")
+    return found
+
+
+def test_a_request_in_flight_starts_at_its_first_byte_as_its_stall_span_dates_it():
+    s = 1_000_000_000
+    found = _in_flight(T0 * 1000 + 3 * s, T0 * 1000 + 5 * s, **{"traceproxy.stall.request_age_s": 4.5})
+    text = "\n".join(request_lines(found))
+    assert found.start_ns == T0 * 1000 + s // 2
+    assert f"timeline (start {wall_clock(T0 * 1000 + s // 2)}, still in flight 4.500 s later):" in text, text
+    assert _timeline(text) == [(0.0, "first_downstream_rx_byte"), (2500.0, "stall"), (4500.0, "stall")], text
+    assert "+2.500 s  stall FBS wait began (awaiting_upstream_headers)   [stall span]" in text
+    assert "+4.500 s  stall detected: FBS   [stall span]" in text
+
+
+def test_a_request_in_flight_without_its_age_starts_where_its_stall_wait_did_and_says_so():
+    s = 1_000_000_000
+    found = _in_flight(T0 * 1000 + 3 * s, T0 * 1000 + 5 * s)
+    text = "\n".join(request_lines(found))
+    assert (f"timeline (from its first stall's wait, {wall_clock(T0 * 1000 + 3 * s)}: its stall spans do not say "
+            "when the request began):") in text, text
+    assert _timeline(text) == [(0.0, "stall"), (2000.0, "stall")], text
+    assert "first_downstream_rx_byte" not in text
 
 
 # ----------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ Two sources, mapped to the same ``Span`` shape:
 
 A request still hung when the spans were written has no SERVER span yet (it is
 exported when the request ends) but has its stall span, exported the moment the
-stall was detected; the timeline then says so and shows the stall.
+stall was detected; the timeline then says so, starts at the request's first byte
+(dated by the request's age the stall span carries), and shows when each stall's wait
+began and when it was detected.
 
 Which span file: ``--spans PATH``, else ``TRACEPROXY_TRACING_FILE_PATH`` (the variable
 ``serve`` reads for ``[tracing] file_path``), else serve's default. A relative path is
@@ -63,6 +65,10 @@ _OTLP_KINDS = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "pr
 _OTLP_STATUS = {0: "unset", 1: "ok", 2: "error"}
 _MARK_ORDER = {m.label: int(m) for m in Mark}
 STALL_EVENT, STALL_RESOLVED_EVENT = "stall", "stall_resolved"
+# A stall span's own start is when the stall's wait began, which can be long after its
+# request began (a body sent late, a stream gone silent): the span says how long the
+# request had been in the proxy when the stall was detected, and so when it began.
+STALL_REQUEST_AGE = "traceproxy.stall.request_age_s"
 
 
 class DiagnoseError(Exception):
@@ -142,8 +148,18 @@ class RequestSpans:
 
     @property
     def start_ns(self) -> int:
-        spans = [self.server] if self.server else self.stalls + self.attempts
-        return min((s.start_ns for s in spans), default=0)
+        return self.server.start_ns if self.server is not None else self.in_flight_start()[0]
+
+    def in_flight_start(self) -> tuple[int, bool]:
+        """When a request with no SERVER span began, and whether that is its own start
+        (its first byte). Without the request's age in its stall spans (a file written by
+        a proxy that did not record it), the earliest moment known is when its first
+        stall's wait began."""
+        starts = [stall.end_ns - round(age * 1e9) for stall in self.stalls
+                  if _is_seconds(age := stall.attributes.get(STALL_REQUEST_AGE))]
+        if starts:
+            return min(starts), True
+        return min((s.start_ns for s in self.stalls + self.attempts), default=0), False
 
     @property
     def request_id(self) -> str:
@@ -155,6 +171,10 @@ class RequestSpans:
 
 def is_trace_id(ident: str) -> bool:
     return bool(_HEX32.match(ident))
+
+
+def _is_seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 # ----------------------------------------------------------------------------------
@@ -588,8 +608,13 @@ def timeline_entries(found: RequestSpans) -> list[tuple[int, str, str]]:
     for attempt in found.attempts:
         entries += [(e.time_ns, _event_text(e), _attempt_label(attempt)) for e in attempt.events]
     if found.server is None:
-        entries += [(s.end_ns, f"stall detected: {s.attributes.get(sc.STALL_OUTCOME)}", "stall span")
-                    for s in found.stalls]
+        start, known = found.in_flight_start()
+        if known:
+            entries.append((start, Mark.FIRST_DOWNSTREAM_RX_BYTE.label, ""))
+        for stall in found.stalls:
+            code, phase = stall.attributes.get(sc.STALL_OUTCOME), stall.attributes.get(sc.STALL_PHASE, "-")
+            entries += [(stall.start_ns, f"stall {code} wait began ({phase})", "stall span"),
+                        (stall.end_ns, f"stall detected: {code}", "stall span")]
     return sorted(entries, key=lambda e: (e[0], _MARK_ORDER.get(e[1], len(_MARK_ORDER))))
 
 
@@ -606,9 +631,15 @@ def _timeline_lines(found: RequestSpans) -> list[str]:
     entries = timeline_entries(found)
     if not entries:
         return ["  timeline: no marks"]
-    start = found.server.start_ns if found.server is not None else entries[0][0]
-    took = f", took {duration(found.server.end_ns - start)}" if found.server is not None else ""
-    lines = [f"  timeline (start {wall_clock(start)}{took}):",
+    if found.server is not None:
+        start = found.server.start_ns
+        heading = f"start {wall_clock(start)}, took {duration(found.server.end_ns - start)}"
+    else:
+        start, known = found.in_flight_start()
+        heading = (f"start {wall_clock(start)}, still in flight {duration(entries[-1][0] - start)} later" if known
+                   else f"from its first stall's wait, {wall_clock(start)}: its stall spans do not say when the "
+                   "request began")
+    lines = [f"  timeline ({heading}):",
              f"    {'from start':>14} {'gap':>14}  mark"]
     # Gaps run from mark to mark: a stall event in the middle of a wait shows how long
     # it had lasted, but does not cut the wait in two (the longest wait is a mark's).
