@@ -454,3 +454,60 @@ def test_whitespace_after_the_host_value_is_not_part_of_it(fast_upstream, start_
     proxy = start_proxy(fast_upstream().url)
     reply = raw_exchange(proxy.port, b"GET /health HTTP/1.1\r\n" + host_line + b"Connection: close\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]
+
+
+# A request line without a version is HTTP/0.9's, which has no headers: llhttp reads on
+# for them, so "GET /\r\n" alone would wait for the header timeout. It is refused where
+# the line ends. Each case: the reads sent, one at a time, and nothing after them.
+VERSIONLESS_LINES = [
+    ("line-alone", [b"GET /health\r\n"]),
+    ("bare-lf", [b"GET /health\n"]),
+    ("after-empty-lines", [b"\r\n\r\nGET /health\r\n"]),
+    ("with-a-header-line", [b"GET /health\r\nHost: a\r\n"]),
+    ("line-end-in-a-later-read", [b"GET /health", b"\r\n"]),
+    ("lf-in-a-later-read", [b"GET /health\r", b"\n"]),
+    ("line-in-three-reads", [b"GET /hea", b"lth", b"\r\nHost: a\r\n"]),
+]
+
+
+@pytest.mark.parametrize("reads", [r for _, r in VERSIONLESS_LINES], ids=[i for i, _ in VERSIONLESS_LINES])
+def test_a_request_line_without_a_version_is_refused_where_it_ends(fast_upstream, start_proxy, reads):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)  # the header timeout is 30 s: the refusal must not wait for it
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=3) as sock:
+        for index, read in enumerate(reads):
+            if index:
+                assert wait_until(lambda: proxy.ctx.in_flight)  # the reads before were parsed on their own
+            sock.sendall(read)
+        reply = recv_until(sock, b"}")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 505 "), reply
+    assert header_value(head, b"x-traceproxy-outcome") == b"DPE"
+    assert b"HTTP/0.9 is not supported" in body
+    assert up.requests == 0
+
+
+def test_a_pipelined_request_line_without_a_version_is_refused_in_turn(fast_upstream, start_proxy):
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=3) as sock:
+        sock.sendall(KEEP + b"GET /health\r\n")
+        assert _statuses_until_closed(sock) == [b"200", b"505"]
+    assert up.requests == 1
+
+
+def test_a_valid_request_split_at_any_byte_is_never_refused(fast_upstream, start_proxy):
+    # The versionless check decides only once the request line has ended: a line cut
+    # anywhere (before HTTP/, inside it, between CR and LF) is waited for. Each cut is
+    # tried as a request of its own, and as one begun behind a whole request in one read.
+    up = fast_upstream()
+    proxy = start_proxy(up.url)
+    good = b"\r\n" + GOOD  # an empty line before a request line is skipped, not a line
+    for cut in range(3, len(good)):  # from the method's first byte on: a request has begun
+        for before in (b"", KEEP):
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=3) as sock:
+                sock.sendall(before + good[:cut])
+                assert wait_until(lambda: len(proxy.ctx.in_flight) == 1 and up.requests >= bool(before))
+                sock.sendall(good[cut:])
+                statuses = _statuses_until_closed(sock)
+            assert statuses == [b"200"] * (1 + bool(before)), (cut, before)

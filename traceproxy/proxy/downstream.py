@@ -400,6 +400,9 @@ class ClientConnection(asyncio.Protocol):
                 if self._head_too_long(data, continues_head):
                     self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
                     return
+                if self._line_without_version():
+                    self.reject(505, Flag.DPE, _unsupported_version("0.9"))
+                    return
             elif self._chunked_body:
                 if not self._body_in_read:
                     # Chunk-size lines, extensions or trailers only: the client is still
@@ -445,6 +448,16 @@ class ClientConnection(asyncio.Protocol):
             return False  # it began behind other requests' bytes: counted from the next read on
         self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
         return self._head_bytes > self._max_head_bytes
+
+    def _line_without_version(self) -> bool:
+        """The request line of a head still incomplete ended without a version: HTTP/0.9's,
+        which has no header section. llhttp reads on for headers, so the header timeout
+        would answer it 30 s later; it is refused where the line ends. Decided only on
+        a whole line (a read may end anywhere in ``GET / HTTP/1.1``), and only for a
+        head whose start is known (see _head_too_long; else the header timeout answers)."""
+        line, ended, _ = self._line.partition(b"\n")
+        # llhttp refused any other shape: METHOD SP target, then SP protocol or the end.
+        return bool(ended) and b" " not in line.partition(b" ")[2]
 
     def _framing_too_long(self, size: int) -> bool:
         """Counts chunked-body bytes that carry no body: chunk-size lines, extensions
