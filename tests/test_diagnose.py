@@ -223,7 +223,6 @@ def _timeline_start(text: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
 
 
-@pytest.mark.xfail(strict=True, reason="the stall span does not yet carry traceproxy.stall.request_age_s")
 def test_a_request_still_hung_shows_when_it_began_not_when_its_wait_did(loop_thread, tmp_path):
     # The body comes 0.3 s after the head, then the engine never answers: the stall's
     # wait (FBS) begins with the body, and is detected 0.2 s later. The request began

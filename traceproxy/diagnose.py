@@ -67,8 +67,8 @@ _MARK_ORDER = {m.label: int(m) for m in Mark}
 STALL_EVENT, STALL_RESOLVED_EVENT = "stall", "stall_resolved"
 # A stall span's own start is when the stall's wait began, which can be long after its
 # request began (a body sent late, a stream gone silent): the span says how long the
-# request had been in the proxy when the stall was detected, and so when it began.
-STALL_REQUEST_AGE = "traceproxy.stall.request_age_s"
+# request had been in the proxy when the stall was detected (sc.STALL_REQUEST_AGE), and
+# so when it began.
 
 
 class DiagnoseError(Exception):
@@ -156,7 +156,7 @@ class RequestSpans:
         a proxy that did not record it), the earliest moment known is when its first
         stall's wait began."""
         starts = [stall.end_ns - round(age * 1e9) for stall in self.stalls
-                  if _is_seconds(age := stall.attributes.get(STALL_REQUEST_AGE))]
+                  if _is_seconds(age := stall.attributes.get(sc.STALL_REQUEST_AGE))]
         if starts:
             return min(starts), True
         return min((s.start_ns for s in self.stalls + self.attempts), default=0), False

@@ -61,4 +61,5 @@ STALL_OUTCOME = "traceproxy.stall.outcome"
 STALL_PHASE = "traceproxy.stall.phase"
 STALL_WAITED = "traceproxy.stall.waited_s"
 STALL_DURATION = "traceproxy.stall.duration_s"
+STALL_REQUEST_AGE = "traceproxy.stall.request_age_s"  # how long its request had been in, at detection
 STALL_ENGINES = "traceproxy.stall.engines"  # the engines' gauges when the stall was detected

@@ -273,6 +273,8 @@ def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, dete
         sc.REQUEST_ID: record.request_id, sc.HTTP_REQUEST_METHOD: record.method,
         sc.URL_PATH: record.target.partition("?")[0], sc.CLIENT_CONNECTION_ID: record.connection.id,
         sc.CLIENT_REQUEST_SEQUENCE: record.sequence,
+        # The span starts when the stall's wait began; this dates the request itself.
+        sc.STALL_REQUEST_AGE: (detected_ns - record.marks.get(MARK.FIRST_DOWNSTREAM_RX_BYTE, since_ns)) / 1e9,
     }
     attempt = record.attempt
     if attempt is not None and attempt.connection is not None:
