@@ -13,12 +13,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from traceproxy.sim.launch import free_port
 
 from .support import RawClient, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -105,7 +108,7 @@ def test_serve_logs_the_ports_it_bound_when_asked_for_any(upstream_process):
             line = proc.stderr.readline()
             if "listening on" in line or not line:
                 break
-        found = re.search(r"listening on 127\.0\.0\.1:(\d+), .* admin 127\.0\.0\.1:(\d+)", line)
+        found = re.search(r"listening on 127\.0\.0\.1:(\d+), .* admin http://127\.0\.0\.1:(\d+) ", line)
         assert found, line
         port, admin = (int(group) for group in found.groups())
         assert port != 0 and admin != 0
@@ -113,6 +116,31 @@ def test_serve_logs_the_ports_it_bound_when_asked_for_any(upstream_process):
         assert RawClient(port).roundtrip("GET", "/health").status == 200
     finally:
         _stop(proc)
+
+
+def test_startup_lines_name_the_admin_url_and_the_absolute_paths_of_the_span_file_and_access_log(
+        upstream_process, tmp_path):
+    """Relative paths are relative to where serve was started: the lines say where that is."""
+    admin = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceproxy", "serve", "--listen", "127.0.0.1:0", "--upstream", upstream_process,
+         "--admin", f"127.0.0.1:{admin}", "--tracing-exporter", "file", "--tracing-file-path", "out/spans.jsonl",
+         "--access-log-path", "out/access.jsonl"],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        lines = []
+        for _ in range(50):  # the start-up lines before it are few
+            lines.append(proc.stderr.readline())
+            if "listening on" in lines[-1] or not lines[-1]:
+                break
+        assert f"admin http://127.0.0.1:{admin} " in lines[-1], lines
+        proc.send_signal(signal.SIGTERM)  # the lines that follow it, up to the stop, all read at once
+        lines += proc.communicate(timeout=15)[1].splitlines()
+    finally:
+        _stop(proc)
+    spans, access_log = tmp_path / "out" / "spans.jsonl", tmp_path / "out" / "access.jsonl"
+    assert any(line.endswith(f"spans: {spans}; access log: {access_log}") for line in lines), lines
+    assert spans.exists() and access_log.exists()  # the files the line names are the ones written
 
 
 def test_sigterm_lets_an_in_flight_stream_finish_then_exits(upstream_process):

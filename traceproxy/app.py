@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -25,6 +26,7 @@ from aiohttp import web
 from .admin import build_admin_app
 from .allocator import tune_allocator
 from .config import ConfigError, HostPort, Settings
+from .destinations import access_log_destination, admin_url, spans_destination
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
 from .observe.metrics import ProxyMetrics
@@ -47,11 +49,13 @@ log = logging.getLogger("traceproxy")
 YOUNG_COLLECTION_THRESHOLD = 50_000
 
 
-def tracing_export_config(settings: Settings, environ=os.environ):
+def tracing_export_config(settings: Settings, environ=os.environ, *, create_files: bool = True):
     """The exporter process's configuration, or None when neither tracing nor the
     access log is on.
 
-    Config keys win; where one is empty the standard OTEL_* variable applies.
+    Config keys win; where one is empty the standard OTEL_* variable applies. With
+    ``create_files`` false (serve --check) the span and access log files are judged
+    from what exists, and nothing is made.
     """
     from .observe.export import ExportConfig
 
@@ -71,9 +75,9 @@ def tracing_export_config(settings: Settings, environ=os.environ):
     if exporter == "otlp" and protocol == "http/protobuf":
         _check_http_endpoint(settings, environ)
     if exporter == "file":
-        _check_appendable(settings, "tracing.file_path", tracing.file_path)
+        _check_appendable(settings, "tracing.file_path", tracing.file_path, create_files)
     if access_log and access_log != "-":
-        _check_appendable(settings, "access_log.path", access_log)
+        _check_appendable(settings, "access_log.path", access_log, create_files)
     return ExportConfig(
         exporter=exporter,
         otlp_endpoint=tracing.otlp_endpoint,
@@ -85,6 +89,25 @@ def tracing_export_config(settings: Settings, environ=os.environ):
         nice=tracing.exporter_nice,
         access_log_path=access_log,
     )
+
+
+def check_settings(settings: Settings, environ=os.environ) -> list[tuple[str, str]]:
+    """``serve --check``: the checks serve makes at startup that bind nothing, resolve
+    no name and write nothing; then, as (label, value) pairs, what it would listen on,
+    forward to and write to.
+
+    Left to startup: whether the ports are free and their names resolve (only binding
+    tells, see _check_port_bindable), and whether the upstream answers."""
+    export = tracing_export_config(settings, environ, create_files=False)
+    check_request_id_headers(settings)
+    fit_to_open_file_limit(settings, _open_file_limit(raised=True))  # its warning, as serve would log it
+    return [
+        ("listen", str(settings.listen)),
+        ("upstream", str(settings.upstream)),
+        ("admin", admin_url(settings.admin)),
+        ("spans", spans_destination(export, environ)),
+        ("access log", access_log_destination(settings.access_log.path)),
+    ]
 
 
 def _named(settings: Settings, dotted: str, value: str) -> str:
@@ -121,24 +144,72 @@ def _check_http_endpoint(settings: Settings, environ) -> None:
                           f"http://127.0.0.1:4318; HOST:PORT and gRPC targets are for tracing.otlp_protocol = grpc")
 
 
-def _check_appendable(settings: Settings, dotted: str, path: str) -> None:
+def _check_appendable(settings: Settings, dotted: str, path: str, create: bool = True) -> None:
     """Open the file as the exporter process will (its folder made), so that a path it
     cannot write is a startup error naming the key, not an exporter that dies later and
-    takes the access log with it."""
+    takes the access log with it. Without ``create``, judge the same from what exists."""
     expected = "expected the path of a file the proxy can create or append to"
     named = _named(settings, dotted, path)
     folder = Path(path).parent
+    reason = _make_folder(folder) if create else _why_folder_cannot_be_made(folder)
+    if reason:
+        raise ConfigError(f"{named}: its folder {str(folder)!r} cannot be made ({reason}); {expected}")
+    reason = _append_to(Path(path)) if create else _why_file_cannot_be_appended(Path(path))
+    if reason:
+        raise ConfigError(f"{named}: cannot append to it ({reason}); {expected}")
+
+
+_A_PART_IS_A_FILE = "a part of it is a file, not a folder"
+
+
+def _make_folder(folder: Path) -> str | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        # mkdir says "File exists" when a part of the path is a file, not a folder.
-        reason = "a part of it is a file, not a folder" if isinstance(exc, FileExistsError) else exc.strerror or exc
-        raise ConfigError(f"{named}: its folder {str(folder)!r} cannot be made ({reason}); {expected}") from None
+        # mkdir says "File exists" or "Not a directory" when a part of the path is a file.
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):
+            return _A_PART_IS_A_FILE
+        return exc.strerror or str(exc)
+    return None
+
+
+def _append_to(path: Path) -> str | None:
     try:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{named}: cannot append to it ({exc.strerror or exc}); {expected}") from None
+        return exc.strerror or str(exc)
+    return None
+
+
+def _why_folder_cannot_be_made(folder: Path) -> str | None:
+    """What _make_folder would say, judged without making anything."""
+    existing = folder
+    try:
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+    except OSError as exc:  # a folder on the way that cannot be searched
+        return exc.strerror or str(exc)
+    if not existing.is_dir():
+        return _A_PART_IS_A_FILE
+    if existing != folder and not os.access(existing, os.W_OK | os.X_OK):
+        return os.strerror(errno.EACCES)
+    return None
+
+
+def _why_file_cannot_be_appended(path: Path) -> str | None:
+    """What _append_to would say, judged without creating the file (its folder either
+    exists or, as judged before, can be made)."""
+    try:
+        if path.is_dir():
+            return os.strerror(errno.EISDIR)
+        if path.exists():
+            return None if os.access(path, os.W_OK) else os.strerror(errno.EACCES)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if path.parent.is_dir() and not os.access(path.parent, os.W_OK | os.X_OK):
+        return os.strerror(errno.EACCES)
+    return None
 
 
 def _resource_attributes(raw: str) -> dict[str, str]:
@@ -151,6 +222,7 @@ class ProxyServer:
         self.settings = settings
         self.fanout = fanout or Fanout()
         self.ctx: ServerContext | None = None
+        self.export_config = None  # ExportConfig when tracing or the access log is on
         self.span_export = None  # SpanExportPipe when tracing is on
         self.tracing = None  # TracingObserver when tracing is on
         self.watchdog: Watchdog | None = None
@@ -192,7 +264,7 @@ class ProxyServer:
         gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
 
     async def _start_tracing(self) -> None:
-        config = tracing_export_config(self.settings)
+        config = self.export_config = tracing_export_config(self.settings)
         if config is None:
             return
         from .observe.export import SpanExportPipe
@@ -336,9 +408,11 @@ async def serve_until_signalled(settings: Settings) -> None:
     await server.start()
     # The addresses actually bound: with port 0 the kernel picked them.
     listen = HostPort(settings.listen.host, server.port)
-    admin = HostPort(settings.admin.host, server.admin_port) if settings.admin is not None else "off"
-    log.info("traceproxy listening on %s, upstream %s, admin %s (pid %d)", listen, settings.upstream, admin,
-             os.getpid())
+    admin = HostPort(settings.admin.host, server.admin_port) if settings.admin is not None else None
+    log.info("traceproxy listening on %s, upstream %s, admin %s (pid %d)", listen, settings.upstream,
+             admin_url(admin), os.getpid())
+    log.info("spans: %s; access log: %s", spans_destination(server.export_config, os.environ),
+             access_log_destination(settings.access_log.path))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
@@ -576,15 +650,17 @@ def fit_to_open_file_limit(settings: Settings, soft_limit: int | None = None) ->
     return settings.replace(**{"limits.max_client_connections": fitted})
 
 
-def _open_file_limit() -> int | None:
-    """This process's soft RLIMIT_NOFILE; None when unlimited or not known."""
+def _open_file_limit(raised: bool = False) -> int | None:
+    """This process's soft RLIMIT_NOFILE, or with ``raised`` what _raise_fd_limit
+    makes it (the hard limit); None when unlimited or not known."""
     try:
         import resource
 
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (ImportError, ValueError, OSError):
         return None
-    return None if soft == resource.RLIM_INFINITY else soft
+    limit = hard if raised else soft
+    return None if limit == resource.RLIM_INFINITY else limit
 
 
 def _raise_fd_limit() -> None:

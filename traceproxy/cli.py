@@ -8,7 +8,7 @@ import logging
 import sys
 
 from . import __version__
-from .config import (ConfigError, add_flags, listen_argument, load_settings, seconds_argument,
+from .config import (ConfigError, Settings, add_flags, listen_argument, load_settings, seconds_argument,
                      unknown_environment)
 
 
@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy. Every flag is also a "
                            "config-file key and a TRACEPROXY_<KEY> environment variable; flags win.")
     add_flags(serve)
+    serve.add_argument("--check", action="store_true",
+                       help="load flags, environment and config file as serve does, validate them, print the "
+                       "listen, upstream and admin addresses and where spans and the access log go, and exit: "
+                       "0 when valid, 2 (naming the key) when not. Binds nothing, resolves no names, writes nothing.")
     serve.set_defaults(run=_serve)
 
     upstream = sub.add_parser("upstream", help="run the built-in OpenAI-compatible test upstream")
@@ -92,6 +96,8 @@ def _serve(args: argparse.Namespace) -> int:
     for warning in unknown_environment():
         print(f"traceproxy: warning: {warning}", file=sys.stderr)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.check:
+        return _check(settings)
     try:
         return run(settings)
     except ConfigError as exc:
@@ -100,6 +106,21 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # the listen or admin address taken, or not this machine's
         print(f"traceproxy: stopped: {exc}", file=sys.stderr)
         return 1
+
+
+def _check(settings: Settings) -> int:
+    from .app import check_settings
+
+    try:
+        effective = check_settings(settings)
+    except ConfigError as exc:
+        print(f"traceproxy: configuration error: {exc}", file=sys.stderr)
+        return 2
+    width = max(len(label) for label, _ in effective)
+    for label, value in effective:
+        print(f"{label:<{width}}  {value}")
+    print("traceproxy: configuration OK")
+    return 0
 
 
 def _upstream(args: argparse.Namespace) -> int:
