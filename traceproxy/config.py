@@ -85,6 +85,8 @@ class Limits:
     max_client_connections: int
     max_header_bytes: int
     max_target_bytes: int
+    # A default so code that builds Limits by hand keeps working; it must equal the schema's.
+    client_half_close: str = "abort"  # abort | answer
 
 
 @dataclass(frozen=True)
@@ -546,6 +548,13 @@ SCHEMA: tuple[Setting, ...] = (
             "A request head larger than this gets 431; a response head or trailer section larger than "
             "this from the upstream is a 502."),
     Setting("limits", "max_target_bytes", integer(64), 8192, "A request target longer than this gets 414."),
+    Setting("limits", "client_half_close", choice("abort", "answer"), "abort",
+            "A client that half-closes (a FIN: shutdown(SHUT_WR), nc -N, some health checkers) after sending "
+            "a complete request, before its response is complete. abort: taken as leaving, as nginx and "
+            "Envoy take it: the request ends DC (blame client) and its upstream connection is closed, so "
+            "the engine stops work nobody will read. answer: the response is still sent, then the "
+            "connection closed; a client that in fact left is found at the first write (a reset). A FIN "
+            "before the request is complete is a disconnect (DC) either way."),
     Setting("forwarding", "preserve_host", boolean(), True,
             "Forward the client's Host header; false sends the upstream's host:port instead."),
     Setting("forwarding", "x_forwarded", boolean(), True,

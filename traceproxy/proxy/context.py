@@ -87,6 +87,8 @@ class ServerContext:
         self.first_request_deadline_ns = min((ns for ns in (self.upstream_headers_ns, self.client_body_ns) if ns),
                                              default=0)
         self.limits = settings.limits
+        # A FIN after whole requests: answer them (else it is a disconnect).
+        self.answer_half_close = settings.limits.client_half_close == "answer"
         self.retry_buffer_bytes = settings.pool.retry_buffer_bytes
         self.upstream_authority = settings.upstream.authority
         self.advertised_keepalive = int(settings.timeouts.client_keepalive)

@@ -27,6 +27,13 @@ Hazards
   up would go unseen until some timeout, with the engine still working for it.
   A paused connection is checked every ``PEER_CHECK_INTERVAL`` for a hang-up
   (FIN or reset, also behind unread bytes) and reset when it finds one.
+* Half-close: a client's FIN after whole requests is, by default, taken as leaving
+  (``limits.client_half_close = "abort"``): a client that left must free the engine,
+  and a FIN is all that a closing client sends. With "answer" the requests are still
+  answered: reading has ended (uvloop must not be asked to read after EOF), and the
+  hang-up check runs on, for a reset only, until the connection closes after the last
+  response. A FIN found by that check while reading is paused may sit behind unread
+  requests, so with "answer" it is left for ``eof_received`` to judge once they are read.
 * Exactly one ending per request: every record started here ends through
   ``ServerContext.end_request``, including requests that were still being parsed
   or queued when the connection died.
@@ -64,6 +71,9 @@ MAX_PIPELINED = 32
 # Lingering close: how long bytes the client still sends are read and thrown away
 # after the proxy's FIN (see close_lingering).
 LINGER_SECONDS = 2.0
+# How a FIN after a whole request, taken as leaving, is recorded (see eof_received).
+HALF_CLOSE_TAKEN_AS_LEAVING = ("client half-closed the connection (FIN) after its whole request, before {what}: "
+                               "taken as leaving (limits.client_half_close = abort)")
 # The usual methods as str, so that a request does not decode its method.
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
 # RFC 9110 section 5.6.2: a method is a token (bounded here: it is quoted back).
@@ -139,6 +149,10 @@ class ClientConnection(asyncio.Protocol):
         self._linger: asyncio.TimerHandle | None = None  # set while closing lingeringly
         self._flush_deadline: asyncio.TimerHandle | None = None  # set while a close waits on a full connection
         self.reading_stopped = False  # too many requests pipelined: nothing more is parsed
+        # The client's FIN came after whole requests, which are still answered (see
+        # Hazards: Half-close); and its FIN after a whole request was taken as leaving.
+        self.half_closed = False
+        self._left_after_request = False
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -179,9 +193,14 @@ class ClientConnection(asyncio.Protocol):
         for exchange in (self.active, *self.queue):
             if exchange is not None:
                 exchange.client_closed(closed)
-        self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
-        if self.active is not None:
-            self.active.client_lost()
+        if self._left_after_request:
+            self._drop_queue(Flag.DC, HALF_CLOSE_TAKEN_AS_LEAVING.format(what="this pipelined request's turn"))
+            if self.active is not None:
+                self.active.client_lost(HALF_CLOSE_TAKEN_AS_LEAVING.format(what="the response was complete"))
+        else:
+            self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
+            if self.active is not None:
+                self.active.client_lost()
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
             self.ctx.stamp_once(self.parsing, closed, MARK.DOWNSTREAM_CLOSED)
             self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
@@ -203,13 +222,39 @@ class ClientConnection(asyncio.Protocol):
         nginx and Envoy take it: the connection is aborted at once, so the engine is
         let go now. Closing instead would wait for buffered response bytes to drain,
         which never happens while the client is not reading. Otherwise (idle, or only
-        a finished response draining) it is a normal close."""
-        if self.active is not None or self.queue or (self.parsing is not None and not self.parsing.finished):
-            self.closing = True
-            if self.active is not None:
-                self.active.client_sent_fin()
-            self.transport.abort()  # connection_lost follows and ends every request on it
+        a finished response draining) it is a normal close. After whole requests, with
+        ``limits.client_half_close = "answer"``, they are answered first (see Hazards:
+        Half-close), unless the client had all of its stream already (data: [DONE])."""
+        if self.half_closed:
+            return True
+        if not (self.active is not None or self.queue or (self.parsing is not None and not self.parsing.finished)):
+            return False
+        owed = self._fin_after_whole_requests()
+        if owed and self.ctx.answer_half_close and not self.closing:
+            self._answer_then_close()
+            return True
+        self._left_after_request = owed and not self.ctx.answer_half_close
+        self.closing = True
+        self.transport.abort()  # connection_lost follows and ends every request on it
         return False
+
+    def _fin_after_whole_requests(self) -> bool:
+        """Judges the client's FIN: True when every request begun on this connection was
+        read to its end and is still owed its response. Not when the client had its
+        whole stream (data: [DONE]; the active exchange judges that, once, now)."""
+        had_its_stream = self.active is not None and self.active.client_sent_fin()
+        return (not had_its_stream and self.parsing is None and self.rejection is None
+                and self.active is not None and self.active.request_complete and not self.active.finished)
+
+    def _answer_then_close(self) -> None:
+        """The client half-closed after whole requests: they are answered, the last one
+        with Connection: close (if its head is not out yet), then the connection closes."""
+        self.half_closed = True
+        last = self.queue[-1] if self.queue else self.active
+        last.head.keep_alive = last.keep_client_alive = False
+        self.reading_paused_for.clear()  # no reading is left to pause or resume
+        if self._peer_check is None:
+            self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)
 
     def close(self) -> None:
         if not self.closing:
@@ -305,6 +350,8 @@ class ClientConnection(asyncio.Protocol):
         return bool(self.reading_paused_for)
 
     def pause_reading(self, reason: str) -> None:
+        if self.half_closed:
+            return  # reading ended with the client's FIN
         if not self.reading_paused_for and not self.closing:
             self.transport.pause_reading()
             if self._peer_check is None:
@@ -318,16 +365,19 @@ class ClientConnection(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def _check_peer(self) -> None:
-        """While reading is paused, look for a hang-up the loop is not watching for."""
+        """While reading is paused, or ended by a FIN that is being answered, look for a
+        hang-up the loop is not watching for."""
         self._peer_check = None
-        if self.closing or not self.reading_paused_for:
+        if self.closing or not (self.reading_paused_for or self.half_closed):
             return
         hung_up = sockets.peer_hung_up(self.transport)
+        if hung_up == sockets.FIN and self.ctx.answer_half_close:
+            hung_up = None  # the FIN came, or is judged once the bytes before it are read (see Hazards)
         if hung_up:
             log.debug("client %s hung up while its reading was paused (%s)",
-                      self.record.peer, ", ".join(sorted(self.reading_paused_for)))
-            if hung_up == sockets.FIN and self.active is not None:
-                self.active.client_sent_fin()
+                      self.record.peer, ", ".join(sorted(self.reading_paused_for)) or "half-closed")
+            if hung_up == sockets.FIN:
+                self._left_after_request = self._fin_after_whole_requests()
             self.reset()  # connection_lost follows and ends every request on it
             return
         self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)
@@ -703,11 +753,11 @@ class ClientConnection(asyncio.Protocol):
             # the upstream not taking it) end with it: the next request must be read.
             self.resume_reading("pending")
             self.resume_reading("upstream")
-        if not keep_alive or self.closing:
+        if not keep_alive or self.closing or (self.half_closed and not self.queue):
             # Answered before its body ended, or with requests behind it: the client
-            # may still be sending.
-            still_sending = (not exchange.request_complete or self.queue or self.parsing is not None
-                             or self.reading_stopped)
+            # may still be sending (not after its FIN).
+            still_sending = not self.half_closed and (not exchange.request_complete or self.queue
+                                                      or self.parsing is not None or self.reading_stopped)
             self._drop_queue(Flag.LR, "the connection closed before this pipelined request's turn")
             if still_sending:
                 self.close_lingering()

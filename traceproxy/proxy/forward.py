@@ -512,25 +512,27 @@ class Exchange:
         if not self.finished:
             self._stamp_once(MARK.DOWNSTREAM_CLOSED, now)
 
-    def client_lost(self) -> None:
+    def client_lost(self, why: str = "client closed the connection") -> None:
         self.lingering = False
         if self.finished or self._client_gone:
             return
-        self._fail(Flag.DC, "client closed the connection", client_gone=True)
+        self._fail(Flag.DC, why, client_gone=True)
 
-    def client_sent_fin(self) -> None:
+    def client_sent_fin(self) -> bool:
         """The client closed with a FIN: judged now, before anything more comes from the
         upstream. It had the whole stream when data: [DONE] was the last event and it had
         acknowledged every byte: everything but the chunked terminator. Not a finish
-        reason, which one choice of several may send mid-stream."""
+        reason, which one choice of several may send mid-stream. True when it had it."""
         if not self._sse or self.record.status != 200 or self.finished:
-            return
+            return False
         _, previous, last = self.record.response_tail
         tail = previous[-18:] + last[-18:]  # the event may be split across reads
         if (tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
                 and sockets.unsent(self.client.transport) == 0):
             # From now: the upstream's bytes (in this very loop pass too) are past it.
             self._client_left_after_the_end()
+            return True
+        return False
 
     def _client_left_after_the_end(self) -> None:
         """The client closed once it had the stream's end, before the upstream's last
