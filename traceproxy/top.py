@@ -433,7 +433,8 @@ def _frame(snapshot: Snapshot, base_url: str, width: int, use_color: bool, heigh
 
 def run_once(base_url: str, use_color: bool) -> int:
     try:
-        lines = _frame(fetch_snapshot(base_url), base_url, shutil.get_terminal_size().columns, use_color)
+        lines = _frame(fetch_snapshot(base_url, FETCH_TIMEOUT_S), base_url, shutil.get_terminal_size().columns,
+                       use_color)
     except AdminUnreachable as exc:
         print(f"traceproxy top: {exc}", file=sys.stderr)
         return UNREACHABLE_EXIT
