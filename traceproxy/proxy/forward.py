@@ -27,6 +27,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from ..lifecycle.deadlines import client_took_more, expiry, next_deadline
 from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK, Mark
 from ..lifecycle.timeline import Attempt, RequestRecord
@@ -659,45 +660,17 @@ class Exchange:
     # and re-aims), instead of every request creating and cancelling a timer.
     # ---------------------------------------------------------------------------
     def _next_deadline(self, now: int) -> tuple[int, Outcome] | None:
-        """(deadline ns, outcome) of the limit that expires first, of those that still apply.
-
-        Runs at the start and at the response head of every request: it keeps the
-        earliest one as it goes rather than building a list of all of them.
-        """
-        ctx, record = self.ctx, self.record
-        due, outcome = 0, None
-        # The client's last request byte, or this request's start if later: the time a
-        # pipelined request waited for its turn (the proxy not reading) is nobody's silence.
-        last_rx = record.last_downstream_rx_ns or 0
-        if last_rx < self._started_ns:
-            last_rx = self._started_ns
-        # The body is still the client's to send, and the body deadline watches it:
-        # a client silent mid-body is its own timeout (DBT), not the upstream's (UT).
-        # Not while the proxy has stopped reading it (the upstream not taking it, no
-        # connection yet): that wait is the upstream's, and not client silence either.
-        owes_body = ctx.client_body_ns and self._expects_body and not self.request_complete
-        reading_paused = owes_body and self.client.reading_paused
-        if ctx.upstream_headers_ns and not self.response_started and (not owes_body or reading_paused):
-            # Counted from the client's last request byte: its own upload time is
-            # never the upstream's (the body deadline covers that).
-            due, outcome = last_rx + ctx.upstream_headers_ns, Flag.UT
-        if owes_body:
-            body_due = (now if reading_paused else last_rx) + ctx.client_body_ns
-            if outcome is None or body_due <= due:  # a tie is the client's: it went silent first
-                due, outcome = body_due, Flag.DBT
-        if ctx.upstream_read_ns and self.response_started and not record.has(MARK.LAST_UPSTREAM_RX_BYTE):
-            # Our own pause (the client not reading) is not upstream silence.
-            last = now if self._upstream_paused_by_client else record.last_upstream_rx_ns
-            read_due = last + ctx.upstream_read_ns
-            if outcome is None or read_due < due:
-                due, outcome = read_due, Flag.SI
-        if ctx.client_send_ns and record.downstream_paused_since_ns is not None:
-            # From when it last took any of the response: a slow reader keeps its
-            # connection full for long, and is still reading.
-            send_due = self._client_taken_ns + ctx.client_send_ns
-            if outcome is None or send_due < due:
-                due, outcome = send_due, Flag.DNR
-        return None if outcome is None else (due, outcome)
+        """(deadline ns, outcome) of the limit that expires first (see lifecycle.deadlines)."""
+        record = self.record
+        response_started = self.response_started
+        return next_deadline(
+            now, self.ctx, started_ns=self._started_ns, last_client_byte_ns=record.last_downstream_rx_ns,
+            expects_body=self._expects_body, request_complete=self.request_complete,
+            reading_paused=self.client.reading_paused, response_started=response_started,
+            response_complete=response_started and record.has(MARK.LAST_UPSTREAM_RX_BYTE),
+            last_upstream_byte_ns=record.last_upstream_rx_ns, upstream_paused_by_client=self._upstream_paused_by_client,
+            client_paused=record.downstream_paused_since_ns is not None, client_taken_ns=self._client_taken_ns,
+        )
 
     def _aim_timer(self, now: int) -> None:
         nearest = self._next_deadline(now)
@@ -715,33 +688,18 @@ class Exchange:
         due, expired = nearest
         if due > now:
             self.client.aim_exchange_timer(due, now)
-        elif expired is Flag.UT:
-            waited = self.ctx.timeouts.upstream_headers
-            if self.record.has(MARK.POOL_QUEUED) and not self.record.has(MARK.POOL_ACQUIRED):
-                # Still queued for a connection at pool.max_connections: the proxy's own limit.
-                self._fail(Flag.PWS, f"no upstream connection free within {waited:g} s: pool.max_connections "
-                                     f"({self.ctx.pool.max_connections}) reached")
-            else:
-                self._fail(Flag.UT, f"{self._where(self.record.attempt)}: no response headers within {waited:g} s "
-                                    "of the client's last request byte")
-        elif expired is Flag.DNR:
+            return
+        if expired is Flag.DNR:
             taken = self._taken_by_client()
-            if taken > self._client_taken:  # it read some since: the deadline moves on
+            if client_took_more(taken, self._client_taken):
                 self._client_taken, self._client_taken_ns = taken, now
                 self._aim_timer(now)
                 return
+        ending = expiry(expired, due, now, self.record, self.ctx, self._where(self.record.attempt),
+                        self.ctx.pool.max_connections)
+        if not ending.client_kept:
             self.keep_client_alive = False
-            self._fail(Flag.DNR, f"the client took none of the response for {self.ctx.timeouts.client_send:g} s "
-                                 f"after {self.record.downstream_tx_body_bytes} body bytes")
-        elif expired is Flag.DBT:
-            silent = (now - due + self.ctx.client_body_ns) / 1e9  # due = the silence's start + the limit
-            self.keep_client_alive = False
-            self._fail(Flag.DBT, f"request body silent for {silent:.1f} s after "
-                       f"{self.record.downstream_rx_body_bytes} bytes")
-        else:
-            silent = (now - self.record.last_upstream_rx_ns) / 1e9
-            self._fail(Flag.SI, f"{self._where(self.record.attempt)}: response body silent for {silent:.1f} s "
-                       f"after {self.record.upstream_rx_body_bytes} bytes")
+        self._fail(ending.outcome, ending.detail)
 
     # ---------------------------------------------------------------------------
     def _stamp(self, now: int, *marks: Mark) -> None:
