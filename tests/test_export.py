@@ -21,8 +21,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import traceproxy
 from traceproxy.observe.export import ExportConfig, SpanExportPipe
-from traceproxy.observe.export_sinks import http_traces_url
 from traceproxy.observe.export_wire import FRAME_HEADER, decode_frame, encode_frame, parse_stats_line
+from traceproxy.observe.otlp_settings import http_traces_url
 from traceproxy.observe.spans import AttemptSummary, RequestSummary
 from traceproxy.observe.spandata import (
     KIND_CLIENT,
@@ -506,10 +506,10 @@ def test_a_failed_file_write_leaves_whole_lines_and_the_next_batch_its_own(tmp_p
     import errno
 
     from traceproxy.observe.export_sinks import FileSink
-    from traceproxy.observe.otlp_proto import OtlpEncoder
+    from traceproxy.observe.otlp_json import OtlpJsonEncoder
 
     path = tmp_path / "spans.jsonl"
-    sink = FileSink(path, OtlpEncoder({"service.name": "t"}, "traceproxy", "0"))
+    sink = FileSink(path, OtlpJsonEncoder({"service.name": "t"}, "traceproxy", "0"))
     real = sink._file
 
     class FullOnce:
@@ -546,11 +546,11 @@ def test_export_errors_are_logged_once_per_episode():
     def record(name, level=logging.ERROR):
         return logging.LogRecord(name, level, __file__, 1, "failed", None, None)
 
-    otlp = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
-    assert episode.filter(record(otlp)) is True  # the first failure is logged
-    assert episode.filter(record(otlp)) is False and episode.filter(record(EXPORT_LOGGER)) is False
+    assert episode.filter(record(EXPORT_LOGGER)) is True  # the first failure is logged
+    assert episode.filter(record(EXPORT_LOGGER)) is False  # the repeats are not
+    assert episode.filter(record(EXPORT_LOGGER, logging.WARNING)) is False
     assert episode.filter(record("traceproxy.exporter")) is True  # other trouble is not this episode's
-    assert episode.filter(record(otlp, logging.INFO)) is True
+    assert episode.filter(record(EXPORT_LOGGER, logging.INFO)) is True
     episode.delivered()  # a batch got through: the next failure is news again
     assert episode.filter(record(EXPORT_LOGGER)) is True
 

@@ -2,34 +2,31 @@
 
 A sink has ``export(spans) -> bool`` (True: delivered) and ``shutdown()``. Each sink
 imports only what its destination needs, so a console exporter never loads gRPC.
-The OTLP sink hands everything the config leaves empty to the OTel SDK exporter, so
-the standard ``OTEL_EXPORTER_OTLP_*`` variables (endpoint, headers, timeout,
-insecure, compression, certificates) keep their documented meaning.
+The OTLP sink encodes the batch itself (``otlp_proto.py``) and sends the bytes
+(``otlp_transport.py``), where the standard ``OTEL_EXPORTER_OTLP_*`` variables keep
+their documented meaning (``otlp_settings.py``); the file sink writes OTLP/JSON
+directly (``otlp_json.py``). The OpenTelemetry SDK is used for its resource
+detection only.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import NamedTuple
-from urllib.parse import urlsplit
 
 from traceproxy import __version__
 
 from .export_wire import ExportConfig
+from .otlp_json import OtlpJsonEncoder
 from .otlp_proto import OtlpEncoder
+from .otlp_settings import http_traces_url  # noqa: F401 (where callers have found it)
 from .spandata import SpanData
 
 log = logging.getLogger("traceproxy.export")
 
 DEFAULT_SERVICE_NAME = SCOPE_NAME = "traceproxy"
-_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
-HTTP_TRACES_PATH = "/v1/traces"
-_TIMEOUT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
 _KIND_NAMES = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 _STATUS_NAMES = {0: "UNSET", 1: "OK", 2: "ERROR"}
 
@@ -37,11 +34,10 @@ _STATUS_NAMES = {0: "UNSET", 1: "OK", 2: "ERROR"}
 def make_sink(config: ExportConfig):
     if config.exporter == "console":
         return ConsoleSink()
-    encoder = OtlpEncoder(resource_attributes(config), SCOPE_NAME, __version__)
     if config.exporter == "file":
-        return FileSink(Path(config.file_path), encoder)
+        return FileSink(Path(config.file_path), OtlpJsonEncoder(resource_attributes(config), SCOPE_NAME, __version__))
     if config.exporter == "otlp":
-        return OtlpSink(otlp_transport(config), encoder)
+        return OtlpSink(otlp_transport(config), OtlpEncoder(resource_attributes(config), SCOPE_NAME, __version__))
     raise ValueError(f"no exporter process for exporter={config.exporter!r}")
 
 
@@ -55,108 +51,29 @@ def resource_attributes(config: ExportConfig) -> dict:
     return dict(Resource.create(attributes).attributes)
 
 
-class EncodedBatch(NamedTuple):
-    payload: bytes  # a serialized ExportTraceServiceRequest
-    spans: int
-
-
 class OtlpSink:
     def __init__(self, transport, encoder: OtlpEncoder) -> None:
         self._transport, self._encoder = transport, encoder
 
     def export(self, spans: list[SpanData]) -> bool:
-        return self._transport.send(EncodedBatch(self._encoder.encode(spans), len(spans)))
+        return self._transport.send(self._encoder.encode(spans))
 
     def shutdown(self) -> None:
         self._transport.shutdown()
 
 
 def otlp_transport(config: ExportConfig):
-    """The OTel SDK's OTLP exporter, fed bytes we encoded (``otlp_proto.py``).
+    from .otlp_settings import otlp_settings
+    from .otlp_transport import GrpcTransport, HttpTransport
 
-    The SDK exporter is kept for what it does well: the ``OTEL_EXPORTER_OTLP_*``
-    settings, TLS, compression, retries with backoff, the export timeout. Only its
-    encoding step is bypassed, through the hooks named in ``GrpcTransport`` and
-    ``HttpTransport``; pyproject pins the exporter's minor version for them."""
-    kwargs = {}
-    if not any(os.environ.get(name) for name in _TIMEOUT_VARIABLES):
-        kwargs["timeout"] = config.export_timeout
-    if config.otlp_protocol == "grpc":
-        if config.otlp_endpoint:
-            kwargs["endpoint"] = config.otlp_endpoint
-        return GrpcTransport(**kwargs)
-    if config.otlp_endpoint:
-        kwargs["endpoint"] = http_traces_url(config.otlp_endpoint)
-    return HttpTransport(**kwargs)
-
-
-class HttpTransport:
-    """OTLP http/protobuf: the SDK exporter's HTTP client posts our payload."""
-
-    def __init__(self, **kwargs) -> None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        self._exporter = OTLPSpanExporter(**kwargs)
-        client = getattr(self._exporter, "_client", None)
-        if not callable(getattr(client, "export", None)):
-            raise RuntimeError("this opentelemetry-exporter-otlp-proto-http has no _client.export(bytes); "
-                               "install the version pinned in traceproxy's pyproject.toml")
-        self._client = client
-
-    def send(self, batch: EncodedBatch) -> bool:
-        return bool(self._client.export(batch.payload).success)
-
-    def shutdown(self) -> None:
-        self._exporter.shutdown()
-
-
-def _grpc_exporter_class():
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    class EncodedGrpcExporter(OTLPSpanExporter):
-        """Exports ``EncodedBatch``es: the OTLP mixin's ``_translate_data`` and
-        ``_count_data`` hooks take the batch instead of SDK spans. The payload is
-        parsed back into the request message because the gRPC stub serializes
-        messages itself: about 0.5 ms for a 512-span batch, parse and serialize,
-        against ~3 ms to encode it; swapping the stub's serializer would reach
-        further into the SDK than its two documented hooks."""
-
-        def _translate_data(self, data: EncodedBatch) -> ExportTraceServiceRequest:
-            return ExportTraceServiceRequest.FromString(data.payload)
-
-        def _count_data(self, data: EncodedBatch) -> int:
-            return data.spans
-
-    return EncodedGrpcExporter
-
-
-class GrpcTransport:
-    def __init__(self, **kwargs) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        self._exporter = _grpc_exporter_class()(**kwargs)
-        self._success = SpanExportResult.SUCCESS
-
-    def send(self, batch: EncodedBatch) -> bool:
-        return self._exporter._export(batch) is self._success
-
-    def shutdown(self) -> None:
-        self._exporter.shutdown()
-
-
-def http_traces_url(base: str) -> str:
-    """A base endpoint (like OTEL_EXPORTER_OTLP_ENDPOINT) -> the traces URL."""
-    path = urlsplit(base).path.rstrip("/")
-    if path.endswith(HTTP_TRACES_PATH):
-        return base
-    return base.rstrip("/") + HTTP_TRACES_PATH
+    settings = otlp_settings(config)
+    return GrpcTransport(settings) if settings.protocol == "grpc" else HttpTransport(settings)
 
 
 class FileSink:
     """One OTLP/JSON ``ExportTraceServiceRequest`` per line, like the Collector's file exporter."""
 
-    def __init__(self, path: Path, encoder: OtlpEncoder) -> None:
+    def __init__(self, path: Path, encoder: OtlpJsonEncoder) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Unbuffered: a write that fails (a full disk) must not stay in a buffer, to go
         # out glued to the next batch's line.
@@ -165,7 +82,7 @@ class FileSink:
         self._encoder = encoder
 
     def export(self, spans: list[SpanData]) -> bool:
-        line = (otlp_json_line(self._encoder.encode(spans)) + "\n").encode("utf-8")
+        line = (self._encoder.line(spans) + "\n").encode("utf-8")
         end = os.fstat(self._file.fileno()).st_size
         try:
             view = memoryview(line)
@@ -186,32 +103,6 @@ class FileSink:
 
     def shutdown(self) -> None:
         self._file.close()
-
-
-def otlp_json_line(payload: bytes) -> str:
-    """A serialized ``ExportTraceServiceRequest`` as a compact OTLP/JSON line (no newline).
-
-    OTLP/JSON is protobuf's canonical JSON mapping with the OTLP exceptions that the
-    Collector's file exporter writes and its otlpjson receiver reads: camelCase
-    names, int64 as decimal strings, enums as integers, and trace/span ids as
-    lowercase hex (protobuf's own mapping would make them base64)."""
-    from google.protobuf.json_format import MessageToDict
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    document = MessageToDict(ExportTraceServiceRequest.FromString(payload), use_integers_for_enums=True)
-    for span in _spans_and_links(document):
-        for key in _ID_FIELDS:
-            if key in span:
-                span[key] = base64.b64decode(span[key]).hex()
-    return json.dumps(document, separators=(",", ":"))
-
-
-def _spans_and_links(document: dict):
-    for resource_spans in document.get("resourceSpans", ()):
-        for scope_spans in resource_spans.get("scopeSpans", ()):
-            for span in scope_spans.get("spans", ()):
-                yield span
-                yield from span.get("links", ())
 
 
 class ConsoleSink:

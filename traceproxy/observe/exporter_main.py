@@ -12,9 +12,9 @@ Theory of operation:
   spans; a summary that fails to become spans counts as one failure. The child buffers
   nothing beyond the batch in hand, so a slow or black-holing collector shows up as
   a full pipe, and the parent (the one bounded queue in the system) drops and
-  counts. Memory here is bounded by one batch. Each export is bounded by the OTel
-  SDK exporter's own timeout, retries included (``export_timeout`` unless an
-  ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` variable is set).
+  counts. Memory here is bounded by one batch. Each export is bounded by its
+  timeout, retries included (``export_timeout`` unless an
+  ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` variable is set; ``otlp_transport.py``).
 - EOF on stdin (the parent's ``stop()``, or the parent died) means: export what is
   left, shut the exporter down, send the final stats line, exit 0. So the child
   never outlives its parent by more than the exports of what is already in the
@@ -127,9 +127,8 @@ EXPORT_LOGGER = "traceproxy.export"  # the sinks' logger, and failed batches'
 
 class FailureEpisode(logging.Filter):
     """Export errors are logged once per episode, not once per batch: a collector down
-    for an hour must not write a line (or a traceback) every second. Attached to the
-    loggers of the OTLP exporters too, which log every failed batch themselves; the
-    episode ends with the next batch delivered, which is logged."""
+    for an hour must not write a line (or a traceback) every second. The episode ends
+    with the next batch delivered, which is logged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -137,8 +136,7 @@ class FailureEpisode(logging.Filter):
         self.suppressed = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or not (
-                record.name == EXPORT_LOGGER or record.name.startswith("opentelemetry.exporter")):
+        if record.levelno < logging.WARNING or record.name != EXPORT_LOGGER:
             return True
         if self.failing:
             self.suppressed += 1

@@ -1,0 +1,149 @@
+"""Exporter process: ``SpanData`` -> one OTLP/JSON ``ExportTraceServiceRequest`` line.
+
+OTLP/JSON is protobuf's canonical JSON mapping of the OTLP messages, with the
+exceptions that the Collector's file exporter writes and its ``otlpjson`` receiver
+reads:
+
+- field names in lowerCamelCase, in field-number order;
+- trace and span ids as lowercase hex (protobuf's own mapping would make them base64);
+- enums (span kind, status code) as integers;
+- 64-bit integers (times, int attribute values) as decimal strings; 32-bit ones
+  (``flags``) as numbers;
+- a field at its default (an empty string, a zero) is left out, except inside an
+  ``AnyValue``, whose one value is always written (``{"intValue": "0"}``).
+
+Written straight from the spans, not through protobuf messages: the document is
+the one ``MessageToDict`` makes of the protobuf encoding (``otlp_proto.py``) of the
+same spans, key for key, and ``json.dumps`` writes it the same way, so readers of
+the file (``traceproxy diagnose``, the Collector) see the same lines as before.
+``tests/test_otlp_json.py`` compares the two.
+
+Hazards, mirroring ``otlp_proto.py``:
+- Text that is not valid UTF-8 (a lone surrogate) becomes ``?``, as the protobuf
+  encoding makes it; a line must stay readable.
+- ``bool`` is tested before ``int``; an int outside int64 wraps as protobuf would
+  read it back; other odd values are written as their ``str()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+
+from .otlp_proto import FLAG_HAS_IS_REMOTE, FLAG_IS_REMOTE, FLAG_SAMPLED
+from .spandata import SpanData, SpanEvent
+
+_INT64_SPAN = 1 << 64
+_INT64_MAX = (1 << 63) - 1
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+class OtlpJsonEncoder:
+    """Resource and scope are built once; ``line`` makes one document per batch."""
+
+    def __init__(self, resource_attributes: Mapping, scope_name: str, scope_version: str) -> None:
+        self._resource = {"attributes": key_values(resource_attributes)} if resource_attributes else {}
+        self._scope = _without_defaults({"name": text(scope_name), "version": text(scope_version)})
+
+    def document(self, spans: Iterable[SpanData]) -> dict:
+        scope_spans = {"scope": self._scope}
+        span_documents = [span_document(span) for span in spans]
+        if span_documents:
+            scope_spans["spans"] = span_documents
+        return {"resourceSpans": [{"resource": self._resource, "scopeSpans": [scope_spans]}]}
+
+    def line(self, spans: Iterable[SpanData]) -> str:
+        """A compact OTLP/JSON line, without its newline."""
+        return json.dumps(self.document(spans), separators=(",", ":"))
+
+
+def span_document(span: SpanData) -> dict:
+    flags = FLAG_HAS_IS_REMOTE | (FLAG_SAMPLED if span.sampled else 0)
+    out = {"traceId": "%032x" % span.trace_id, "spanId": "%016x" % span.span_id}
+    if span.trace_state:
+        out["traceState"] = text(span.trace_state)
+    if span.parent_span_id:
+        out["parentSpanId"] = "%016x" % span.parent_span_id
+        if span.parent_is_remote:
+            flags |= FLAG_IS_REMOTE
+    if span.name:
+        out["name"] = text(span.name)
+    if span.kind:
+        out["kind"] = int(span.kind)
+    if span.start_unix_ns:
+        out["startTimeUnixNano"] = str(int(span.start_unix_ns))
+    if span.end_unix_ns:
+        out["endTimeUnixNano"] = str(int(span.end_unix_ns))
+    if span.attributes:
+        out["attributes"] = key_values(span.attributes)
+    if span.events:
+        out["events"] = [event_document(event) for event in span.events]
+    status = {}
+    if span.status_message:
+        status["message"] = text(span.status_message)
+    if span.status_code:
+        status["code"] = int(span.status_code)
+    out["status"] = status  # always written, like the protobuf encoding's, if empty
+    out["flags"] = flags
+    return out
+
+
+def event_document(event: SpanEvent) -> dict:
+    out = {}
+    if event.time_unix_ns:
+        out["timeUnixNano"] = str(int(event.time_unix_ns))
+    if event.name:
+        out["name"] = text(event.name)
+    if event.attributes:
+        out["attributes"] = key_values(event.attributes)
+    return out
+
+
+def key_values(attributes: Mapping) -> list[dict]:
+    return [_key_value(key, value) for key, value in attributes.items()]
+
+
+def _key_value(key: str, value) -> dict:
+    if key:
+        return {"key": text(key), "value": any_value(value)}
+    return {"value": any_value(value)}
+
+
+def any_value(value) -> dict:
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(_as_int64(int(value)))}
+    if isinstance(value, float):
+        return {"doubleValue": _double(value)}
+    if isinstance(value, (tuple, list)):
+        items = [any_value(item) for item in value]
+        return {"arrayValue": {"values": items} if items else {}}
+    if not isinstance(value, str):
+        value = str(value)
+    return {"stringValue": text(value)}
+
+
+def text(value: str) -> str:
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "replace").decode("utf-8")
+
+
+def _as_int64(value: int) -> int:
+    """What an int64 field reads back: the low 64 bits, two's complement."""
+    if -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        return value
+    value %= _INT64_SPAN
+    return value - _INT64_SPAN if value > _INT64_MAX else value
+
+
+def _double(value: float):
+    if math.isnan(value):
+        return "NaN"
+    return _NON_FINITE.get(value, float(value))
+
+
+def _without_defaults(fields: dict) -> dict:
+    return {key: value for key, value in fields.items() if value}
