@@ -45,6 +45,7 @@ from aiohttp import web
 
 from traceproxy.sim.aioserve import quiet_logger, start_app
 from traceproxy.sim.launch import RouterProcess, RouterUnavailable, free_port, router_importable
+from traceproxy.sim.startup import SimStartError
 
 STARTUP_TIMEOUT = 60.0  # router start + worker registration, bounded
 STEP_TIMEOUT = 10.0  # any single blocking step (one HTTP exchange, one loop call)
@@ -353,6 +354,10 @@ class RouterHarness:
             self.startup_seconds = time.monotonic() - t0
             self.clear()
             return self
+        except SimStartError as exc:
+            self.stop()
+            # The launcher's message is one line; a failing test wants the router's log too.
+            raise RuntimeError(f"{exc}\n{exc.detail}" if exc.detail else str(exc)) from exc
         except BaseException:
             self.stop()
             raise

@@ -32,7 +32,9 @@ from traceproxy.sim.shapes import prompt_tokens
 from traceproxy.sim.engine import SimWorker
 from traceproxy.sim.faults import FAULTS, FaultError, parse_fault, parse_faults, split_by_home
 from traceproxy.sim.faultyproxy import FaultyProxy
+from traceproxy.sim import launch
 from traceproxy.sim.launch import SimDeployment, free_port
+from traceproxy.sim.startup import ListenerError, SimStartError
 from traceproxy.sim.otel import make_tracing
 
 from .otlp_receiver import OtlpHttpReceiver
@@ -140,17 +142,18 @@ def inflight_entry(proxy, code: str, timeout: float = 5.0) -> dict:
     return entry
 
 
-def read_lines(proc: subprocess.Popen, count: int, timeout: float) -> list[str]:
-    """``count`` stdout lines of a child, bounded by ``timeout``."""
+def read_lines(proc: subprocess.Popen, count: int, timeout: float, stream: str = "stdout") -> list[str]:
+    """``count`` lines of a child's stdout (or stderr), bounded by ``timeout``."""
+    pipe = getattr(proc, stream)
     lines: list[str] = []
     buf = b""
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(pipe, selectors.EVENT_READ)
         while len(lines) < count and time.monotonic() < deadline:
             if not sel.select(timeout=0.2):
                 continue
-            chunk = os.read(proc.stdout.fileno(), 4096)
+            chunk = os.read(pipe.fileno(), 4096)
             if not chunk:
                 break
             buf += chunk
@@ -160,11 +163,34 @@ def read_lines(proc: subprocess.Popen, count: int, timeout: float) -> list[str]:
     return lines[:count]
 
 
-def sim_command(*args: str) -> subprocess.Popen:
+def sim_command(*args: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     return subprocess.Popen([sys.executable, "-m", "traceproxy", "sim", *args], cwd=REPO, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
                             start_new_session=True)
+
+
+def failed_start(*args: str, timeout: float = 30) -> tuple[int, str, str]:
+    """``traceproxy sim`` that is expected not to start: (exit status, stdout, stderr).
+
+    Bounded: a sim that starts after all is stopped, and reads as status None."""
+    proc = sim_command(*args, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out.decode(), err.decode()
+    except subprocess.TimeoutExpired:
+        stop_child(proc)
+        out, err = proc.communicate(timeout=10)
+        return None, out.decode(), err.decode()
+
+
+@pytest.fixture
+def held_port():
+    """A port some other process listens on (here: a bare listening socket)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield sock.getsockname()[1]
 
 
 def stop_child(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
@@ -369,6 +395,19 @@ def test_idle_close_closes_an_idle_keepalive_connection(start_worker):
     assert decode.idle_closes == 1
 
 
+def test_idle_close_spares_a_connection_that_carried_no_inference(start_worker):
+    # The router's registration calls and health checks are its housekeeping, not traffic under test.
+    decode = start_worker("decode", default_faults=["idle_close:0.3"])
+    health = RawClient(decode.port)
+    assert health.roundtrip("GET", "/health").status == 200
+    inference = RawClient(decode.port)
+    assert inference.roundtrip("POST", "/v1/completions", JSON, chat_body(stream=False)).status == 200
+    assert inference.is_closed_by_peer(wait=2.0)
+    assert not health.is_closed_by_peer(wait=0.3)
+    assert health.roundtrip("GET", "/health").status == 200
+    assert decode.idle_closes == 1
+
+
 def test_no_otlp_endpoint_means_no_span_export(monkeypatch):
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
@@ -422,6 +461,77 @@ def test_cli_starts_the_deployment_prints_urls_and_stops_everything_on_sigterm()
         for child in children:  # only if traceproxy sim failed to stop what it started
             if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
                 child.kill()
+
+
+def test_faults_are_armed_only_after_the_routers_warm_up(loop_thread):
+    pytest.importorskip("sglang_router", exc_type=ImportError)
+    # prefill_stall held the warm-up /generate, so the deployment never started;
+    # pinned_request would have leaked the warm-up's slot into the gauge.
+    deployment = SimDeployment(router=True, faults=["prefill_stall", "pinned_request"], startup_timeout=15)
+    loop_thread.run(deployment.start(), timeout=30)
+    try:
+        assert set(deployment.prefill.faults) == {"prefill_stall", "pinned_request"}
+        assert gauge(deployment.prefill, "sglang:num_prefill_inflight_queue_reqs") == 0
+        client = RawClient(int(deployment.router_url.rsplit(":", 1)[1]))
+        client.request("POST", "/generate", JSON, generate_body())
+        assert wait_until(lambda: gauge(deployment.prefill, "sglang:num_running_reqs") == 1, timeout=5)
+        assert read_for(client, 0.5) == b"", "the fault must hold the first request after the start"
+        client.close()
+    finally:
+        loop_thread.run(deployment.stop(), timeout=30)
+
+
+def test_a_sim_whose_router_is_never_ready_says_why_in_one_line():
+    pytest.importorskip("sglang_router", exc_type=ImportError)
+    # An API key the warm-up does not carry: every warm-up gets 401, the router never becomes ready.
+    status, out, err = failed_start("--startup-timeout", "2", "--log-level", "warning",
+                                    "--router-arg=--api-key", "--router-arg=not-sent")
+    assert status == 1 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith("traceproxy sim: cannot start: sglang-router at http://127.0.0.1:")
+    assert "not ready within 2 s" in line and "HTTP 401" in line
+
+
+@pytest.mark.parametrize("flag", ["--prefill-port", "--decode-port", "--bootstrap-port", "--router-port"])
+def test_a_port_in_use_is_a_one_line_startup_error(held_port, flag):
+    if flag == "--router-port":
+        pytest.importorskip("sglang_router", exc_type=ImportError)
+    extra = [] if flag == "--router-port" else ["--no-router"]
+    status, out, err = failed_start(flag, str(held_port), "--startup-timeout", "10", "--log-level", "warning", *extra)
+    assert (status, out) == (2, ""), (status, out, err)
+    listener = flag[2:].removesuffix("-port")
+    assert err == (f"traceproxy sim: cannot start: the {listener} port {held_port} on 127.0.0.1 is already in use"
+                   f" by another process ({flag})\n")
+
+
+def test_a_worker_on_a_port_in_use_names_its_listen_flag(held_port):
+    proc = subprocess.run([sys.executable, "-m", "traceproxy", "sim", "worker", "--role", "decode",
+                           "--listen", f"127.0.0.1:{held_port}"], cwd=REPO, capture_output=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert proc.stderr.decode() == (f"traceproxy sim: cannot start: the decode port {held_port} on 127.0.0.1 is"
+                                    " already in use by another process (--listen)\n")
+
+
+def test_a_router_port_taken_by_another_deployment_is_never_adopted(fast_upstream, loop_thread, monkeypatch):
+    pytest.importorskip("sglang_router", exc_type=ImportError)
+    other = fast_upstream()  # answers every request with 200, as another deployment's router would
+    check = launch.check_port_taken
+    checks = []
+
+    def taken_only_after_the_first_check(*args):
+        # The port is taken between the check before the router starts and the router's own bind.
+        checks.append(args)
+        if len(checks) > 1:
+            check(*args)
+
+    monkeypatch.setattr(launch, "check_port_taken", taken_only_after_the_first_check)
+    deployment = SimDeployment(router=True, router_port=other.port, startup_timeout=15)
+    with pytest.raises(ListenerError) as failure:
+        loop_thread.run(deployment.start(), timeout=30)
+    assert failure.value.listener == "router" and failure.value.taken
+    assert str(failure.value) == f"the router port {other.port} on 127.0.0.1 is already in use by another process"
+    assert "Address already in use" in failure.value.detail  # the router's own log says the same
+    assert deployment.router is None
 
 
 # ----------------------------------------------------------------------------------
@@ -679,6 +789,8 @@ def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, star
     (["--no-router", "--host", "a b"], "expected a host name or IP address"),
     # an empty label: the resolver would refuse it only when binding, as an encoding error
     (["--no-router", "--host", "127.0.0..1"], "expected a host name or IP address"),
+    (["--no-router", "--startup-timeout", "0"], "expected a number of seconds above 0"),
+    (["--no-router", "--startup-timeout", "nan"], "expected a number of seconds above 0"),
 ])
 def test_bad_sim_arguments_are_one_line_errors_with_exit_2(capsys, argv, message):
     assert _exit_status(["sim", *argv]) == 2

@@ -28,5 +28,9 @@ async def start_app(app: web.Application, host: str, port: int, **runner_options
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:  # a taken port: nothing is left set up behind the error
+        await runner.cleanup()
+        raise
     return runner, site._server.sockets[0].getsockname()[1]

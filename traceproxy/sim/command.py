@@ -22,7 +22,9 @@ Run a simulated SGLang prefill/decode deployment on loopback: a prefill and a de
 worker and, when sglang_router is importable, the real sglang-router in PD mode in
 front of them (offline), optionally a faulty keep-alive proxy in front of the router.
 Prints one "NAME URL" line per listener (prefill, decode, router, faulty-proxy,
-bootstrap) and runs until SIGINT/SIGTERM.
+bootstrap) and runs until SIGINT/SIGTERM. Faults are armed once the router is ready:
+its start-up traffic never meets them. A start that fails (a port in use, a router
+that is not ready in time) says why in one line and exits non-zero.
 
 "traceproxy sim worker --role prefill|decode --listen HOST:PORT" runs one worker
 (for docker-compose: give the decode worker --prefill-url, or give the router the
@@ -55,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="faulty proxy: turns forwarded per client connection before it hangs (default 1-3)")
     parser.add_argument("--seed", type=int, default=None, help="faulty proxy: random seed for --hang-after ranges")
     _add_worker_arguments(parser)
+    parser.add_argument("--startup-timeout", type=seconds_argument, default=60.0, metavar="SECONDS",
+                        help="how long the router may take to answer a warm-up request through both workers "
+                        "(default 60)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for sglang_router.launch_router (repeatable, e.g. --router-arg=--policy"
                         " --router-arg=random)")
@@ -124,6 +129,16 @@ def port_argument(text: str) -> int:
     return int(text)
 
 
+def seconds_argument(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
+
+
 def listen_argument(text: str) -> tuple[str, int]:
     """HOST:PORT ([IPv6]:PORT); port 0 picks a free one."""
     host, sep, port = text.strip().rpartition(":")
@@ -155,11 +170,11 @@ def run(args: argparse.Namespace) -> int:
         prefill_port=args.prefill_port, decode_port=args.decode_port, router_port=args.router_port,
         bootstrap_port=args.bootstrap_port, hang_after=hang_after, seed=args.seed, model=args.model,
         prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
-        otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg))
-    try:
-        return asyncio.run(run_deployment(deployment))
-    except KeyboardInterrupt:
-        return 0
+        otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg),
+        startup_timeout=args.startup_timeout)
+    given = {"prefill": ("--prefill-port", args.prefill_port), "decode": ("--decode-port", args.decode_port),
+             "bootstrap": ("--bootstrap-port", args.bootstrap_port), "router": ("--router-port", args.router_port)}
+    return _run_until_stopped(run_deployment(deployment), {name: flag for name, (flag, port) in given.items() if port})
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -170,7 +185,28 @@ def _run_worker(args: argparse.Namespace) -> int:
                        prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
                        default_faults=args.fault, bootstrap_port=args.bootstrap_port,
                        otlp_endpoint=args.otlp_endpoint, prefill_url=args.prefill_url)
+    given = {args.role: ("--listen", args.listen[1]), "bootstrap": ("--bootstrap-port", args.bootstrap_port)}
+    return _run_until_stopped(run_worker(worker), {name: flag for name, (flag, port) in given.items() if port},
+                              host_flag="--listen")
+
+
+def _run_until_stopped(main, port_flags: dict[str, str], host_flag: str = "--host") -> int:
+    """Run ``main``; a start that fails is one line on stderr: 2 for a listener that cannot
+    bind (naming the flag that gave its port, else the host's), 1 otherwise.
+
+    ``port_flags``: listener name -> the flag that gave it a port, for ports the user gave."""
+    from .startup import ListenerError, SimStartError
+
     try:
-        return asyncio.run(run_worker(worker))
+        return asyncio.run(main)
     except KeyboardInterrupt:
         return 0
+    except ListenerError as exc:
+        flag = port_flags.get(exc.listener) or (None if exc.taken else host_flag)
+        print(f"traceproxy sim: cannot start: {exc}" + (f" ({flag})" if flag else ""), file=sys.stderr)
+        return 2
+    except SimStartError as exc:
+        if exc.detail:
+            logging.getLogger("traceproxy.sim").debug("router log:\n%s", exc.detail)
+        print(f"traceproxy sim: cannot start: {exc}", file=sys.stderr)
+        return 1

@@ -44,6 +44,7 @@ from .faults import FaultError, applies, parse_faults, request_fault_specs
 from .generation import Job, serve
 from .otel import end_request_span, make_tracing, request_span
 from .shapes import Reply, check_request, max_tokens, prompt_tokens, request_rid
+from .startup import ListenerError
 
 INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 RECORD_LIMIT = 1000  # requests remembered per worker
@@ -114,15 +115,29 @@ class SimWorker:
         if self.model_path is None:
             self.model_path, self._own_model_path = tempfile.mkdtemp(prefix="sim-sglang-model-"), True
         self.tracing = make_tracing(self.role, self.otlp_endpoint)
-        self._runner, self.port = await start_app(self._app(), self.host, self.port, handler_cancellation=True,
-                                                  shutdown_timeout=1.0, logger=_server_log)
-        if self.role == "prefill":
-            self._bootstrap = await BootstrapServer(self.rooms, self.host, self.bootstrap_port).start()
-            self.bootstrap_port = self._bootstrap.port
-            register_local(self.advertised_host, self.bootstrap_port, self.rooms)
-        else:
+        try:
+            await self._listen()
+        except BaseException:
+            await self.stop()
+            raise
+        if self.role == "decode":
             self.session = aiohttp.ClientSession()
         return self
+
+    async def _listen(self) -> None:
+        """Bind the worker's port, and a prefill's bootstrap port; a failure names the listener."""
+        try:
+            self._runner, self.port = await start_app(self._app(), self.host, self.port, handler_cancellation=True,
+                                                      shutdown_timeout=1.0, logger=_server_log)
+        except OSError as exc:
+            raise ListenerError(self.role, self.host, self.port, exc) from None
+        if self.role == "prefill":
+            try:
+                self._bootstrap = await BootstrapServer(self.rooms, self.host, self.bootstrap_port).start()
+            except OSError as exc:
+                raise ListenerError("bootstrap", self.host, self.bootstrap_port, exc) from None
+            self.bootstrap_port = self._bootstrap.port
+            register_local(self.advertised_host, self.bootstrap_port, self.rooms)
 
     async def stop(self) -> None:
         if self.stopping is not None:
@@ -311,15 +326,19 @@ class SimWorker:
     # -- idle_close --------------------------------------------------------------------------
     @web.middleware
     async def _idle_close_middleware(self, request: web.Request, handler):
+        # A worker-wide idle_close acts on connections that carried inference: the
+        # router's registration and health checks (/health, /server_info, ...) on a
+        # connection of their own are its housekeeping, not traffic under test.
         protocol = request.protocol
         timer = self._idle_timers.pop(protocol, None)
         if timer is not None:
-            timer.cancel()
+            timer.cancel()  # no close while a request runs on the connection
+        carries_inference = timer is not None or request.path in INFERENCE_PATHS
         try:
             return await handler(request)
         finally:
             after = self._idle_after.pop(protocol, None)
-            if after is None and "idle_close" in self.faults:
+            if after is None and "idle_close" in self.faults and carries_inference:
                 after = self.faults["idle_close"].arg
             if after is not None and not self.stopping.is_set():
                 self._idle_timers[protocol] = asyncio.get_running_loop().call_later(

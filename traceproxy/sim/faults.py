@@ -20,6 +20,11 @@ fault when it is the fault's home, or when it is a decode worker serving a
 request on its own (no ``bootstrap_room``: it then does the prefill itself, so
 every fault applies). ``SimDeployment(faults=...)`` uses the home to send each
 fault to the right worker.
+
+Faults act on inference only. The deployment's own traffic never meets them: the
+router's registration calls and health checks are not inference (and a connection
+that carried none is not idle-closed), and ``SimDeployment`` arms the workers'
+faults only after the router's warm-up request went through.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ FAULTS: dict[str, FaultKind] = {kind.name: kind for kind in (
     FaultKind("reset_mid_stream", "N", int, 3, "decode",
               "abort the TCP connection (RST) after N tokens (default 3)"),
     FaultKind("idle_close", "K", float, 5.0, "any",
-              "close a keep-alive connection once it has been idle K seconds (default 5)"),
+              "close a keep-alive connection that carried inference once it has been idle K seconds "
+              "(default 5)"),
     FaultKind("malformed_sse", "KIND", str, "line", "decode",
               "after one token, KIND line (default): an SSE event with truncated JSON, then a clean end "
               "without [DONE]; KIND chunk: an invalid chunk-size line, then close"),

@@ -6,13 +6,21 @@ Theory of operation
 ``SimWorker`` (loopback, ephemeral ports), then, when asked, the real
 ``python -m sglang_router.launch_router --pd-disaggregation`` as a child process in
 its own session (``RouterProcess``), then, when asked, a ``FaultyProxy`` in front of
-the router (or of the decode worker when there is no router). The router cannot
-bind port 0 and report it, so its ports are picked just before it starts (bind 0,
-read, release). It runs offline (``HF_HUB_OFFLINE=1``; the workers' ``model_path``
-is an empty directory, so it never fetches a tokenizer) and is ready when a warm-up
-``/generate`` goes through it to both workers; the workers' records are cleared
-after that. Stopping SIGTERMs the router's process group, then SIGKILLs it if it
-lingers; every wait is bounded.
+the router (or of the decode worker when there is no router).
+The router cannot bind port 0 and report it, so its ports are picked just before it
+starts (bind 0, read, release); a port given to it is checked to be free first. It
+runs offline (``HF_HUB_OFFLINE=1``; the workers' ``model_path`` is an empty
+directory, so it never fetches a tokenizer) and is ready when a warm-up
+``/generate`` goes through it to both workers *and* the port that answered is
+listened on by the router child itself: whatever else answers there (another
+deployment's router, taking the port between the check and the child's bind) is
+not this deployment's router. The workers' faults are armed only once the router
+is ready (its registration calls and warm-up are the deployment's own traffic),
+and the workers' records are cleared then. Stopping SIGTERMs the router's process
+group, then SIGKILLs it if it lingers; every wait is bounded.
+
+A start that fails raises ``startup.SimStartError``: one line saying why (a port
+already in use names its listener), with the router's log tail in ``detail``.
 
 ``run_deployment`` and ``run_worker`` are the ``traceproxy sim`` and
 ``traceproxy sim worker`` commands: start, print one ``name URL`` line per
@@ -34,16 +42,18 @@ import tempfile
 import time
 
 import aiohttp
+import psutil
 
 from .engine import SimWorker
 from .faults import split_by_home
 from .faultyproxy import FaultyProxy
+from .startup import ListenerError, SimStartError, check_port_taken
 
 STARTUP_TIMEOUT = 60.0
 STOP_WAIT = 5.0
 
 
-class RouterUnavailable(RuntimeError):
+class RouterUnavailable(SimStartError):
     """sglang_router cannot be imported in this interpreter."""
 
 
@@ -100,6 +110,7 @@ class RouterProcess:
     async def start(self, timeout: float = STARTUP_TIMEOUT) -> "RouterProcess":
         if not router_importable():
             raise RouterUnavailable("sglang_router is not importable (pip install sglang-router)")
+        check_port_taken("router", self.host, self.port)
         t0 = time.monotonic()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1")
         for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
@@ -109,37 +120,70 @@ class RouterProcess:
                                          stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
                                          start_new_session=True)
         try:
-            await self._wait_ready(t0 + timeout)
+            await self._wait_ready(t0 + timeout, timeout)
         except BaseException:
             await self.stop()
             raise
         self.startup_seconds = time.monotonic() - t0
         return self
 
-    async def _wait_ready(self, deadline: float) -> None:
-        """Until a /generate goes through the router (which needs both workers registered)."""
-        last = "no attempt yet"
-        body = json.dumps({"text": "warm-up", "sampling_params": {"max_new_tokens": 1}})
+    async def _wait_ready(self, deadline: float, timeout: float) -> None:
+        """Until a /generate goes through the router (which needs both workers registered),
+        answered by the child started here."""
+        last = "no answer yet"
         async with aiohttp.ClientSession() as session:
             for _ in range(100_000):
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"sglang-router exited with {self.proc.returncode}:\n{self.log_tail()}")
+                    raise self._exit_error()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
-                    async with session.post(f"{self.url}/generate", data=body,
-                                            headers={"Content-Type": "application/json",
-                                                     "X-Request-ID": "sim-warmup"},
-                                            timeout=aiohttp.ClientTimeout(total=min(10.0, remaining))) as resp:
-                        text = await resp.read()
-                        if resp.status == 200:
-                            return
-                        last = f"HTTP {resp.status}: {text[:200]!r}"
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    last = repr(exc)
+                    status, text = await self._warm_up(session, remaining)
+                    if status == 200 and self._holds_port():
+                        return
+                    last = (f"HTTP {status}: {text[:200]!r}" if status != 200 else
+                            f"port {self.port} answers, but not from the sglang-router started here")
+                except asyncio.TimeoutError:
+                    last = f"no answer within {min(10.0, remaining):g} s"
+                except aiohttp.ClientError as exc:
+                    last = str(exc) or type(exc).__name__
                 await asyncio.sleep(0.1)
-        raise RuntimeError(f"sglang-router not ready in time (last: {last}):\n{self.log_tail()}")
+        raise SimStartError(f"sglang-router at {self.url} was not ready within {timeout:g} s"
+                            f" (a warm-up /generate through it to both workers; last: {last})", self.log_tail())
+
+    async def _warm_up(self, session: aiohttp.ClientSession, remaining: float) -> tuple[int, bytes]:
+        body = json.dumps({"text": "warm-up", "sampling_params": {"max_new_tokens": 1}})
+        async with session.post(f"{self.url}/generate", data=body,
+                                headers={"Content-Type": "application/json", "X-Request-ID": "sim-warmup"},
+                                timeout=aiohttp.ClientTimeout(total=min(10.0, remaining))) as resp:
+            return resp.status, await resp.read()
+
+    def _holds_port(self) -> bool:
+        """Whether the router child (or a process of its own) listens on the router port."""
+        try:
+            leader = psutil.Process(self.proc.pid)
+            for proc in (leader, *leader.children(recursive=True)):
+                connections = getattr(proc, "net_connections", None) or proc.connections
+                if any(conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == self.port
+                       for conn in connections(kind="tcp")):
+                    return True
+        except psutil.AccessDenied:  # a platform that hides even a child's sockets: its life is all we know
+            return self.proc is not None and self.proc.poll() is None
+        except psutil.Error:
+            return False
+        return False
+
+    def _exit_error(self) -> SimStartError:
+        """Why the child exited before it was ready: its port was taken, else its last log line."""
+        try:
+            check_port_taken("router", self.host, self.port)
+        except ListenerError as exc:
+            exc.detail = self.log_tail()
+            return exc
+        last_line = next((line for line in reversed(self.log_tail().splitlines()) if line.strip()), "no output")
+        return SimStartError(f"sglang-router exited with status {self.proc.returncode} before it was ready:"
+                             f" {last_line[:300]}", self.log_tail())
 
     async def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -184,9 +228,10 @@ class SimDeployment:
     """``async with SimDeployment(router=True, faults=(), faulty_proxy=False) as dep: ...``
 
     ``faults`` (specs like ``"decode_stall:3"``) go to the worker each fault disturbs
-    (its home role, see ``faults.py``). Attributes once started: ``prefill``,
-    ``decode`` (``SimWorker``), ``router`` (``RouterProcess`` or None),
-    ``router_url``, ``faulty_proxy`` and ``faulty_proxy_url`` (None when not asked for).
+    (its home role, see ``faults.py``), armed once the router is ready. Attributes
+    once started: ``prefill``, ``decode`` (``SimWorker``), ``router``
+    (``RouterProcess`` or None), ``router_url``, ``faulty_proxy`` and
+    ``faulty_proxy_url`` (None when not asked for).
     """
 
     def __init__(self, router: bool = True, faults=(), faulty_proxy: bool = False, *, host: str = "127.0.0.1",
@@ -239,21 +284,40 @@ class SimDeployment:
                 worker.model_path = model_path
                 await worker.start()
             if self.want_router:
-                self.router = RouterProcess(self.prefill.url, self.prefill.bootstrap_port, self.decode.url,
-                                            self.workdir, host=self.host, port=self.router_port,
-                                            request_timeout=self.request_timeout, log_level=self.router_log_level,
-                                            extra_args=self.router_args)
-                await self.router.start(self.startup_timeout)
-                self.prefill.clear()
-                self.decode.clear()
+                await self._start_router()
             if self.want_faulty_proxy:
-                upstream = self.router.url if self.router is not None else self.decode.url
-                self.faulty_proxy = await FaultyProxy(upstream, self.hang_after, host=self.host,
-                                                      seed=self.seed).start()
+                await self._start_faulty_proxy()
             return self
         except BaseException:
             await self.stop()
             raise
+
+    async def _start_router(self) -> None:
+        self.router = RouterProcess(self.prefill.url, self.prefill.bootstrap_port, self.decode.url,
+                                    self.workdir, host=self.host, port=self.router_port,
+                                    request_timeout=self.request_timeout, log_level=self.router_log_level,
+                                    extra_args=self.router_args)
+        # The router's registration calls and its warm-up /generate are this deployment's
+        # own traffic: a fault that holds requests (prefill_stall) would hold the warm-up
+        # and the deployment would never start. The faults are armed once it is ready.
+        armed = [(worker, worker.faults) for worker in (self.prefill, self.decode)]
+        for worker, _ in armed:
+            worker.faults = {}
+        try:
+            await self.router.start(self.startup_timeout)
+        finally:
+            for worker, faults in armed:
+                worker.faults = faults
+        self.prefill.clear()
+        self.decode.clear()
+
+    async def _start_faulty_proxy(self) -> None:
+        upstream = self.router.url if self.router is not None else self.decode.url
+        proxy = FaultyProxy(upstream, self.hang_after, host=self.host, seed=self.seed)
+        try:
+            self.faulty_proxy = await proxy.start()
+        except OSError as exc:
+            raise ListenerError("faulty-proxy", self.host, proxy.port, exc) from None
 
     async def stop(self) -> None:
         if self.faulty_proxy is not None:
@@ -291,6 +355,8 @@ async def _until_signalled() -> None:
 
 
 async def run_deployment(deployment: SimDeployment) -> int:
+    """Start, print one ``NAME URL`` line per listener, run until signalled. A failed start
+    raises ``SimStartError``."""
     async with deployment:
         for name, url in deployment.urls():
             print(f"{name} {url}", flush=True)
