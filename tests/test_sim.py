@@ -440,13 +440,16 @@ def test_faulty_proxy_limits_are_drawn_from_the_seeded_range(start_worker, loop_
 
 def test_cli_starts_the_deployment_prints_urls_and_stops_everything_on_sigterm():
     pytest.importorskip("sglang_router", exc_type=ImportError)
-    proc = sim_command("--faulty-proxy", "--log-level", "warning")
+    proc = sim_command("--faulty-proxy", "--log-level", "warning", stderr=subprocess.PIPE)
     children: list[psutil.Process] = []
     try:
         lines = read_lines(proc, 5, timeout=60)
         urls = dict(line.split(" ", 1) for line in lines)
         assert list(urls) == ["prefill", "decode", "router", "faulty-proxy", "bootstrap"]
         assert all(url.startswith("http://127.0.0.1:") for url in urls.values())
+        [placement] = read_lines(proc, 1, timeout=5, stream="stderr")
+        assert placement.startswith(f"faulty-proxy {urls['faulty-proxy']} stands in front of the router"
+                                    f" {urls['router']}:")
         router_port = int(urls["router"].rsplit(":", 1)[1])
         resp = RawClient(router_port).roundtrip("POST", "/generate", JSON, generate_body())
         assert resp.status == 200 and json.loads(resp.body)["meta_info"]["completion_tokens"] == 4
@@ -532,6 +535,34 @@ def test_a_router_port_taken_by_another_deployment_is_never_adopted(fast_upstrea
     assert str(failure.value) == f"the router port {other.port} on 127.0.0.1 is already in use by another process"
     assert "Address already in use" in failure.value.detail  # the router's own log says the same
     assert deployment.router is None
+
+
+def test_faulty_proxy_stands_in_front_of_a_given_traceproxy(start_worker, start_proxy):
+    # harness -> faulty proxy -> traceproxy -> (here) the decode worker: the harness meets the hang,
+    # and the swallowed request never reaches traceproxy.
+    decode = start_worker("decode", decode_tokens_per_s=1000)
+    done = Done()
+    proxy = start_proxy(decode.url, observers=[done], **FAST)
+    proc = sim_command("--no-router", "--faulty-proxy-upstream", f"http://127.0.0.1:{proxy.port}",
+                       "--hang-after", "1", "--log-level", "warning", stderr=subprocess.PIPE)
+    try:
+        urls = dict(line.split(" ", 1) for line in read_lines(proc, 4, timeout=20))
+        assert list(urls) == ["prefill", "decode", "faulty-proxy", "bootstrap"]
+        [placement] = read_lines(proc, 1, timeout=5, stream="stderr")
+        assert placement.startswith(f"faulty-proxy {urls['faulty-proxy']} stands in front of the given upstream"
+                                    f" http://127.0.0.1:{proxy.port}:")
+        client = RawClient(int(urls["faulty-proxy"].rsplit(":", 1)[1]))
+        first = client.roundtrip("POST", "/v1/completions", JSON, chat_body(stream=False))
+        assert first.status == 200 and first.complete
+        assert done.one().outcome.code == "OK" and len(decode.requests) == 1
+        send_next(client, "POST", "/v1/completions", JSON, chat_body(stream=False))
+        assert read_for(client, 1.0) == b"", "turn 2 on the reused connection must hang"
+        assert len(done.records) == 1 and len(decode.requests) == 1
+        assert json.loads(http_get(f"http://127.0.0.1:{proxy.admin_port}/debug/inflight"))["requests"] == []
+        client.close()
+        assert stop_child(proc) == 0
+    finally:
+        stop_child(proc)
 
 
 # ----------------------------------------------------------------------------------
@@ -791,6 +822,10 @@ def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, star
     (["--no-router", "--host", "127.0.0..1"], "expected a host name or IP address"),
     (["--no-router", "--startup-timeout", "0"], "expected a number of seconds above 0"),
     (["--no-router", "--startup-timeout", "nan"], "expected a number of seconds above 0"),
+    (["--no-router", "--faulty-proxy-upstream", "127.0.0.1:8000"], "expected http://HOST:PORT (no path)"),
+    (["--no-router", "--faulty-proxy-upstream", "https://127.0.0.1:8000"], "expected http://HOST:PORT (no path)"),
+    (["--no-router", "--faulty-proxy-upstream", "http://127.0.0.1:8000/v1"], "expected http://HOST:PORT (no path)"),
+    (["--no-router", "--faulty-proxy-upstream", "http://127.0.0.1:99999"], "expected http://HOST:PORT (no path)"),
 ])
 def test_bad_sim_arguments_are_one_line_errors_with_exit_2(capsys, argv, message):
     assert _exit_status(["sim", *argv]) == 2

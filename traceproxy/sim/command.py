@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import math
 import sys
+from urllib.parse import urlsplit
 
 from ..hostnames import is_hostname
 from .faults import FaultError, fault_table, parse_faults
@@ -20,11 +21,18 @@ from .faults import FaultError, fault_table, parse_faults
 DESCRIPTION = """\
 Run a simulated SGLang prefill/decode deployment on loopback: a prefill and a decode
 worker and, when sglang_router is importable, the real sglang-router in PD mode in
-front of them (offline), optionally a faulty keep-alive proxy in front of the router.
-Prints one "NAME URL" line per listener (prefill, decode, router, faulty-proxy,
-bootstrap) and runs until SIGINT/SIGTERM. Faults are armed once the router is ready:
+front of them (offline), optionally a faulty keep-alive proxy in front of the router
+or of any URL. Prints one "NAME URL" line per listener (prefill, decode, router,
+faulty-proxy, bootstrap) on stdout, and on stderr what the faulty proxy stands in
+front of, and runs until SIGINT/SIGTERM. Faults are armed once the router is ready:
 its start-up traffic never meets them. A start that fails (a port in use, a router
 that is not ready in time) says why in one line and exits non-zero.
+
+To put the faulty proxy where a hang is the harness's own, in front of traceproxy
+(harness -> faulty proxy -> traceproxy -> router):
+  traceproxy sim --router-port 30000 --faulty-proxy-upstream http://127.0.0.1:8000
+  traceproxy serve --listen 127.0.0.1:8000 --upstream http://127.0.0.1:30000
+and point the harness at the faulty-proxy URL the sim prints.
 
 "traceproxy sim worker --role prefill|decode --listen HOST:PORT" runs one worker
 (for docker-compose: give the decode worker --prefill-url, or give the router the
@@ -53,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-router", action="store_true", help="do not start sglang-router")
     parser.add_argument("--faulty-proxy", action="store_true",
                         help="also start the faulty keep-alive proxy (in front of the router, else of decode)")
+    parser.add_argument("--faulty-proxy-upstream", type=upstream_url_argument, default=None, metavar="URL",
+                        help="start the faulty proxy in front of URL instead (implies --faulty-proxy), e.g. a "
+                        "traceproxy serve whose upstream is this router: harness -> faulty proxy -> traceproxy -> "
+                        "router. URL need not answer yet; it is connected to per client connection")
     parser.add_argument("--hang-after", default="1-3", metavar="N|LOW-HIGH",
                         help="faulty proxy: turns forwarded per client connection before it hangs (default 1-3)")
     parser.add_argument("--seed", type=int, default=None, help="faulty proxy: random seed for --hang-after ranges")
@@ -139,6 +151,19 @@ def seconds_argument(text: str) -> float:
     return value
 
 
+def upstream_url_argument(text: str) -> str:
+    """http://HOST[:PORT], the only kind of URL the faulty proxy forwards to."""
+    try:
+        parts = urlsplit(text.strip())
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (parts is None or parts.scheme != "http" or not parts.hostname or parts.username is not None
+            or parts.path not in ("", "/") or parts.query or parts.fragment or port == 0):
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT (no path), got {text!r}")
+    return f"http://{parts.netloc}"
+
+
 def listen_argument(text: str) -> tuple[str, int]:
     """HOST:PORT ([IPv6]:PORT); port 0 picks a free one."""
     host, sep, port = text.strip().rpartition(":")
@@ -171,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         bootstrap_port=args.bootstrap_port, hang_after=hang_after, seed=args.seed, model=args.model,
         prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
         otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg),
-        startup_timeout=args.startup_timeout)
+        startup_timeout=args.startup_timeout, faulty_proxy_upstream=args.faulty_proxy_upstream)
     given = {"prefill": ("--prefill-port", args.prefill_port), "decode": ("--decode-port", args.decode_port),
              "bootstrap": ("--bootstrap-port", args.bootstrap_port), "router": ("--router-port", args.router_port)}
     return _run_until_stopped(run_deployment(deployment), {name: flag for name, (flag, port) in given.items() if port})

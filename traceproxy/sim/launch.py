@@ -6,7 +6,7 @@ Theory of operation
 ``SimWorker`` (loopback, ephemeral ports), then, when asked, the real
 ``python -m sglang_router.launch_router --pd-disaggregation`` as a child process in
 its own session (``RouterProcess``), then, when asked, a ``FaultyProxy`` in front of
-the router (or of the decode worker when there is no router).
+the router (or of the decode worker when there is no router, or of any URL given).
 The router cannot bind port 0 and report it, so its ports are picked just before it
 starts (bind 0, read, release); a port given to it is checked to be free first. It
 runs offline (``HF_HUB_OFFLINE=1``; the workers' ``model_path`` is an empty
@@ -228,10 +228,14 @@ class SimDeployment:
     """``async with SimDeployment(router=True, faults=(), faulty_proxy=False) as dep: ...``
 
     ``faults`` (specs like ``"decode_stall:3"``) go to the worker each fault disturbs
-    (its home role, see ``faults.py``), armed once the router is ready. Attributes
+    (its home role, see ``faults.py``), armed once the router is ready.
+    ``faulty_proxy_upstream`` (a URL, implies ``faulty_proxy``) puts the faulty proxy
+    in front of that URL instead of the router: e.g. a traceproxy in front of this
+    router, so that the harness, not traceproxy's pool, meets the hang. Attributes
     once started: ``prefill``, ``decode`` (``SimWorker``), ``router``
     (``RouterProcess`` or None), ``router_url``, ``faulty_proxy`` and
-    ``faulty_proxy_url`` (None when not asked for).
+    ``faulty_proxy_url`` (None when not asked for), ``faulty_proxy_target`` (what
+    the faulty proxy stands in front of: ``(name, URL)``).
     """
 
     def __init__(self, router: bool = True, faults=(), faulty_proxy: bool = False, *, host: str = "127.0.0.1",
@@ -239,8 +243,10 @@ class SimDeployment:
                  hang_after: int | tuple[int, int] = (1, 3), seed: int | None = None, model: str = "sim-llama",
                  prefill_tokens_per_s: float = 8000.0, decode_tokens_per_s: float = 100.0,
                  otlp_endpoint: str | None = None, router_args: tuple[str, ...] = (), router_log_level: str = "warn",
-                 request_timeout: float = 60.0, startup_timeout: float = STARTUP_TIMEOUT) -> None:
-        self.want_router, self.want_faulty_proxy = router, faulty_proxy
+                 request_timeout: float = 60.0, startup_timeout: float = STARTUP_TIMEOUT,
+                 faulty_proxy_upstream: str | None = None) -> None:
+        self.want_router, self.want_faulty_proxy = router, faulty_proxy or faulty_proxy_upstream is not None
+        self.faulty_proxy_upstream = faulty_proxy_upstream
         self.host, self.router_port = host, router_port
         self.hang_after, self.seed = hang_after, seed
         self.router_args, self.router_log_level = tuple(router_args), router_log_level
@@ -254,6 +260,7 @@ class SimDeployment:
         self.decode = SimWorker("decode", port=decode_port, default_faults=by_home["decode"], **common)
         self.router: RouterProcess | None = None
         self.faulty_proxy: FaultyProxy | None = None
+        self.faulty_proxy_target: tuple[str, str] | None = None
 
     @property
     def router_url(self) -> str | None:
@@ -312,12 +319,27 @@ class SimDeployment:
         self.decode.clear()
 
     async def _start_faulty_proxy(self) -> None:
-        upstream = self.router.url if self.router is not None else self.decode.url
-        proxy = FaultyProxy(upstream, self.hang_after, host=self.host, seed=self.seed)
+        if self.faulty_proxy_upstream is not None:
+            self.faulty_proxy_target = ("the given upstream", self.faulty_proxy_upstream)
+        elif self.router is not None:
+            self.faulty_proxy_target = ("the router", self.router.url)
+        else:
+            self.faulty_proxy_target = ("the decode worker", self.decode.url)
+        proxy = FaultyProxy(self.faulty_proxy_target[1], self.hang_after, host=self.host, seed=self.seed)
         try:
             self.faulty_proxy = await proxy.start()
         except OSError as exc:
             raise ListenerError("faulty-proxy", self.host, proxy.port, exc) from None
+
+    def describe_faulty_proxy(self) -> str:
+        """One line: where the faulty proxy listens, what it stands in front of, when it hangs."""
+        if self.faulty_proxy is None:
+            return "no faulty proxy"
+        what, url = self.faulty_proxy_target
+        low, high = self.faulty_proxy.hang_range
+        turns = f"{low}" if low == high else f"{low}-{high}"
+        return (f"faulty-proxy {self.faulty_proxy.url} stands in front of {what} {url}: on each client connection,"
+                f" the request after {turns} answered turn(s) is swallowed and the connection left open")
 
     async def stop(self) -> None:
         if self.faulty_proxy is not None:
@@ -355,11 +377,14 @@ async def _until_signalled() -> None:
 
 
 async def run_deployment(deployment: SimDeployment) -> int:
-    """Start, print one ``NAME URL`` line per listener, run until signalled. A failed start
-    raises ``SimStartError``."""
+    """Start, print one ``NAME URL`` line per listener on stdout (and, on stderr, what the
+    faulty proxy stands in front of), run until signalled. A failed start raises
+    ``SimStartError``."""
     async with deployment:
         for name, url in deployment.urls():
             print(f"{name} {url}", flush=True)
+        if deployment.faulty_proxy is not None:
+            print(deployment.describe_faulty_proxy(), file=sys.stderr, flush=True)
         await _until_signalled()
     return 0
 
