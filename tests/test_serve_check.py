@@ -33,6 +33,14 @@ def _effective(stdout: str) -> dict[str, str]:
     return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines)
 
 
+@pytest.fixture
+def in_process(monkeypatch, tmp_path):
+    """For ``main`` run here: no TRACEPROXY_* or OTEL_* variable, and an empty working folder."""
+    for name in [name for name in os.environ if name.startswith(("TRACEPROXY_", "OTEL_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
 def test_check_prints_the_effective_addresses_and_absolute_paths_and_writes_nothing(tmp_path):
     result = _run("serve", "--check", "--listen", "0.0.0.0:8000", "--upstream", "http://router:30000",
                   "--admin", "0.0.0.0:9464", "--admin-public", "--tracing-exporter", "file",
@@ -99,11 +107,8 @@ def test_an_invalid_setting_exits_2_naming_the_key_as_serve_itself_does(tmp_path
     assert (served.returncode, served.stderr.splitlines()[-1:]) == (2, checked.stderr.splitlines())
 
 
-def test_check_binds_nothing_and_resolves_no_names(tmp_path, monkeypatch, capsys):
+def test_check_binds_nothing_and_resolves_no_names(in_process, monkeypatch, capsys):
     """In-process, with every way to resolve a name or open a socket turned into a failure."""
-    for name in [name for name in os.environ if name.startswith(("TRACEPROXY_", "OTEL_"))]:
-        monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
 
     def refused(*_args, **_kwargs):
         raise AssertionError("serve --check must not resolve names or open sockets")
@@ -117,6 +122,23 @@ def test_check_binds_nothing_and_resolves_no_names(tmp_path, monkeypatch, capsys
     effective = _effective(out.out)
     assert effective["listen"] == "proxy.invalid:8000" and effective["upstream"] == "http://engine.invalid:30000"
     assert effective["admin"] == "http://proxy.invalid:9464"
+
+
+@pytest.mark.parametrize(("argv", "env", "spans"), [
+    ([], {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/custom", "OTEL_EXPORTER_OTLP_ENDPOINT":
+          "http://other:4318"}, "OTLP http/protobuf to http://collector:4318/custom"),
+    (["--tracing-otlp-endpoint", "http://collector:4318"], {}, "OTLP http/protobuf to http://collector:4318/v1/traces"),
+    (["--tracing-otlp-protocol", "grpc"], {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4317"},
+     "OTLP grpc to collector:4317 (TLS)"),
+    (["--tracing-exporter", "otlp", "--tracing-otlp-protocol", "grpc"], {}, "OTLP grpc to localhost:4317 (plaintext)"),
+    (["--tracing-exporter", "console"], {}, "stderr (console exporter)"),
+    (["--tracing-exporter", "off"], {}, "off"),
+], ids=["traces-variable-as-is", "config-endpoint", "grpc-tls", "grpc-default", "console", "off"])
+def test_the_spans_line_names_where_the_exporter_sends_them(in_process, monkeypatch, capsys, argv, env, spans):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--check", *argv]) == 0
+    assert _effective(capsys.readouterr().out)["spans"] == spans
 
 
 def test_check_passes_while_the_listen_port_is_taken(tmp_path):
