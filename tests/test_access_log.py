@@ -7,7 +7,7 @@ import asyncio
 import json
 import socket
 
-from .support import RawClient, raw_exchange, wait_until
+from .support import RawClient, admin_metric, raw_exchange, wait_until
 
 
 def _lines(path):
@@ -81,3 +81,128 @@ def test_a_pipelined_requests_connect_time_is_not_its_wait_for_its_turn(scripted
     assert behind["path"] == "/behind" and behind["upstream_reused"] is True
     assert behind["request_time"] >= 0.5  # it waited for /slow
     assert behind["upstream_connect_time"] < 0.1  # a pooled connection, taken at once in its turn
+
+
+# ---------------------------------------------------------------- a log that cannot be written
+def _stderr_until(capfd, wanted, timeout=5.0):
+    """The exporter process's stderr (inherited) until every ``wanted`` piece is in it."""
+    seen = ""
+
+    def found() -> bool:
+        nonlocal seen
+        seen += capfd.readouterr().err
+        return all(piece in seen for piece in wanted)
+
+    wait_until(found, timeout=timeout)
+    return seen
+
+
+def test_lines_that_cannot_be_written_are_counted_in_metrics_and_logged_once(fast_upstream, start_proxy, capfd):
+    import os
+
+    if not os.path.exists("/dev/full"):
+        import pytest
+
+        pytest.skip("no /dev/full to fail every write")
+    proxy = start_proxy(fast_upstream().url, **{"access_log.path": "/dev/full"})
+    client = RawClient(proxy.port)
+    for _ in range(3):
+        assert client.roundtrip("GET", "/v1/models").status == 200
+    client.close()
+    assert wait_until(lambda: admin_metric(proxy, "traceproxy_access_log_lines_lost_total") == 3, timeout=5)
+    RawClient(proxy.port).roundtrip("GET", "/v1/models")
+    assert wait_until(lambda: admin_metric(proxy, "traceproxy_access_log_lines_lost_total") == 4, timeout=5)
+    stderr = _stderr_until(capfd, ["access log /dev/full: cannot write"])
+    assert stderr.count("access log /dev/full: cannot write") == 1, stderr  # once, not once per batch
+    assert "No space left on device" in stderr
+
+
+TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+
+
+def _finished_request(trace_id):
+    from traceproxy.observe.spans import DOWNSTREAM_INDEX, RequestSummary
+
+    return RequestSummary(
+        trace_id=trace_id, span_id=7, parent_span_id=0, sampled=True, tracestate="", rejected_traceparent="",
+        request_id="rid", method="GET", target="/v1/models", http_version="1.1", status=200, outcome="OK",
+        error="", start_ns=1, end_ns=9, clock_offset_ns=10**18, marks=(1,) * len(DOWNSTREAM_INDEX),
+        client_peer="127.0.0.1:5", client_connection_id=1, sequence=1, idle_gap_ns=-1, user_agent="ua",
+        server=("127.0.0.1", 80), upstream=("127.0.0.1", 81), request_body_bytes=0, response_body_bytes=2,
+        chunks=1, max_chunk_gap_ns=0, request_body_head=b"", response_tail=b"", request_body_tail=b"",
+        attempts=(), stalls=(), keep_spans=False)
+
+
+class _FailingThenWorking:
+    """A file whose writes fail with ENOSPC while ``full``, after writing half of what they were given."""
+
+    def __init__(self, path):
+        self.real = open(path, "ab", buffering=0)
+        self.full = False
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def write(self, data):
+        import errno
+
+        if self.full:
+            self.real.write(bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.write(data)
+
+    def close(self):
+        self.real.close()
+
+
+def test_a_log_that_fails_then_recovers_says_so_twice_and_keeps_whole_lines(tmp_path, caplog):
+    import logging
+
+    from traceproxy.observe.accesslog import AccessLogWriter
+
+    path = tmp_path / "access.log"
+    writer = AccessLogWriter(str(path))
+    failing = _FailingThenWorking(path)
+    writer._lines._file = failing
+    summary = _finished_request(TRACE_ID)
+    with caplog.at_level(logging.WARNING, logger="traceproxy.access_log"):
+        writer.write_summaries([summary])
+        failing.full = True
+        for _ in range(3):
+            writer.write_summaries([summary, summary])
+        failing.full = False
+        writer.write_summaries([summary])
+        writer.write_summaries([summary])
+    writer.close()
+    assert writer.lines_lost == 6
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith(f"access log {path}: cannot write (No space left on device)")
+    assert messages[1] == f"access log {path}: writing works again; 6 lines were lost"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(line)["trace_id"] == f"{TRACE_ID:032x}" for line in lines)
+
+
+def test_the_log_to_stdout_writes_whole_lines_there():
+    import os
+    import subprocess
+    import sys
+
+    from traceproxy.observe.export_wire import ExportConfig, encode_frame, parse_stats_line
+
+    config = ExportConfig(exporter="off", otlp_endpoint="", otlp_protocol="http/protobuf", file_path="",
+                          service_name="t", access_log_path="-").to_json()
+    stats_read, stats_write = os.pipe()
+    child = subprocess.Popen([sys.executable, "-m", "traceproxy.observe.exporter_main", config, str(stats_write)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(stats_write,))
+    os.close(stats_write)
+    try:
+        out, _ = child.communicate(encode_frame([_finished_request(TRACE_ID)] * 2), timeout=30)
+    finally:
+        child.kill()
+    with os.fdopen(stats_read, "rb") as stats:
+        last = stats.read().splitlines()[-1]
+    assert child.returncode == 0
+    lines = out.decode().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["trace_id"] == f"{TRACE_ID:032x}" for line in lines)
+    assert parse_stats_line(last)["access_log_lost"] == 0

@@ -148,7 +148,7 @@ def test_otlp_delivers_every_field(protocol, endpoint_from, start_pipe, loop_thr
         assert niceness(pipe.pid) == min(19, niceness(os.getpid()) + pipe.config.nice)
         assert stats_of(loop_thread, pipe) == {
             "spans_submitted": 2, "spans_dropped": 0, "spans_queued": 0,
-            "spans_exported": 2, "spans_failed": 0, "exporter_alive": True,
+            "spans_exported": 2, "spans_failed": 0, "access_log_lines_lost": 0, "exporter_alive": True,
         }
 
 
@@ -479,7 +479,7 @@ def test_child_drains_on_eof_and_ignores_sigint(tmp_path):
         child.kill()
     with os.fdopen(stats_read, "rb") as stats:
         last = stats.read().splitlines()[-1]
-    assert parse_stats_line(last) == {"exported": 4, "failed": 0}
+    assert parse_stats_line(last) == {"exported": 4, "failed": 0, "access_log_lost": 0}
     assert len(path.read_text().splitlines()) == 2
 
 
@@ -510,7 +510,7 @@ def test_a_failed_file_write_leaves_whole_lines_and_the_next_batch_its_own(tmp_p
 
     path = tmp_path / "spans.jsonl"
     sink = FileSink(path, OtlpJsonEncoder({"service.name": "t"}, "traceproxy", "0"))
-    real = sink._file
+    real = sink._lines._file
 
     class FullOnce:
         calls = 0
@@ -528,7 +528,7 @@ def test_a_failed_file_write_leaves_whole_lines_and_the_next_batch_its_own(tmp_p
         def close(self):
             real.close()
 
-    sink._file = FullOnce()
+    sink._lines._file = FullOnce()
     assert sink.export(sample_trace()) is False
     assert sink.export(sample_trace()) is True
     sink.shutdown()

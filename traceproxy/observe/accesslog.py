@@ -7,23 +7,29 @@ Timings follow nginx's names where they exist (``upstream_connect_time``,
 the outcome code and blame come from the one outcome table; the keep-alive ledger
 says which connections carried the request and how idle they were.
 
-Hazard: a line is lost when the queue to the exporter process is full (the proxy
-never waits for it); such drops are counted in ``traceproxy_spans_dropped_total``.
+Hazards:
+- A line is lost when the queue to the exporter process is full (the proxy never
+  waits for it); such drops are counted in ``traceproxy_spans_dropped_total``.
+- A batch of lines that cannot be written (a full disk) is lost: counted in
+  ``lines_lost``, which reaches ``traceproxy_access_log_lines_lost_total`` through
+  the exporter's stats, and logged once when writing starts failing and once when
+  it works again. The log keeps whole lines (``line_file.py``).
 """
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from functools import lru_cache
-from pathlib import Path
-from typing import TextIO
 
 import orjson
 
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import Mark
+from .line_file import LineFile
 from .spans import DOWNSTREAM_INDEX, UPSTREAM_INDEX, UPSTREAM_ORDER, RequestSummary
+
+log = logging.getLogger("traceproxy.access_log")
 
 # Where the marks a line reads sit in a summary's mark tuples, looked up once:
 # a line is written for every request.
@@ -103,24 +109,31 @@ class AccessLogWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._stream: TextIO
-        if path == "-":
-            self._stream = sys.stdout
-        else:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._stream = open(path, "a", encoding="utf-8")
-        self.write_errors = 0
+        self._lines = LineFile.stdout() if path == "-" else LineFile(path)
+        self.lines_lost = 0
+        self._lost_since_failing: int | None = None  # None while writing works
 
     def write_summaries(self, items) -> None:
         lines = [access_line(item) for item in items if isinstance(item, RequestSummary)]
         if not lines:
             return
         try:
-            self._stream.write("\n".join(lines) + "\n")
-            self._stream.flush()
-        except OSError:
-            self.write_errors += 1  # a full disk must not end the exporter
+            self._lines.append(("\n".join(lines) + "\n").encode("utf-8"))
+        except OSError as exc:  # a full disk must not end the exporter
+            self._lost(len(lines), exc)
+            return
+        if self._lost_since_failing is not None:
+            log.warning("access log %s: writing works again; %d lines were lost", self._lines.path,
+                        self._lost_since_failing)
+            self._lost_since_failing = None
+
+    def _lost(self, count: int, exc: OSError) -> None:
+        self.lines_lost += count
+        if self._lost_since_failing is None:
+            log.warning("access log %s: cannot write (%s); its lines are lost until it can, counted in "
+                        "traceproxy_access_log_lines_lost_total", self._lines.path, exc.strerror or exc)
+            self._lost_since_failing = 0
+        self._lost_since_failing += count
 
     def close(self) -> None:
-        if self._stream is not sys.stdout:
-            self._stream.close()
+        self._lines.close()

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import traceproxy
 
-from .export_wire import STOP_NOW, ExportConfig, flatten, frame, parse_stats_line
+from .export_wire import STATS, STOP_NOW, ExportConfig, flatten, frame, parse_stats_line
 from .spandata import SpanData
 
 __all__ = ["ExportConfig", "SpanExportPipe"]
@@ -221,14 +221,16 @@ class SpanExportPipe:
         """Counts since start. ``spans_submitted`` includes the dropped ones and, like
         ``spans_dropped`` and ``spans_queued`` (what waits in this process now), counts
         items. ``spans_exported``/``spans_failed`` are the child's counts of real spans
-        (a summary is usually 2), at most a second old, exact after ``stop()``."""
-        child = self._stats_reader.latest if self._stats_reader else {"exported": 0, "failed": 0}
+        (a summary is usually 2), and ``access_log_lines_lost`` its count of lines it
+        could not write: at most a second old, exact after ``stop()``."""
+        child = self._stats_reader.latest if self._stats_reader else dict.fromkeys(STATS, 0)
         return {
             "spans_submitted": self._submitted,
             "spans_dropped": self._dropped,
             "spans_queued": self._queued(),
             "spans_exported": child["exported"],
             "spans_failed": child["failed"],
+            "access_log_lines_lost": child["access_log_lost"],
             "exporter_alive": self._child_alive(),
         }
 
@@ -324,7 +326,7 @@ class _StatsProtocol(asyncio.Protocol):
     """Reads the child's JSON stats lines; keeps the latest counts."""
 
     def __init__(self) -> None:
-        self.latest = {"exported": 0, "failed": 0}
+        self.latest = dict.fromkeys(STATS, 0)
         self._partial = b""
         self._transport: asyncio.ReadTransport | None = None
         self._closed = asyncio.Event()

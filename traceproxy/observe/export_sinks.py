@@ -12,13 +12,13 @@ detection only.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
 from traceproxy import __version__
 
 from .export_wire import ExportConfig
+from .line_file import LineFile
 from .otlp_json import OtlpJsonEncoder
 from .otlp_proto import OtlpEncoder
 from .otlp_settings import http_traces_url  # noqa: F401 (where callers have found it)
@@ -74,27 +74,14 @@ class FileSink:
     """One OTLP/JSON ``ExportTraceServiceRequest`` per line, like the Collector's file exporter."""
 
     def __init__(self, path: Path, encoder: OtlpJsonEncoder) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Unbuffered: a write that fails (a full disk) must not stay in a buffer, to go
-        # out glued to the next batch's line.
-        self._file = open(path, "ab", buffering=0)
+        self._lines = LineFile(path)
         self._path = path
         self._encoder = encoder
 
     def export(self, spans: list[SpanData]) -> bool:
-        line = (self._encoder.line(spans) + "\n").encode("utf-8")
-        end = os.fstat(self._file.fileno()).st_size
         try:
-            view = memoryview(line)
-            while view:
-                view = view[self._file.write(view):]
+            self._lines.append((self._encoder.line(spans) + "\n").encode("utf-8"))
         except OSError as exc:
-            # Cut off what part of the line did get written: every line stays a whole
-            # OTLP/JSON document, and the batch counts as failed.
-            try:
-                os.ftruncate(self._file.fileno(), end)
-            except OSError:
-                pass
             # Once per episode: the exporter's log filter holds back the repeats.
             log.warning("span file %s: cannot write (%s); batches are dropped until it can",
                         self._path, exc.strerror or exc)
@@ -102,7 +89,7 @@ class FileSink:
         return True
 
     def shutdown(self) -> None:
-        self._file.close()
+        self._lines.close()
 
 
 class ConsoleSink:

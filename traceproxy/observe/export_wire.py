@@ -11,8 +11,10 @@ format is specific to the Python version, which is safe here: the child is alway
 started with the parent's own interpreter (``sys.executable``).
 
 Child -> parent, on an inherited file descriptor: JSON lines of cumulative counters,
-``{"exported": n, "failed": n}``. Counters only grow, so a late or repeated line is
-harmless; each line is far below PIPE_BUF, so one ``os.write`` never interleaves.
+``{"exported": n, "failed": n, "access_log_lost": n}`` (spans delivered and not,
+access log lines that could not be written). Counters only grow, so a late or
+repeated line is harmless; each line is far below PIPE_BUF, so one ``os.write``
+never interleaves.
 
 Standard library and our own plain types only: the exporter process imports this
 before anything heavy, and the parent never decodes anything the child sends but
@@ -146,13 +148,16 @@ def decode_frame(payload: bytes) -> list:
     return [_restore(flat) for flat in marshal.loads(payload)]
 
 
-def stats_line(exported: int, failed: int) -> bytes:
-    return json.dumps({"exported": exported, "failed": failed}).encode() + b"\n"
+STATS = ("exported", "failed", "access_log_lost")
+
+
+def stats_line(exported: int, failed: int, access_log_lost: int) -> bytes:
+    return json.dumps({"exported": exported, "failed": failed, "access_log_lost": access_log_lost}).encode() + b"\n"
 
 
 def parse_stats_line(line: bytes) -> dict[str, int] | None:
     try:
         stats = json.loads(line)
-        return {"exported": int(stats["exported"]), "failed": int(stats["failed"])}
+        return {name: int(stats[name]) for name in STATS}
     except (ValueError, KeyError, TypeError):
         return None

@@ -19,8 +19,8 @@ Theory of operation:
   left, shut the exporter down, send the final stats line, exit 0. So the child
   never outlives its parent by more than the exports of what is already in the
   pipe, each bounded by the export timeout.
-- A thread sends cumulative ``{"exported", "failed"}`` counts once a second when
-  they changed; the parent's "stop now" (``STOP_NOW``, SIGUSR1) sends them once more
+- A thread sends cumulative ``{"exported", "failed", "access_log_lost"}`` counts
+  once a second when they changed; the parent's "stop now" (``STOP_NOW``, SIGUSR1) sends them once more
   and exits at once (the parent uses it when draining overran its deadline).
 - It lowers its own CPU priority (``ExportConfig.nice``) before anything else, so
   that when the cores are saturated the proxy's event loop gets them first.
@@ -48,25 +48,29 @@ STATS_INTERVAL = 1.0
 
 
 class Counters:
-    """Spans handed to a sink; written by the main thread only."""
+    """Spans handed to a sink, access log lines lost; written by the main thread only."""
 
     def __init__(self) -> None:
         self.exported = 0
         self.failed = 0
+        self.access_log_lost = 0
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.exported, self.failed, self.access_log_lost
 
 
 class StatsReporter:
     def __init__(self, fd: int, counters: Counters) -> None:
         self._fd, self._counters = fd, counters
         self._stopping = threading.Event()
-        self._last_sent: tuple[int, int] | None = None
+        self._last_sent: tuple[int, int, int] | None = None
         self._thread = threading.Thread(target=self._report_periodically, name="stats", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def send(self) -> None:
-        counts = (self._counters.exported, self._counters.failed)
+        counts = self._counters.snapshot()
         try:
             os.write(self._fd, stats_line(*counts))
         except OSError:
@@ -80,7 +84,7 @@ class StatsReporter:
 
     def _report_periodically(self) -> None:
         while not self._stopping.wait(STATS_INTERVAL):
-            if (self._counters.exported, self._counters.failed) != self._last_sent:
+            if self._counters.snapshot() != self._last_sent:
                 self.send()
 
 
@@ -93,6 +97,7 @@ def pump(stream, sink, counters: Counters, access_log=None) -> None:
             continue
         if access_log is not None:
             access_log.write_summaries(items)
+            counters.access_log_lost = access_log.lines_lost
         if sink is None:
             continue
         batch = spans_of(items, counters)

@@ -270,6 +270,9 @@ class ProxyMetrics:
         out.counter("spans_failed_total", "Spans the exporter process could not deliver: the collector "
                     "refused or was unreachable, or the span file could not be written.",
                     [((), spans.get("spans_failed", 0))])
+        out.counter("access_log_lines_lost_total", "Access log lines the exporter process could not write "
+                    "(a full disk, an unwritable file).",
+                    [((), spans.get("access_log_lines_lost", 0))])
         out.counter("observer_errors_total", "Exceptions raised by lifecycle observers (caught; proxying went on).",
                     [((), self.ctx.fanout.observer_errors)])
         listener_errors = self.watchdog.listener_errors if self.watchdog is not None else 0
