@@ -1,37 +1,177 @@
-"""The README's first command runs to completion and every injected fault gets the
-verdict it should."""
+"""The README's first command runs to completion, every scenario gets the verdict it
+should (engine, client, proxy, and in front of the proxy), every code shown is
+explained, and the commands it prints work against the stack it leaves running."""
 
 from __future__ import annotations
 
+import os
+import queue
+import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
-from traceproxy.demo import SCENARIOS
+import psutil
+import pytest
+
+from traceproxy.demo import (BY_KEY, NOT_REACHED_TEXT, SCENARIOS, Row, Said, Where, codes_shown, example_trace_id,
+                             legend_lines, running_lines)
+from traceproxy.lifecycle.flags import BY_CODE, Blame
+
+# Runs the demo through its own functions, SIGINT restored (a non-interactive parent
+# may have it ignored), with the arguments given after -c.
+RUN_DEMO = ("import argparse, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from traceproxy.demo import add_arguments, run_demo; "
+            "sys.exit(run_demo(add_arguments(argparse.ArgumentParser()).parse_args(sys.argv[1:])))")
 
 
-def test_demo_runs_and_its_table_matches(tmp_path):
+def _traceproxy(command: str) -> list[str]:
+    """A printed ``traceproxy ...`` command, run with this interpreter."""
+    words = shlex.split(command)
+    assert words[0] == "traceproxy", command
+    return [sys.executable, "-m", "traceproxy", *words[1:]]
+
+
+def _printed(stdout: str, prefix: str) -> list[str]:
+    return [line.strip() for line in stdout.splitlines() if line.strip().startswith(prefix)]
+
+
+def test_demo_runs_and_its_table_matches_and_explains_every_code(tmp_path):
     result = subprocess.run([sys.executable, "-m", "traceproxy", "demo"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
     for scenario in SCENARIOS:
-        row = next(line for line in result.stdout.splitlines() if line.startswith(scenario.name))
-        assert scenario.expected in row and "  yes  " in row, row
+        row = next(line for line in lines if line.startswith(scenario.title))
+        assert f"  {scenario.expected_text}  " in row and "  yes  " in row, row
+    blamed = {scenario.expected.blame for scenario in SCENARIOS if scenario.expected is not None}
+    assert {Blame.CLIENT, Blame.PROXY, Blame.ENGINE} <= blamed
+    # One legend line per code shown, in the flag table's own words.
+    for scenario in SCENARIOS:
+        if scenario.expected is not None:
+            outcome = scenario.expected
+            assert any(line.strip().startswith(outcome.code) and outcome.meaning in line for line in lines), outcome
     assert (tmp_path / "traceproxy-data" / "spans.jsonl").stat().st_size > 0
     assert (tmp_path / "traceproxy-data" / "access.log").stat().st_size > 0
+    # The lookup it prints works from another folder, after the stack is gone.
+    (diagnose,) = _printed(result.stdout, "traceproxy diagnose ")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    looked_up = subprocess.run(_traceproxy(diagnose), cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    assert looked_up.returncode == 0, looked_up.stdout + looked_up.stderr
+    assert shlex.split(diagnose)[2] in looked_up.stdout
+
+
+class _Lines:
+    """A child's stdout, read line by line in a thread, so every wait on it is bounded."""
+
+    def __init__(self, stream) -> None:
+        self.seen: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def until(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+            if line.strip().startswith(prefix):
+                return line.strip()
+        raise AssertionError(f"no line starting {prefix!r} within {timeout} s:\n{''.join(self.seen)}")
+
+    def rest(self, timeout: float = 10) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+        return "".join(self.seen)
+
+
+def _run(command: list[str], cwd, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_keep_running_leaves_a_stack_its_printed_commands_work_against_and_ctrl_c_stops_it(tmp_path):
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        demo = subprocess.Popen([sys.executable, "-c", RUN_DEMO, "--keep-running", "--scenario", "healthy",
+                                 "--scenario", "client-leaves"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, start_new_session=True)
+    out = _Lines(demo.stdout)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    try:
+        try:
+            out.until("the stack keeps running", timeout=120)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nstderr:\n{stderr_path.read_text()}") from None
+        curl = out.until("curl -sN ", 5)
+        repro = out.until("traceproxy repro ", 5)
+        top = out.until("traceproxy top ", 5)
+        diagnose = out.until("traceproxy diagnose ", 5)
+        stall_on, stalled_repro, stall_off = (out.until("curl -s ", 5), out.until("traceproxy repro ", 5),
+                                              out.until("curl -s ", 5))
+        through_faulty_proxy = out.until("traceproxy repro ", 5)
+        children = psutil.Process(demo.pid).children(recursive=True)
+        proxy_port = int(shlex.split(repro)[3].rsplit(":", 1)[1])
+
+        if shutil.which("curl"):
+            answer = _run(shlex.split(curl), elsewhere)
+            assert answer.returncode == 0 and "data: [DONE]" in answer.stdout, answer.stdout + answer.stderr
+        healthy = _run(_traceproxy(repro), elsewhere)
+        assert healthy.returncode == 0 and "all 12 turns ok" in healthy.stdout, healthy.stdout + healthy.stderr
+        frame = _run(_traceproxy(top) + ["--once", "--no-color"], elsewhere)
+        assert frame.returncode == 0 and shlex.split(top)[3] in frame.stdout, frame.stdout + frame.stderr
+        looked_up = _run(_traceproxy(diagnose), elsewhere)
+        assert looked_up.returncode == 0 and "DC (downstream_connection_termination)" in looked_up.stdout, \
+            looked_up.stdout + looked_up.stderr
+
+        if shutil.which("curl"):
+            assert '"decode_stall:3"' in _run(shlex.split(stall_on), elsewhere).stdout
+            hung = _run(_traceproxy(stalled_repro), elsewhere)
+            assert hung.returncode == 1 and "blame engine (outcome MSS)" in hung.stdout, hung.stdout
+            assert '"faults": []' in _run(shlex.split(stall_off), elsewhere).stdout
+        front = _run(_traceproxy(through_faulty_proxy), elsewhere)
+        assert front.returncode == 1 and "never reached the proxy" in front.stdout, front.stdout
+        assert "  fresh       6     6" in front.stdout, front.stdout  # fresh connections work
+
+        os.killpg(demo.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole group
+        code = demo.wait(timeout=60)
+        err = stderr_path.read_text()
+        assert code == 0, err
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert "stopping the stack" in out.rest() and "Traceback" not in err, err
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", proxy_port), timeout=2).close()
 
 
 def test_ctrl_c_stops_the_demo_with_a_line_not_a_traceback_and_leaves_nothing_running(tmp_path):
-    import os
-    import signal
-    import time
-
-    import psutil
-
     # A new session, SIGINT restored (a non-interactive parent may have it ignored).
-    proc = subprocess.Popen([sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
-                             "signal.default_int_handler); from traceproxy.cli import main; sys.exit(main(['demo']))"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", RUN_DEMO], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not psutil.Process(proc.pid).children(recursive=True):
@@ -46,3 +186,57 @@ def test_ctrl_c_stops_the_demo_with_a_line_not_a_traceback_and_leaves_nothing_ru
     assert proc.returncode == 130 and "demo interrupted" in err and "Traceback" not in err, err
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+
+
+# ----------------------------------------------------------------------------------
+# What it prints, without a stack
+# ----------------------------------------------------------------------------------
+def _row(key: str, text: str, trace_id: str = "-") -> Row:
+    return Row(BY_KEY[key], Said(text, trace_id, BY_CODE.get(text.split(" ")[0])))
+
+
+def test_the_legend_explains_each_code_shown_once_from_the_flag_table():
+    rows = [_row("healthy", "OK", "a" * 32), _row("pool-cap", "PWS proxy", "b" * 32),
+            _row("decode-stall", "UC engine", "c" * 32), _row("faulty-proxy", NOT_REACHED_TEXT)]
+    assert codes_shown(rows) == ["OK", "PWS", "MSS", "UC"]  # expected and said columns, first seen first
+    legend = legend_lines(codes_shown(rows))
+    assert len(legend) == 4
+    for line, code in zip(legend, ["OK", "PWS", "MSS", "UC"]):
+        assert line.split()[0] == code and BY_CODE[code].name in line and BY_CODE[code].meaning in line
+    assert "blame proxy" in legend[1] and "blame" not in legend[0]
+
+
+def test_the_lookup_offered_is_a_request_that_went_wrong():
+    rows = [_row("healthy", "OK", "a" * 32), _row("faulty-proxy", NOT_REACHED_TEXT),
+            _row("client-leaves", "DC client", "d" * 32)]
+    assert example_trace_id(rows) == "d" * 32
+    assert example_trace_id(rows[:2]) == "a" * 32
+    assert example_trace_id(rows[1:2]) is None
+
+
+def test_the_running_commands_name_the_stacks_real_addresses_and_paths(tmp_path):
+    spans = tmp_path / "a folder" / "spans.jsonl"
+    where = Where("http://127.0.0.1:41001", "127.0.0.1:41002", spans, tmp_path / "access.log",
+                  "http://127.0.0.1:41003", "http://127.0.0.1:41004", 2)
+    lines = running_lines([_row("pool-cap", "PWS proxy", "e" * 32)], where)
+    text = "\n".join(lines)
+    assert "traceproxy repro --url http://127.0.0.1:41001 --admin 127.0.0.1:41002" in text
+    assert "traceproxy top --admin 127.0.0.1:41002" in text
+    assert f"traceproxy diagnose {'e' * 32} --spans {shlex.quote(str(spans))}" in text
+    assert "curl -sN http://127.0.0.1:41001/v1/chat/completions" in text
+    assert "curl -s http://127.0.0.1:41003/admin/faults" in text
+    assert "traceproxy repro --url http://127.0.0.1:41004 --admin 127.0.0.1:41002" in text
+    assert "8000" not in text and "9464" not in text
+
+
+def test_a_signal_ends_the_keep_running_wait():
+    import asyncio
+
+    from traceproxy.demo_stack import until_signalled
+
+    async def signalled_soon() -> None:
+        asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(until_signalled(), timeout=10)
+
+    asyncio.run(signalled_soon())
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handed back after the wait

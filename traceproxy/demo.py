@@ -2,156 +2,271 @@
 
 Starts the simulated SGLang prefill and decode workers (behind the real SGLang router
 in PD mode when ``sglang-router`` is installed), traceproxy in front with spans to the
-local file, and the repro harness; then injects one named fault at a time and prints
-each fault against the verdict traceproxy gave, with the trace ids, and where the
-spans and the access log are. Everything it starts it stops; it takes well under a
-minute.
+local file, and the repro harness; then runs one scenario at a time and prints each
+against the verdict traceproxy gave, with the trace ids, a legend for every outcome
+code shown, and where the spans and the access log are. The scenarios put the hang on
+each side in turn: the engine (injected sim faults), the client (a harness that leaves
+mid-stream, one that stops sending its body), the proxy (its pool at its connection
+cap), and in front of traceproxy: a faulty client-side keep-alive proxy that stops
+forwarding on reused connections, the story traceproxy was born from. Its verdict is
+that the request never reached traceproxy.
 
-The last scenario is the story traceproxy was born from: a faulty client-side proxy
-that stops forwarding on reused keep-alive connections. The harness hangs, and the
-verdict is that the request never reached traceproxy: the hang is in front of it.
+Everything it starts it stops: at once, or with ``--keep-running`` when it gets
+Ctrl-C (or SIGTERM), after printing the commands (curl, repro, top, diagnose) that
+work against the stack it leaves up, with its real addresses.
+
+This module is the command and everything it prints, and imports little, so that
+building the CLI stays cheap; ``demo_stack`` starts and drives the stack.
 """
 
 from __future__ import annotations
 
-import asyncio
+import argparse
+import json
+import shlex
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-import uvloop
+from .lifecycle.flags import BY_CODE, Blame, Flag, Outcome
 
-from .app import ProxyServer
-from .config import default_settings
-from .lifecycle.hooks import Fanout
-from .lifecycle.timeline import RequestRecord
-from .repro.harness import run_repro
-from .repro.inflight import IN_FLIGHT, NOT_REACHED
-from .sim.faultyproxy import FaultyProxy
-from .sim.launch import SimDeployment, router_importable
+DATA_DIR = "traceproxy-data"
+SIM_MODEL = "sim-llama"  # the model the simulated workers serve
+NOT_REACHED_TEXT = "never reached the proxy"
+INTERRUPTED_EXIT = 130
 
-SPANS = "traceproxy-data/spans.jsonl"
-ACCESS_LOG = "traceproxy-data/access.log"
-TURN_TIMEOUT = 2.5
+# How a scenario is driven (``demo_stack`` has one coroutine for each).
+HARNESS = "harness"  # the repro harness, on reused connections, straight to traceproxy
+HARNESS_VIA_FAULTY_PROXY = "harness_via_faulty_proxy"  # the same, through a faulty proxy in front of traceproxy
+LEAVE_MID_STREAM = "leave_mid_stream"  # a client that closes after the first token
+STOP_MID_BODY = "stop_mid_body"  # a client that sends half its body and goes quiet
+POOL_AT_CAP = "pool_at_cap"  # a traceproxy with one pooled connection, held by a stalled stream
 
 
 @dataclass(frozen=True)
 class Scenario:
-    name: str
-    fault: str | None  # a sim fault spec, set on the worker it acts on
-    role: str  # "prefill" or "decode"
-    expected: str  # the verdict we expect traceproxy to give
+    key: str  # what --scenario names
+    title: str
+    drive: str
+    expected: Outcome | None  # None: the request never reaches traceproxy
+    fault: str | None = None  # a sim fault spec, set on the worker it acts on
+    role: str = "decode"  # the worker the fault is set on: "prefill" or "decode"
+    injected: str | None = None  # what the table says was done, when it is not a sim fault
     needs_router: bool = False
-    through_faulty_proxy: bool = False
+
+    @property
+    def injected_text(self) -> str:
+        return self.injected or self.fault or "-"
+
+    @property
+    def expected_text(self) -> str:
+        return verdict_words(self.expected) if self.expected is not None else NOT_REACHED_TEXT
 
 
 SCENARIOS = (
-    Scenario("healthy turns on reused connections", None, "decode", "OK"),
-    Scenario("prefill never finishes", "prefill_stall", "prefill", "FBS engine", needs_router=True),
-    Scenario("decode stops after 3 tokens", "decode_stall:3", "decode", "MSS engine"),
-    Scenario("stream ends without [DONE]", "no_done", "decode", "NDN engine"),
-    Scenario("decode resets mid-stream", "reset_mid_stream:3", "decode", "UC engine"),
-    Scenario("faulty proxy in front, reused conns", None, "decode", "never reached the proxy",
-             through_faulty_proxy=True),
+    Scenario("healthy", "healthy turns on reused connections", HARNESS, Flag.OK),
+    Scenario("prefill-stall", "prefill never finishes", HARNESS, Flag.FBS, "prefill_stall", "prefill",
+             needs_router=True),
+    Scenario("decode-stall", "decode stops after 3 tokens", HARNESS, Flag.MSS, "decode_stall:3"),
+    Scenario("no-done", "stream ends without [DONE]", HARNESS, Flag.NDN, "no_done"),
+    Scenario("decode-reset", "decode resets mid-stream", HARNESS, Flag.UC, "reset_mid_stream:3"),
+    Scenario("client-leaves", "harness leaves mid-stream", LEAVE_MID_STREAM, Flag.DC,
+             injected="closes after 1st token"),
+    Scenario("client-body-stall", "harness stops sending its body", STOP_MID_BODY, Flag.DBS,
+             injected="half the body, then quiet"),
+    Scenario("pool-cap", "pool at its cap, a stalled stream holds it", POOL_AT_CAP, Flag.PWS, "decode_stall:1",
+             injected="pool.max_connections=1 + decode_stall:1"),
+    Scenario("faulty-proxy", "faulty proxy in front, reused conns", HARNESS_VIA_FAULTY_PROXY, None,
+             injected="faulty keep-alive proxy"),
+)
+BY_KEY = {scenario.key: scenario for scenario in SCENARIOS}
+
+
+def verdict_words(outcome: Outcome) -> str:
+    """``FBS engine``: an outcome's code and the side it blames, as the table shows them."""
+    return outcome.code if outcome.blame is Blame.NONE else f"{outcome.code} {outcome.blame.value}"
+
+
+@dataclass(frozen=True)
+class Said:
+    """What traceproxy said about a scenario: the table's verdict and trace id cells, and
+    the outcome the verdict names, if it names one."""
+
+    text: str
+    trace_id: str = "-"
+    outcome: Outcome | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: Scenario
+    said: Said
+
+    @property
+    def matches(self) -> bool:
+        return self.said.text == self.scenario.expected_text or self.skipped
+
+    @property
+    def skipped(self) -> bool:
+        return self.said.text.startswith("skipped")
+
+    def cells(self) -> tuple[str, ...]:
+        return (self.scenario.title, self.scenario.injected_text, self.scenario.expected_text, self.said.text,
+                "yes" if self.matches else "NO", self.said.trace_id)
+
+
+@dataclass(frozen=True)
+class Where:
+    """The stack's addresses and files, as the printed commands need them."""
+
+    proxy_url: str
+    admin: str  # HOST:PORT
+    spans: Path  # absolute
+    access_log: Path  # absolute
+    decode_url: str
+    faulty_proxy_url: str | None = None  # only while the stack keeps running
+    faulty_proxy_turns: int = 0  # answered turns per connection before it swallows one
+
+
+def data_paths(folder: Path | None = None) -> tuple[Path, Path]:
+    """(spans file, access log), absolute, so the commands printed work from any folder."""
+    data = (folder or Path.cwd()).resolve() / DATA_DIR
+    return data / "spans.jsonl", data / "access.log"
+
+
+# ----------------------------------------------------------------------------------
+# What it prints
+# ----------------------------------------------------------------------------------
+def table_lines(rows: list[Row]) -> list[str]:
+    header = ("scenario", "injected", "expected", "traceproxy said", "match", "trace id")
+    body = [row.cells() for row in rows]
+    widths = [max(len(cells[i]) for cells in (header, *body)) for i in range(len(header))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+            for cells in (header, tuple("-" * w for w in widths), *body)]
+
+
+def codes_shown(rows: Iterable[Row]) -> list[str]:
+    """Every outcome code in the table's expected and said columns, in order of appearance."""
+    codes: dict[str, None] = {}
+    for row in rows:
+        for outcome in (row.scenario.expected, row.said.outcome):
+            if outcome is not None:
+                codes.setdefault(outcome.code)
+    return list(codes)
+
+
+def legend_lines(codes: Iterable[str]) -> list[str]:
+    """One line per code, from the flag table itself."""
+    lines = []
+    for code in codes:
+        outcome = BY_CODE[code]
+        blame = "" if outcome.blame is Blame.NONE else f", blame {outcome.blame.value}"
+        lines.append(f"  {code:<4} {outcome.name}{blame}: {outcome.meaning}")
+    return lines
+
+
+def example_trace_id(rows: Iterable[Row]) -> str | None:
+    """A trace id from the table worth looking up: the first of a request that went wrong."""
+    traced = [row for row in rows if row.said.trace_id != "-"]
+    wrong = [row for row in traced if row.said.outcome not in (None, Flag.OK)]
+    return (wrong or traced)[0].said.trace_id if traced else None
+
+
+def diagnose_command(trace_id: str, where: Where) -> str:
+    return f"traceproxy diagnose {trace_id} --spans {shlex.quote(str(where.spans))}"
+
+
+def fault_command(where: Where, faults: list[str]) -> str:
+    return (f"curl -s {where.decode_url}/admin/faults -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(json.dumps({'faults': faults}))}")
+
+
+def curl_command(where: Where) -> str:
+    body = {"model": SIM_MODEL, "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Say hello."}]}
+    return (f"curl -sN {where.proxy_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+def files_lines(where: Where) -> list[str]:
+    return [f"spans (OTLP/JSON lines): {where.spans}", f"access log (JSON lines): {where.access_log}"]
+
+
+def stopped_lines(rows: list[Row], where: Where) -> list[str]:
+    """After a run that stopped its stack: what still works (the span file)."""
+    lines = []
+    trace_id = example_trace_id(rows)
+    if trace_id is not None:
+        lines += ["look a request up (from any folder):", f"  {diagnose_command(trace_id, where)}"]
+    return lines + ["the stack is stopped; to leave it up for curl, repro and top: traceproxy demo --keep-running"]
+
+
+def running_lines(rows: list[Row], where: Where) -> list[str]:
+    """While the stack keeps running: the commands that work against it, with its real addresses."""
+    proxy = f"--url {where.proxy_url} --admin {where.admin}"
+    lines = ["the stack keeps running until Ctrl-C (or SIGTERM); from another terminal:",
+             f"  {curl_command(where)}",
+             f"  traceproxy repro {proxy}",
+             f"  traceproxy top --admin {where.admin}"]
+    trace_id = example_trace_id(rows)
+    if trace_id is not None:
+        lines.append(f"  {diagnose_command(trace_id, where)}")
+    lines += ["make decode stall after 3 tokens; repro then says where each turn is stuck, and top shows "
+              "the stalls live while repro waits; then clear the fault:",
+              f"  {fault_command(where, ['decode_stall:3'])}",
+              f"  traceproxy repro {proxy} --turn-timeout 5",
+              f"  {fault_command(where, [])}"]
+    if where.faulty_proxy_url is not None:
+        lines += [f"the original hang: a faulty keep-alive proxy in front of traceproxy swallows the request after "
+                  f"{where.faulty_proxy_turns} turns on a reused connection (fresh connections work):",
+                  f"  traceproxy repro --url {where.faulty_proxy_url} --admin {where.admin} --turn-timeout 3"]
+    return lines
+
+
+# ----------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------
+DESCRIPTION = (
+    "The quick start: simulated SGLang prefill/decode workers behind the real SGLang router (PD mode, when "
+    "sglang-router is installed), traceproxy in front, and one scenario at a time, each hang placed on the "
+    "engine, the client, the proxy, or in front of traceproxy; a table shows each against the verdict "
+    "traceproxy gave, with trace ids and a legend of the outcome codes. Everything it starts it stops. "
+    "Exit status: 0 when every verdict matched, 1 when one did not, 130 when interrupted."
 )
 
 
-class _Outcomes:
-    """Every finished request's outcome, by the request id the harness sent."""
-
-    def __init__(self) -> None:
-        self.by_request_id: dict[str, RequestRecord] = {}
-
-    def on_done(self, record: RequestRecord) -> None:
-        self.by_request_id[record.request_id] = record
-
-
-def _verdict(result, outcomes: _Outcomes) -> tuple[str, str]:
-    """(what traceproxy said, trace id) for the first turn that did not end OK."""
-    for turn in result.records:
-        record = outcomes.by_request_id.get(turn.request_id)
-        if turn.result == "hung" and turn.diagnosis is not None:
-            d = turn.diagnosis
-            if d.kind == IN_FLIGHT:
-                return f"{d.outcome} {d.blame}", d.trace_id or turn.trace_id or "-"
-            if d.kind == NOT_REACHED:
-                return "never reached the proxy", "-"
-            return d.kind.replace("_", " "), turn.trace_id or "-"
-        if record is not None and not record.outcome.is_ok:
-            return f"{record.outcome.code} {record.outcome.blame.value}", "%032x" % record.trace_id
-        if turn.result != "ok" and record is None:
-            return turn.result, turn.trace_id or "-"
-    last = result.records[-1] if result.records else None
-    trace = last.trace_id if last is not None and last.trace_id else "-"
-    return ("OK" if result.exit_code == 0 else "failed"), trace
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.description = DESCRIPTION
+    parser.add_argument("--keep-running", action="store_true",
+                        help="after the table, leave the stack up until Ctrl-C (or SIGTERM) and print the curl, "
+                        "repro, top and diagnose commands that work against it; then stop everything started")
+    parser.add_argument("--scenario", action="append", choices=list(BY_KEY), default=None, metavar="NAME",
+                        help=f"run only this scenario (repeatable; default: all): {', '.join(BY_KEY)}")
+    return parser
 
 
-async def _run_scenario(scenario: Scenario, dep: SimDeployment, proxy: ProxyServer, outcomes: _Outcomes,
-                        has_router: bool) -> tuple[str, str]:
-    if scenario.needs_router and not has_router:
-        return "skipped (needs sglang-router)", "-"
-    worker = dep.prefill if scenario.role == "prefill" else dep.decode
-    worker.set_faults([scenario.fault] if scenario.fault else [])
-    faulty = None
-    url = f"http://127.0.0.1:{proxy.port}"
-    if scenario.through_faulty_proxy:
-        faulty = await FaultyProxy(url, hang_after=1, seed=1).start()
-        url = faulty.url
-    try:
-        result = await asyncio.to_thread(
-            run_repro, url, f"127.0.0.1:{proxy.admin_port}", 1, 3, TURN_TIMEOUT, "reused", None, max_tokens=6)
-        await asyncio.sleep(0.3)  # the last request's outcome reaches the observers
-        return _verdict(result, outcomes)
-    finally:
-        worker.set_faults([])
-        await dep.prefill.release_held()
-        await dep.decode.release_held()
-        if faulty is not None:
-            await faulty.stop()
+def selected_scenarios(keys: list[str] | None) -> tuple[Scenario, ...]:
+    if not keys:
+        return SCENARIOS
+    wanted = set(keys)
+    return tuple(scenario for scenario in SCENARIOS if scenario.key in wanted)
 
 
-async def _demo() -> int:
-    has_router = router_importable()
-    outcomes = _Outcomes()
-    async with SimDeployment(router=has_router, request_timeout=20) as dep:
-        upstream = dep.router_url or dep.decode.url
-        settings = default_settings().replace(**{
-            "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream,
-            "tracing.exporter": "file", "tracing.file_path": SPANS, "access_log.path": ACCESS_LOG,
-            "stall.first_byte": 1.0, "stall.stream_gap": 1.0,
-        })
-        proxy = ProxyServer(settings, Fanout([outcomes]))
-        await proxy.start()
-        behind = "the SGLang router (PD mode) in front of" if has_router else "(sglang-router not installed)"
-        print(f"simulated engine: prefill {dep.prefill.url}, decode {dep.decode.url}")
-        print(f"traceproxy:       http://127.0.0.1:{proxy.port} -> {upstream} {behind} the workers\n")
-        rows, mismatches = [], 0
-        for scenario in SCENARIOS:
-            verdict, trace_id = await _run_scenario(scenario, dep, proxy, outcomes, has_router)
-            matches = verdict == scenario.expected or verdict.startswith("skipped")
-            mismatches += not matches
-            rows.append((scenario.name, scenario.fault or "-", scenario.expected, verdict,
-                         "yes" if matches else "NO", trace_id))
-        await proxy.shutdown(grace=1)
-    _print_table(rows)
-    print(f"\nspans (OTLP/JSON lines): {SPANS}\naccess log (JSON lines): {ACCESS_LOG}")
-    print("look one up: traceproxy diagnose <trace id>")
-    return 1 if mismatches else 0
+def run_demo(args: argparse.Namespace | None = None) -> int:
+    """``traceproxy demo``; ``args`` from a parser given ``add_arguments`` (None: the defaults)."""
+    import uvloop
 
+    from .demo_stack import run_stack
 
-def _print_table(rows) -> None:
-    header = ("scenario", "injected fault", "expected", "traceproxy said", "match", "trace id")
-    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
-    for row in (header, tuple("-" * w for w in widths), *rows):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
-
-
-def run_demo() -> int:
+    if args is None:
+        args = add_arguments(argparse.ArgumentParser()).parse_args([])
     started = time.monotonic()
     try:
-        code = uvloop.run(_demo())
-    except KeyboardInterrupt:  # what it started is stopped as _demo unwinds
+        code = uvloop.run(run_stack(selected_scenarios(args.scenario), args.keep_running))
+    except KeyboardInterrupt:  # what it started is stopped as run_stack unwinds
         print("demo interrupted", file=sys.stderr)
-        return 130
-    print(f"demo finished in {time.monotonic() - started:.1f} s")
+        return INTERRUPTED_EXIT
+    print(f"demo finished in {time.monotonic() - started:.1f} s", flush=True)
     return code

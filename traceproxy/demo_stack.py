@@ -1,0 +1,327 @@
+"""The running half of ``traceproxy demo``: the stack it starts and how each scenario drives it.
+
+Theory of operation
+-------------------
+``run_stack`` starts a ``SimDeployment`` (workers, and the router when it can be
+imported) and one traceproxy in front of it, with stall thresholds of a second so
+that every stall shows within the run. Each scenario then sets its sim fault on the
+worker it acts on, drives requests one of five ways (``demo.HARNESS`` ...), and gives
+back what traceproxy said: the live verdict of the request it asked about (from
+``/debug/inflight``, while the request still hangs), or the outcome the request
+ended with (from an observer on the proxy). Faults are cleared and held requests let
+go after each scenario, whatever happened.
+
+The pool scenario needs a proxy with one pooled connection: it starts a second
+traceproxy from the same settings with ``pool.max_connections = 1``, writing to the
+same span file and access log, and stops it after the scenario, so the stack left
+running is not capped.
+
+The client scenarios are raw sockets run in a worker thread: the proxy runs on this
+event loop, so nothing here may block it. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import signal
+import socket
+import time
+from pathlib import Path
+
+from .app import ProxyServer
+from .config import Settings, default_settings
+from .demo import (HARNESS, HARNESS_VIA_FAULTY_PROXY, LEAVE_MID_STREAM, NOT_REACHED_TEXT, POOL_AT_CAP, SIM_MODEL,
+                   STOP_MID_BODY, Row, Said, Scenario, Where, codes_shown, data_paths, files_lines, legend_lines,
+                   running_lines, stopped_lines, table_lines, verdict_words)
+from .lifecycle.flags import BY_CODE, Flag
+from .lifecycle.hooks import Fanout
+from .lifecycle.timeline import RequestRecord
+from .repro.harness import HUNG, OK, REUSED, run_repro
+from .repro.inflight import IN_FLIGHT, NOT_REACHED, Diagnosis, ask_proxy
+from .sim.faultyproxy import FaultyProxy
+from .sim.launch import SimDeployment, router_importable
+
+STALL_AFTER = 1.0  # every stall threshold of the demo's proxy, in seconds
+TURN_TIMEOUT = 2.5  # the harness gives up on a turn after this long (past STALL_AFTER)
+LIVE_VERDICT_WAIT = STALL_AFTER + 4.0  # for a stall to be declared, with room for a loaded machine
+OUTCOME_WAIT = 2.0  # for a finished request's outcome to reach the observer
+POLL = 0.1
+READ_SIZE = 65536
+MAX_READS = 10_000
+FIRST_TOKEN = b"data: {"
+STREAM_TOKENS = 64  # long enough (0.6 s at the sim's 100 tokens/s) to be left in the middle
+FAULTY_PROXY_TURNS = 2  # the faulty proxy left running answers two turns per connection, then swallows one
+
+
+class Outcomes:
+    """Every finished request's outcome, by its request id (a proxy observer)."""
+
+    def __init__(self) -> None:
+        self.by_request_id: dict[str, RequestRecord] = {}
+
+    def on_done(self, record: RequestRecord) -> None:
+        self.by_request_id[record.request_id] = record
+
+    async def wait_for(self, request_ids: list[str], timeout: float = OUTCOME_WAIT) -> None:
+        for _ in range(int(timeout / POLL) + 1):
+            if all(rid in self.by_request_id for rid in request_ids):
+                return
+            await asyncio.sleep(POLL)
+
+
+class Stack:
+    """What the scenarios drive: the deployment, the proxy in front of it, and its outcomes."""
+
+    def __init__(self, deployment: SimDeployment, proxy: ProxyServer, outcomes: Outcomes) -> None:
+        self.deployment, self.proxy, self.outcomes = deployment, proxy, outcomes
+        self.run_token = secrets.token_hex(3)  # request ids stay unique across runs sharing a span file
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy.port}"
+
+    @property
+    def admin(self) -> str:
+        return f"127.0.0.1:{self.proxy.admin_port}"
+
+    def request_id(self, scenario: Scenario, role: str) -> str:
+        return f"demo-{self.run_token}-{scenario.key}-{role}"
+
+    def where(self, faulty_proxy: FaultyProxy | None = None) -> Where:
+        spans, access_log = (Path(p) for p in (self.proxy.settings.tracing.file_path,
+                                               self.proxy.settings.access_log.path))
+        return Where(self.url, self.admin, spans, access_log, self.deployment.decode.url,
+                     faulty_proxy.url if faulty_proxy else None, FAULTY_PROXY_TURNS)
+
+
+def proxy_settings(upstream: str, spans: Path, access_log: Path) -> Settings:
+    return default_settings().replace(**{
+        "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream,
+        "tracing.exporter": "file", "tracing.file_path": str(spans), "access_log.path": str(access_log),
+        "stall.first_byte": STALL_AFTER, "stall.stream_gap": STALL_AFTER, "stall.client_body": STALL_AFTER,
+        "stall.pool_wait": STALL_AFTER,
+    })
+
+
+async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool) -> int:
+    """Start the stack, run the scenarios, print the report; 0 when every verdict matched."""
+    spans, access_log = data_paths()
+    outcomes = Outcomes()
+    has_router = router_importable()
+    async with SimDeployment(router=has_router, request_timeout=20) as deployment:
+        upstream = deployment.router_url or deployment.decode.url
+        proxy = ProxyServer(proxy_settings(upstream, spans, access_log), Fanout([outcomes]))
+        await proxy.start()
+        try:
+            stack = Stack(deployment, proxy, outcomes)
+            where = stack.where()  # the addresses are gone once the proxy stops
+            _print_header(stack, upstream, has_router)
+            rows = [Row(scenario, await _run_scenario(scenario, stack, has_router)) for scenario in scenarios]
+            _print(*table_lines(rows), "", "legend:", *legend_lines(codes_shown(rows)), "", *files_lines(where))
+            if keep_running:
+                await _keep_running(stack, rows)
+        finally:
+            await proxy.shutdown(grace=1)
+    if not keep_running:
+        _print(*stopped_lines(rows, where))
+    return 0 if all(row.matches for row in rows) else 1
+
+
+def _print_header(stack: Stack, upstream: str, has_router: bool) -> None:
+    dep = stack.deployment
+    behind = "the SGLang router (PD mode) in front of the workers" if has_router else \
+        "the decode worker (sglang-router not installed)"
+    _print(f"simulated engine: prefill {dep.prefill.url}, decode {dep.decode.url}",
+           f"traceproxy:       {stack.url} -> {upstream}, {behind}",
+           f"admin:            http://{stack.admin} (/healthz, /metrics, /debug/inflight)", "")
+
+
+def _print(*lines: str) -> None:
+    print("\n".join(lines), flush=True)
+
+
+async def _keep_running(stack: Stack, rows: list[Row]) -> None:
+    faulty = await FaultyProxy(stack.url, hang_after=FAULTY_PROXY_TURNS).start()
+    try:
+        _print("", *running_lines(rows, stack.where(faulty)))
+        await until_signalled()
+    finally:
+        await faulty.stop()
+    _print("stopping the stack")
+
+
+async def until_signalled() -> None:
+    """Until SIGINT (Ctrl-C) or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+# ----------------------------------------------------------------------------------
+# One scenario
+# ----------------------------------------------------------------------------------
+async def _run_scenario(scenario: Scenario, stack: Stack, has_router: bool) -> Said:
+    if scenario.needs_router and not has_router:
+        return Said("skipped (needs sglang-router)")
+    dep = stack.deployment
+    worker = dep.prefill if scenario.role == "prefill" else dep.decode
+    worker.set_faults([scenario.fault] if scenario.fault else [])
+    try:
+        return await DRIVES[scenario.drive](scenario, stack)
+    finally:
+        worker.set_faults([])
+        await dep.prefill.release_held()
+        await dep.decode.release_held()
+
+
+async def _harness(scenario: Scenario, stack: Stack, url: str | None = None) -> Said:
+    result = await asyncio.to_thread(run_repro, url or stack.url, stack.admin, 1, 3, TURN_TIMEOUT, REUSED, None,
+                                     max_tokens=6)
+    await stack.outcomes.wait_for([turn.request_id for turn in result.records if turn.status is not None])
+    for turn in result.records:  # the first turn that did not end OK
+        if turn.result == HUNG and turn.diagnosis is not None:
+            return _said_live(turn.diagnosis, turn.trace_id)
+        record = stack.outcomes.by_request_id.get(turn.request_id)
+        if record is not None and not record.outcome.is_ok:
+            return _said_ended(record)
+        if turn.result != OK and record is None:
+            return Said(turn.result, turn.trace_id or "-")
+    last = result.records[-1] if result.records else None
+    trace_id = last.trace_id if last and last.trace_id else "-"
+    return Said(verdict_words(Flag.OK), trace_id, Flag.OK) if result.exit_code == 0 else Said("failed", trace_id)
+
+
+async def _harness_via_faulty_proxy(scenario: Scenario, stack: Stack) -> Said:
+    faulty = await FaultyProxy(stack.url, hang_after=1, seed=1).start()
+    try:
+        return await _harness(scenario, stack, faulty.url)
+    finally:
+        await faulty.stop()
+
+
+async def _leave_mid_stream(scenario: Scenario, stack: Stack) -> Said:
+    request_id = stack.request_id(scenario, "client")
+    if not await asyncio.to_thread(leave_after_first_token, stack.proxy.port, request_id):
+        return Said(f"no token within {TURN_TIMEOUT:g} s")
+    await stack.outcomes.wait_for([request_id])
+    record = stack.outcomes.by_request_id.get(request_id)
+    return _said_ended(record) if record is not None else Said("no outcome")
+
+
+async def _stop_mid_body(scenario: Scenario, stack: Stack) -> Said:
+    request_id = stack.request_id(scenario, "client")
+    diagnosis = await asyncio.to_thread(send_half_the_body, stack.proxy.port, stack.admin, request_id)
+    return _said_live(diagnosis)
+
+
+async def _pool_at_cap(scenario: Scenario, stack: Stack) -> Said:
+    capped = ProxyServer(stack.proxy.settings.replace(**{"pool.max_connections": 1}), Fanout([stack.outcomes]))
+    await capped.start()
+    try:
+        diagnosis = await asyncio.to_thread(wait_behind_a_held_stream, capped.port, f"127.0.0.1:{capped.admin_port}",
+                                            stack.request_id(scenario, "holder"), stack.request_id(scenario, "waiter"))
+    finally:
+        await capped.shutdown(grace=1)
+    return _said_live(diagnosis)
+
+
+DRIVES = {HARNESS: _harness, HARNESS_VIA_FAULTY_PROXY: _harness_via_faulty_proxy,
+          LEAVE_MID_STREAM: _leave_mid_stream, STOP_MID_BODY: _stop_mid_body, POOL_AT_CAP: _pool_at_cap}
+
+
+def _said_live(diagnosis: Diagnosis, trace_id: str | None = None) -> Said:
+    """A verdict from the proxy's in-flight list, asked while the request hangs."""
+    if diagnosis.kind == NOT_REACHED:
+        return Said(NOT_REACHED_TEXT)
+    if diagnosis.kind != IN_FLIGHT:
+        return Said(diagnosis.kind.replace("_", " "), trace_id or "-")
+    trace = diagnosis.trace_id or trace_id or "-"
+    outcome = BY_CODE.get(diagnosis.outcome or "")
+    if outcome is None:
+        return Said(f"in phase {diagnosis.phase}, no verdict", trace)
+    words = verdict_words(outcome)
+    return Said(words if diagnosis.stalled else f"{words}, not yet stalled", trace, outcome)
+
+
+def _said_ended(record: RequestRecord) -> Said:
+    return Said(verdict_words(record.outcome), "%032x" % record.trace_id, record.outcome)
+
+
+# ----------------------------------------------------------------------------------
+# Misbehaving clients (blocking: run them in a thread)
+# ----------------------------------------------------------------------------------
+def chat_request(request_id: str, max_tokens: int = STREAM_TOKENS) -> tuple[bytes, bytes]:
+    """(head, body) of a streaming chat turn carrying its own request id."""
+    body = json.dumps({"model": SIM_MODEL, "stream": True, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": "Write a long story."}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nx-request-id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode(), body
+
+
+def read_until(sock: socket.socket, marker: bytes, timeout: float = TURN_TIMEOUT) -> bool:
+    """Read until ``marker`` has arrived; False at the deadline or when the peer closes."""
+    seen, deadline = b"", time.monotonic() + timeout
+    for _ in range(MAX_READS):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        sock.settimeout(remaining)
+        try:
+            data = sock.recv(READ_SIZE)
+        except OSError:
+            return False
+        if not data:
+            return False
+        seen = seen[-len(marker):] + data
+        if marker in seen:
+            return True
+    return False
+
+
+def leave_after_first_token(port: int, request_id: str) -> bool:
+    """A harness that leaves mid-stream: it reads the first token and closes."""
+    head, body = chat_request(request_id)
+    with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as sock:
+        sock.sendall(head + body)
+        return read_until(sock, FIRST_TOKEN)
+
+
+def send_half_the_body(port: int, admin: str, request_id: str) -> Diagnosis:
+    """A harness that stops sending its request body half way; the verdict once it stalls."""
+    head, body = chat_request(request_id)
+    with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as sock:
+        sock.sendall(head + body[: len(body) // 2])
+        return await_stall(admin, request_id)
+
+
+def wait_behind_a_held_stream(port: int, admin: str, holder_id: str, waiter_id: str) -> Diagnosis:
+    """One stream takes the pool's only connection and the engine stalls it; a second
+    request waits for that connection. The waiter's verdict once it stalls."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as holder:
+        holder.sendall(b"".join(chat_request(holder_id)))
+        if not read_until(holder, FIRST_TOKEN):  # streaming: the connection is surely taken
+            return Diagnosis("unknown", "the stream meant to hold the pool's connection never started")
+        with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as waiter:
+            waiter.sendall(b"".join(chat_request(waiter_id)))
+            return await_stall(admin, waiter_id)
+
+
+def await_stall(admin: str, request_id: str, timeout: float = LIVE_VERDICT_WAIT) -> Diagnosis:
+    """Ask the admin listener until the request is stalled, or the time is up (the last answer)."""
+    host, _, port = admin.rpartition(":")
+    diagnosis, deadline = Diagnosis("unknown", "not asked"), time.monotonic() + timeout
+    for _ in range(int(timeout / POLL) + 1):
+        diagnosis = ask_proxy((host, int(port)), request_id, answered=False)
+        if (diagnosis.kind == IN_FLIGHT and diagnosis.stalled) or time.monotonic() > deadline:
+            break
+        time.sleep(POLL)
+    return diagnosis
