@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from .hostnames import is_hostname
+from .lifecycle.stall import STALL_KINDS
 
 ENV_PREFIX = "TRACEPROXY_"
 CONFIG_ENV = "TRACEPROXY_CONFIG"
@@ -390,10 +391,9 @@ def choice(*options: str) -> Kind:
     return Kind(parse, "one of " + ", ".join(repr(o) for o in options), "|".join(o or '""' for o in options))
 
 
-STALL_KINDS = ("client_headers", "client_body", "pool_wait", "first_byte", "stream_gap", "client_drain")
-
-
 def stall_kinds() -> Kind:
+    """Stall kinds, as lifecycle.stall declares them; comma-separated in a flag or env var, a list in TOML."""
+
     def parse(raw: Any) -> tuple[str, ...]:
         items = list(raw) if isinstance(raw, (list, tuple)) else [i for i in _str(raw).split(",") if i.strip()]
         kinds = tuple(_str(item).strip().lower() for item in items)

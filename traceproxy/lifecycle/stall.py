@@ -12,28 +12,48 @@ forward, so a wake-up finds nothing and simply aims at the new earliest deadline
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, NamedTuple
 
 from .attribution import Verdict, verdict
 from .timeline import RequestRecord
 
-THRESHOLD_KEYS = ("client_headers", "client_body", "pool_wait", "first_byte", "stream_gap", "client_drain")
+MEANING = "meaning"  # a threshold field's metadata: what passing it means, for the [stall] settings' help
+
+
+def _kind(default_seconds: float, meaning: str) -> Any:
+    return field(default=default_seconds, metadata={MEANING: meaning})
 
 
 @dataclass(frozen=True)
 class StallThresholds:
-    """Seconds per kind of wait; 0 = never a stall."""
+    """Seconds per kind of wait; 0 = never a stall.
 
-    client_headers: float = 10.0
-    client_body: float = 30.0
-    pool_wait: float = 5.0
-    first_byte: float = 120.0
-    stream_gap: float = 30.0
-    client_drain: float = 30.0
+    Its fields are the stall kinds, declared here once: each verdict names the one that
+    bounds its wait, and the [stall] settings take one key per kind (this default, this
+    meaning) and list them in abort_on.
+    """
+
+    client_headers: float = _kind(10.0, "A request head started and not finished for this long is a stall "
+                                        "(blame client).")
+    client_body: float = _kind(30.0, "A request body the client stopped sending for this long is a stall "
+                                     "(blame client).")
+    pool_wait: float = _kind(5.0, "Waiting this long for an upstream connection (pool cap: proxy; connecting: "
+                                  "engine) is a stall.")
+    first_byte: float = _kind(120.0, "The request sent and no response header for this long is a stall (blame "
+                                     "engine: router queue or prefill). Long because a long prefill under load "
+                                     "is normal.")
+    stream_gap: float = _kind(30.0, "The upstream silent this long between response chunks is a stall (blame "
+                                    "engine: decode).")
+    client_drain: float = _kind(30.0, "Response bytes waiting this long because the client is not reading is a "
+                                      "stall (blame client).")
 
     def ns(self, key: str) -> int:
         return int(getattr(self, key) * 1e9)
+
+
+STALL_KINDS: tuple[str, ...] = tuple(f.name for f in fields(StallThresholds))
+THRESHOLD_KEYS = STALL_KINDS  # the earlier name
 
 
 class Judgement(NamedTuple):
