@@ -48,8 +48,11 @@ def _parser() -> argparse.ArgumentParser:
                           help="close idle keep-alive connections after this many seconds (0 = never)")
     upstream.set_defaults(run=_upstream)
 
+    from .demo import add_arguments as add_demo_arguments
+
     demo = sub.add_parser("demo", help="the quick start: simulated prefill/decode workers behind the router, "
                                        "traceproxy in front, and one injected fault at a time with its verdict")
+    add_demo_arguments(demo)
     demo.set_defaults(run=_demo)
 
     sub.add_parser("bench", help="measure the proxy against a direct connection (see traceproxy bench --help)")
@@ -140,10 +143,10 @@ def _upstream(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(_args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo()
+    return run_demo(args)
 
 
 def _top(args: argparse.Namespace) -> int:
