@@ -453,6 +453,41 @@ def test_schema_matches_the_settings_dataclasses():
         assert [s.key for s in SCHEMA if s.section == name] == fields(cls)
 
 
+def test_every_key_defaults_in_a_settings_object_built_by_hand_as_when_loaded():
+    assert Settings() == default_settings() == EXPECTED_DEFAULTS
+    assert Timeouts(connect=1.0) == dataclasses.replace(EXPECTED_DEFAULTS.timeouts, connect=1.0)
+    assert Stall(first_byte=0.0).abort_on == () and Stall(first_byte=0.0).stream_gap == 30.0
+
+
+def test_settings_classes_hold_no_class_attribute_that_shadows_a_field():
+    # From CPython 3.12 a read of an instance attribute that a class attribute shadows is
+    # not specialized, and the proxy reads ctx.timeouts.client_headers and the like on
+    # every connection: the defaults live in __init__ and fields() only.
+    for cls in (Settings, Timeouts, Pool, Limits, Forwarding, RequestIds, Tracing, Stall, AccessLog, Engines):
+        assert [f.name for f in dataclasses.fields(cls) if f.name in vars(cls)] == [], cls.__name__
+
+
+def test_the_stall_keys_and_abort_on_choices_are_the_stall_kinds():
+    from traceproxy.lifecycle.stall import STALL_KINDS, StallThresholds
+
+    thresholds = [s for s in SCHEMA if s.section == "stall" and s.key not in ("action", "abort_on")]
+    assert [s.key for s in thresholds] == list(STALL_KINDS)
+    assert {s.key: s.default for s in thresholds} == dataclasses.asdict(StallThresholds())
+    every_kind = load_settings({"stall.abort_on": ",".join(STALL_KINDS)}, {})
+    assert every_kind.stall.abort_on == STALL_KINDS
+
+
+def test_the_generated_files_come_from_running_the_package():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    for argv, shipped in (([], SHIPPED_CONFIG), (["reference"], root / "docs" / "configuration.md")):
+        run = subprocess.run([sys.executable, "-m", "traceproxy.config", *argv], capture_output=True, text=True,
+                             timeout=60, cwd=root, check=True)
+        assert run.stdout == shipped.read_text()
+
+
 def test_flag_and_env_names():
     names = {s.dotted: (s.flag, s.env) for s in SCHEMA}
     assert names["listen"] == ("--listen", "TRACEPROXY_LISTEN")
