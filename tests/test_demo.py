@@ -155,13 +155,15 @@ def test_keep_running_leaves_a_stack_its_printed_commands_work_against_and_ctrl_
         assert "  fresh       6     6" in front.stdout, front.stdout  # fresh connections work
 
         os.killpg(demo.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole group
+        out.until("stopping the stack", 10)
+        os.killpg(demo.pid, signal.SIGINT)  # an impatient second Ctrl-C does not cut the stopping short
         code = demo.wait(timeout=60)
         err = stderr_path.read_text()
         assert code == 0, err
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
-    assert "stopping the stack" in out.rest() and "Traceback" not in err, err
+    assert "demo finished" in out.rest() and "Traceback" not in err, err
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
     with pytest.raises(OSError):
@@ -229,14 +231,22 @@ def test_the_running_commands_name_the_stacks_real_addresses_and_paths(tmp_path)
     assert "8000" not in text and "9464" not in text
 
 
-def test_a_signal_ends_the_keep_running_wait():
+def test_a_signal_ends_the_keep_running_wait_and_a_second_one_does_not_cut_the_stopping_short():
     import asyncio
 
-    from traceproxy.demo_stack import until_signalled
+    from traceproxy.demo_stack import StopSignals
 
-    async def signalled_soon() -> None:
-        asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(until_signalled(), timeout=10)
+    async def keep_running_then_stop() -> None:
+        signals = StopSignals()
+        signals.catch()
+        try:
+            asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(signals.received.wait(), timeout=10)
+            # While the stack stops, a second signal is still caught (sending one for real would
+            # end this test process if it were not; the keep-running test sends a second Ctrl-C).
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        finally:
+            signals.release()
 
-    asyncio.run(signalled_soon())
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handed back after the wait
+    asyncio.run(keep_running_then_stop())
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handed back once all has stopped

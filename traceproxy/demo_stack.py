@@ -110,20 +110,25 @@ async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool) -> int:
     spans, access_log = data_paths()
     outcomes = Outcomes()
     has_router = router_importable()
-    async with SimDeployment(router=has_router, request_timeout=20) as deployment:
-        upstream = deployment.router_url or deployment.decode.url
-        proxy = ProxyServer(proxy_settings(upstream, spans, access_log), Fanout([outcomes]))
-        await proxy.start()
-        try:
-            stack = Stack(deployment, proxy, outcomes)
-            where = stack.where()  # the addresses are gone once the proxy stops
-            _print_header(stack, upstream, has_router)
-            rows = [Row(scenario, await _run_scenario(scenario, stack, has_router)) for scenario in scenarios]
-            _print(*table_lines(rows), "", "legend:", *legend_lines(codes_shown(rows)), "", *files_lines(where))
-            if keep_running:
-                await _keep_running(stack, rows)
-        finally:
-            await proxy.shutdown(grace=1)
+    signals = StopSignals()
+    try:
+        async with SimDeployment(router=has_router, request_timeout=20) as deployment:
+            upstream = deployment.router_url or deployment.decode.url
+            proxy = ProxyServer(proxy_settings(upstream, spans, access_log), Fanout([outcomes]))
+            await proxy.start()
+            try:
+                stack = Stack(deployment, proxy, outcomes)
+                where = stack.where()  # the addresses are gone once the proxy stops
+                _print_header(stack, upstream, has_router)
+                rows = [Row(scenario, await _run_scenario(scenario, stack, has_router)) for scenario in scenarios]
+                _print(*table_lines(rows), "", "legend:", *legend_lines(codes_shown(rows)), "", *files_lines(where))
+                if keep_running:
+                    signals.catch()  # until everything has stopped, not only until the first signal
+                    await _keep_running(stack, rows, signals.received)
+            finally:
+                await proxy.shutdown(grace=1)
+    finally:
+        signals.release()
     if not keep_running:
         _print(*stopped_lines(rows, where))
     return 0 if all(row.matches for row in rows) else 1
@@ -142,27 +147,36 @@ def _print(*lines: str) -> None:
     print("\n".join(lines), flush=True)
 
 
-async def _keep_running(stack: Stack, rows: list[Row]) -> None:
+async def _keep_running(stack: Stack, rows: list[Row], stop: asyncio.Event) -> None:
     faulty = await FaultyProxy(stack.url, hang_after=FAULTY_PROXY_TURNS).start()
     try:
         _print("", *running_lines(rows, stack.where(faulty)))
-        await until_signalled()
+        await stop.wait()
     finally:
         await faulty.stop()
     _print("stopping the stack")
 
 
-async def until_signalled() -> None:
-    """Until SIGINT (Ctrl-C) or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+class StopSignals:
+    """From ``catch()`` to ``release()``, SIGINT (Ctrl-C) and SIGTERM set ``received``
+    instead of interrupting. Held while the stack stops too: a second Ctrl-C there
+    would cut the stopping short and could leave the router running."""
+
+    def __init__(self) -> None:
+        self.received = asyncio.Event()
+        self._caught: tuple[signal.Signals, ...] = ()
+
+    def catch(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._caught = (signal.SIGINT, signal.SIGTERM)
+        for sig in self._caught:
+            loop.add_signal_handler(sig, self.received.set)
+
+    def release(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self._caught:
             loop.remove_signal_handler(sig)
+        self._caught = ()
 
 
 # ----------------------------------------------------------------------------------
