@@ -22,11 +22,11 @@ from traceproxy.demo import (BY_KEY, NOT_REACHED_TEXT, SCENARIOS, Row, Said, Whe
                              legend_lines, running_lines)
 from traceproxy.lifecycle.flags import BY_CODE, Blame
 
-# Runs the demo through its own functions, SIGINT restored (a non-interactive parent
-# may have it ignored), with the arguments given after -c.
-RUN_DEMO = ("import argparse, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "from traceproxy.demo import add_arguments, run_demo; "
-            "sys.exit(run_demo(add_arguments(argparse.ArgumentParser()).parse_args(sys.argv[1:])))")
+# The demo with SIGINT restored: a non-interactive parent may have it ignored, and the
+# demo's run before its table ends on the default Ctrl-C (--keep-running's wait takes
+# SIGINT itself).
+RUN_DEMO = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from traceproxy.cli import main; sys.exit(main(['demo']))")
 
 
 def _traceproxy(command: str) -> list[str]:
@@ -113,7 +113,7 @@ def _run(command: list[str], cwd, timeout: float = 60) -> subprocess.CompletedPr
 def test_keep_running_leaves_a_stack_its_printed_commands_work_against_and_ctrl_c_stops_it(tmp_path):
     stderr_path = tmp_path / "stderr.txt"
     with open(stderr_path, "w") as stderr:
-        demo = subprocess.Popen([sys.executable, "-c", RUN_DEMO, "--keep-running", "--scenario", "healthy",
+        demo = subprocess.Popen([sys.executable, "-m", "traceproxy", "demo", "--keep-running", "--scenario", "healthy",
                                  "--scenario", "client-leaves"], cwd=tmp_path, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, start_new_session=True)
     out = _Lines(demo.stdout)
