@@ -76,8 +76,8 @@ SCENARIOS = (
              injected="closes after 1st token"),
     Scenario("client-body-stall", "harness stops sending its body", STOP_MID_BODY, Flag.DBS,
              injected="half the body, then quiet"),
-    Scenario("pool-cap", "pool at its cap, a stalled stream holds it", POOL_AT_CAP, Flag.PWS, "decode_stall:1",
-             injected="pool.max_connections=1 + decode_stall:1"),
+    Scenario("pool-cap", "pool full: a stalled stream holds it", POOL_AT_CAP, Flag.PWS, "decode_stall:1",
+             injected="max_connections=1, decode_stall:1"),
     Scenario("faulty-proxy", "faulty proxy in front, reused conns", HARNESS_VIA_FAULTY_PROXY, None,
              injected="faulty keep-alive proxy"),
 )
