@@ -229,17 +229,15 @@ def test_connections_the_pool_expires_are_not_counted_as_closed_by_the_upstream(
 
 
 class _User:
-    """The three calls the pool makes on a request while connecting for it."""
-
-    finished = False
+    """The two calls the pool makes on whoever waits for a connection it opens (sides.ConnectionWaiter)."""
 
     def __init__(self):
         self.ready, self.failed = [], []
 
-    def upstream_ready(self, conn, reused):
+    def connection_ready(self, conn, reused):
         self.ready.append((conn, reused, conn.transport is not None))
 
-    def upstream_connect_failed(self, error):
+    def connection_failed(self, error):
         self.failed.append(error)
 
 
@@ -376,10 +374,10 @@ def test_requests_taking_slots_while_a_renewal_opens_do_not_push_the_pool_past_m
     # replacements, a few per tick. A burst landing meanwhile takes slots up to the
     # cap, and the ticks left must not open past it.
     class User(_User):
-        def upstream_queued(self):
+        def connection_queued(self):
             pass
 
-        def upstream_connecting(self, task):
+        def connection_opening(self):
             pass
 
     async def main():

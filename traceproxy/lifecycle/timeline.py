@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .flags import Outcome
 from .marks import MARK, UPSTREAM_MARKS, Mark
@@ -34,6 +35,14 @@ _request_ids = itertools.count(1)
 
 class MarkTwiceError(AssertionError):
     """A mark was stamped twice: the I/O code reported one edge two times."""
+
+
+class RequestOwner(Protocol):
+    """The I/O object that can end a request in flight early: the client connection
+    while the request's head is read, then the request's exchange. The watchdog's
+    abort action goes through it; the owner ends the request (once) its own way."""
+
+    def abort(self, outcome: Outcome, message: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -161,9 +170,9 @@ class RequestRecord:
     response_tail: tuple[bytes, bytes, bytes] = (b"", b"", b"")
     max_chunk_gap_ns: int = 0
     stalls: list[StallEntry] = field(default_factory=list)
-    # The I/O object that can end this request early (``abort(outcome, message)``),
-    # for the watchdog's abort action. Opaque here.
-    owner: object = None
+    # What can end this request early, for the watchdog's abort action; cleared when
+    # it ends (owner <-> record is a reference cycle while it is set).
+    owner: RequestOwner | None = None
     # Progress stamps overwritten on every read/write; the watchdog compares them
     # with its deadlines instead of stamping a mark per chunk.
     last_downstream_rx_ns: int | None = None

@@ -16,7 +16,7 @@ by themselves.
 
 On a new stall: the record gets a ``StallEntry``, ``on_stall`` goes to every stall
 listener (log line, metric, stall span), and with the abort action the request is
-ended through its owner. A stall resolves when the verdict moves on (the awaited
+ended through its owner (``lifecycle.timeline.RequestOwner``), which ends it its own way. A stall resolves when the verdict moves on (the awaited
 byte came, or the request finished): the entry gets ``resolved_ns`` and listeners
 get ``on_stall_resolved``.
 """

@@ -332,6 +332,9 @@ class ClientConnection(asyncio.Protocol):
         if not self.transport.is_closing() and self._linger is None:  # nothing after our FIN
             self.transport.write(data)
 
+    def unsent(self) -> int | None:
+        return sockets.unsent(self.transport)
+
     # ---------------------------------------------------------------------------
     # Flow control
     # ---------------------------------------------------------------------------

@@ -32,14 +32,13 @@ from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK, Mark
 from ..lifecycle.timeline import Attempt, RequestRecord
 from . import headers as H
-from . import sockets
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
 from .local_reply import body_size, error_response
 
 if TYPE_CHECKING:
-    from .downstream import ClientConnection, ServerContext
-    from .upstream import UpstreamConnection
+    from .context import ServerContext
+    from .sides import ClientSide, UpstreamSide
 
 # Request bytes held while no upstream connection is ready yet; past this the
 # client is paused rather than buffered.
@@ -75,21 +74,21 @@ class RequestHead:
 class Exchange:
     # Slots: one Exchange is built per request, and every phase reads its fields.
     __slots__ = (
-        "ctx", "client", "record", "head", "upstream", "connect_task", "pending", "pending_size", "sent_log",
+        "ctx", "client", "record", "head", "upstream", "awaiting_connection", "pending", "pending_size", "sent_log",
         "sent_size", "request_complete", "response_started", "response_framing", "keep_client_alive",
         "awaiting_drain", "finished", "lingering", "_lingered_bytes", "_client_out", "_upstream_paused_by_client",
         "_linger_timer", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
         "_mark_observers", "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
     )
 
-    def __init__(self, ctx: "ServerContext", client: "ClientConnection", record: RequestRecord, head: RequestHead):
+    def __init__(self, ctx: "ServerContext", client: "ClientSide", record: RequestRecord, head: RequestHead):
         self.ctx = ctx
         self.client = client
         self.record = record
         record.owner = self
         self.head = head
-        self.upstream: UpstreamConnection | None = None
-        self.connect_task: asyncio.Task | None = None
+        self.upstream: UpstreamSide | None = None
+        self.awaiting_connection = False  # asked the pool, not answered yet (see sides.ConnectionWaiter)
         # Body bytes for the upstream not yet written (no connection yet), and bytes
         # written on the current attempt (kept for one resend; None once too big).
         # The head is built per attempt, when a connection is ready: each attempt
@@ -145,17 +144,17 @@ class Exchange:
         # Its CLIENT span exists from here, connection or not (a refused connect, a
         # wait at the pool cap): the span id is the parent the upstream will see.
         self.record.new_attempt(time.monotonic_ns(), tc.new_span_id())
-        self.connect_task = self.ctx.pool.acquire(self, fresh=fresh)
+        self.awaiting_connection = True  # before: a reused connection is handed over within acquire
+        self.ctx.pool.acquire(self, fresh=fresh)
 
-    def upstream_queued(self) -> None:
+    def connection_queued(self) -> None:
         self._stamp(time.monotonic_ns(), MARK.POOL_QUEUED)
 
-    def upstream_connecting(self, task: asyncio.Task) -> None:
-        self.connect_task = task
+    def connection_opening(self) -> None:
         self.record.attempt.connecting_since_ns = time.monotonic_ns()
 
-    def upstream_ready(self, conn: "UpstreamConnection", reused: bool) -> None:
-        self.connect_task = None
+    def connection_ready(self, conn: "UpstreamSide", reused: bool) -> None:
+        self.awaiting_connection = False
         if self.finished:
             self.ctx.pool.release(conn)
             return
@@ -186,8 +185,8 @@ class Exchange:
             extra += b"%s: %s\r\n" % (self.ctx.request_id_header, record.request_id.encode("latin-1"))
         return H.upstream_request_head(head.method, head.target, head.parts, self.client.forwarding, extra)
 
-    def upstream_connect_failed(self, error: str) -> None:
-        self.connect_task = None
+    def connection_failed(self, error: str) -> None:
+        self.awaiting_connection = False
         if not self.finished:
             self._fail(Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
 
@@ -289,7 +288,7 @@ class Exchange:
         out = self._upstream_out
         if out and self.upstream is not None:
             self._upstream_out = []
-            self.upstream.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            self.upstream.send(out[0] if len(out) == 1 else b"".join(out))
 
     def upstream_write_paused(self) -> None:
         self.record.upstream_paused_since_ns = now = time.monotonic_ns()
@@ -374,22 +373,22 @@ class Exchange:
         self.record.downstream_paused_since_ns = now = time.monotonic_ns()
         if self.upstream is not None and not self._upstream_paused_by_client:
             self._upstream_paused_by_client = True
-            self.upstream.transport.pause_reading()
+            self.upstream.pause_reading()
         if self.ctx.client_send_ns and not self.finished:
             self._client_taken, self._client_taken_ns = self._taken_by_client(), now
             self._aim_timer(now)  # the send deadline starts now
 
     def _taken_by_client(self) -> int:
         """Response bytes the client has acknowledged so far (grows while it reads)."""
-        unsent = sockets.unsent(self.client.transport)
+        unsent = self.client.unsent()
         return -1 if unsent is None else self.record.downstream_tx_body_bytes - unsent
 
     def client_write_resumed(self) -> None:
         self.record.downstream_paused_since_ns = None
         if self._upstream_paused_by_client:
             self._upstream_paused_by_client = False
-            if self.upstream is not None and not self.upstream.transport.is_closing():
-                self.upstream.transport.resume_reading()
+            if self.upstream is not None:
+                self.upstream.resume_reading()
         if self.awaiting_drain:
             self._finish_ok()
 
@@ -446,15 +445,14 @@ class Exchange:
         conn, self.upstream = self.upstream, None
         if conn is None:
             return
-        if self._upstream_paused_by_client and not conn.transport.is_closing():
-            conn.transport.resume_reading()
+        if self._upstream_paused_by_client and conn.resume_reading():
             self._upstream_paused_by_client = False
         if reusable:
             self.ctx.pool.release(conn)
         else:
             self._let_go(conn, "not reusable after this response")
 
-    def _let_go(self, conn: "UpstreamConnection", why: str, reset: bool = False) -> None:
+    def _let_go(self, conn: "UpstreamSide", why: str, reset: bool = False) -> None:
         """Close this attempt's connection for good, and mark when."""
         self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         self.ctx.pool.discard(conn, why, reset=reset)
@@ -529,7 +527,7 @@ class Exchange:
         _, previous, last = self.record.response_tail
         tail = previous[-18:] + last[-18:]  # the event may be split across reads
         if (tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
-                and sockets.unsent(self.client.transport) == 0):
+                and self.client.unsent() == 0):
             # From now: the upstream's bytes (in this very loop pass too) are past it.
             self._client_left_after_the_end()
             return True
@@ -577,10 +575,9 @@ class Exchange:
         if conn is not None:
             # A reset: the engine sees it now, even behind request bytes it has not read.
             self._let_go(conn, outcome.name, reset=True)
-        if self.connect_task is not None:
-            self.ctx.pool.cancel_connect(self.connect_task)
-            self.connect_task = None
-        self.ctx.pool.cancel_wait(self)
+        if self.awaiting_connection:
+            self.awaiting_connection = False
+            self.ctx.pool.give_up(self)
         linger = False
         if client_gone:
             pass

@@ -75,7 +75,7 @@ from . import headers as H
 from . import sockets
 
 if TYPE_CHECKING:
-    from .forward import Exchange
+    from .sides import ConnectionWaiter, UpstreamUser
 
 log = logging.getLogger("traceproxy.upstream")
 
@@ -92,7 +92,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.pool = pool
         self.record = UpstreamConnectionRecord(opened_ns=time.monotonic_ns())
         self.transport: asyncio.Transport | None = None
-        self.user: Exchange | None = None
+        self.user: UpstreamUser | None = None
         self.closed = False
         self.discarded_by_pool = False  # closed by us, not by the upstream
         self.counted_closed = False  # its slot in open_count was given back
@@ -108,7 +108,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._reset_response(head_only=False)
         # While connecting: the request this connection is being opened for, and the
         # connect timeout. The connection is handed over from connection_made.
-        self.opening_for: Exchange | None = None
+        self.opening_for: ConnectionWaiter | None = None
         self.spare = False  # being opened ahead of demand (keep_warm): goes idle when connected
         self.opened_ahead = False  # it was (the flag above is cleared once connected)
         self.renewing = False  # opened ahead in place of an idle one that is due
@@ -238,8 +238,21 @@ class UpstreamConnection(asyncio.Protocol):
         if self.user is not None:
             self.user.upstream_write_resumed()
 
+    # -- what the request it carries drives (see sides.UpstreamSide) -----------------
+    def send(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def pause_reading(self) -> None:
+        self.transport.pause_reading()
+
+    def resume_reading(self) -> bool:
+        if self.transport.is_closing():
+            return False
+        self.transport.resume_reading()
+        return True
+
     # -- per response ------------------------------------------------------------
-    def begin_response(self, user: "Exchange", head_only: bool) -> None:
+    def begin_response(self, user: "UpstreamUser", head_only: bool) -> None:
         self.user = user
         self._parser = None  # chosen by the first read (see _parser_for)
         self._reset_response(head_only)
@@ -546,10 +559,12 @@ class UpstreamPool:
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
         self.idle: list[UpstreamConnection] = []
-        self.waiters: collections.deque[Exchange] = collections.deque()
+        # Who waits for a connection at max_connections, in order. The pool knows them
+        # only as ``sides.ConnectionWaiter``: it calls them back, and nothing else.
+        self.waiters: collections.deque[ConnectionWaiter] = collections.deque()
         # Waiters that must get a new connection (a resend after a stale one): a
         # connection released to them is closed to make room for a new one instead.
-        self._fresh_waiters: set[Exchange] = set()
+        self._fresh_waiters: set[ConnectionWaiter] = set()
         self.open_count = 0
         self.connecting: dict[asyncio.Task, UpstreamConnection] = {}
         self._sweeper: asyncio.TimerHandle | None = None
@@ -560,17 +575,17 @@ class UpstreamPool:
         self.keepalive = KeepAliveLearner(idle_timeout, f"{host}:{port}")
 
     # -- acquiring ---------------------------------------------------------------
-    def acquire(self, user: "Exchange", fresh: bool = False) -> asyncio.Task | None:
-        """Hand ``user`` a connection now (reused) or later (new, or after a wait).
-
-        Returns the connect task when one was started, so the caller can cancel it.
-        """
+    def acquire(self, waiter: "ConnectionWaiter", fresh: bool = False) -> asyncio.Task | None:
+        """Hand ``waiter`` a connection now (reused) or later (new, or after a wait),
+        through its ``connection_ready`` (or ``connection_failed``). A waiter that no
+        longer wants one says so with ``give_up``. Returns the connect task when one
+        was started."""
         if not fresh:
             conn = self._pop_usable()
             if conn is not None:
                 self.stats["reused"] += 1
                 self._note_demand()
-                user.upstream_ready(conn, reused=True)
+                waiter.connection_ready(conn, reused=True)
                 return None
         if self.max_connections and self.open_count >= self.max_connections:
             if fresh and self.idle:
@@ -579,13 +594,13 @@ class UpstreamPool:
                 if fresh:
                     # A resend had its turn already: it goes first, not behind the
                     # requests that queued while its connection was failing.
-                    self.waiters.appendleft(user)
-                    self._fresh_waiters.add(user)
+                    self.waiters.appendleft(waiter)
+                    self._fresh_waiters.add(waiter)
                 else:
-                    self.waiters.append(user)
-                user.upstream_queued()
+                    self.waiters.append(waiter)
+                waiter.connection_queued()
                 return None
-        task = self._connect(user)
+        task = self._connect(waiter)
         self._note_demand()
         return task
 
@@ -594,12 +609,19 @@ class UpstreamPool:
         if in_use > self.demand_peak:
             self.demand_peak = in_use
 
-    def cancel_wait(self, user: "Exchange") -> None:
-        self._fresh_waiters.discard(user)
+    def give_up(self, waiter: "ConnectionWaiter") -> None:
+        """``waiter`` no longer wants a connection: it leaves the queue, or the connect
+        opening for it is cancelled (see cancel_connect). Nothing is called back."""
+        self._fresh_waiters.discard(waiter)
         try:
-            self.waiters.remove(user)
+            self.waiters.remove(waiter)
+            return
         except ValueError:
             pass
+        for task, conn in self.connecting.items():
+            if conn.opening_for is waiter:
+                self.cancel_connect(task)
+                return
 
     def _pop_usable(self) -> UpstreamConnection | None:
         now = time.monotonic_ns()
@@ -610,17 +632,17 @@ class UpstreamPool:
             self.discard(conn, "idle timeout")
         return None
 
-    def _connect(self, user: "Exchange") -> asyncio.Task:
-        """Start opening a connection for ``user``.
+    def _connect(self, waiter: "ConnectionWaiter") -> asyncio.Task:
+        """Start opening a connection for ``waiter``.
 
-        The connection is handed to ``user`` from its ``connection_made`` callback,
+        The connection is handed to ``waiter`` from its ``connection_made`` callback,
         not when the connect coroutine returns: under load every callback hop costs a
         full pass over the ready I/O events, and the coroutine's return reaches the
         caller several hops after the socket is connected. The task only reports
         failures; a timer (not ``wait_for``, which adds its own task) bounds the wait.
         """
         conn = UpstreamConnection(self)
-        conn.opening_for = user
+        conn.opening_for = waiter
         return self._start_connect(conn)
 
     def _open_spare(self, renewing: bool = True) -> bool:
@@ -668,8 +690,8 @@ class UpstreamPool:
             if conn.renewing:
                 self._retire_oldest_due()
         else:
-            user, conn.opening_for = conn.opening_for, None
-            user.upstream_ready(conn, reused=False)
+            waiter, conn.opening_for = conn.opening_for, None
+            waiter.connection_ready(conn, reused=False)
 
     def _retire_oldest_due(self) -> None:
         """Make before break: a connection opened ahead retires the oldest idle one, if it is due."""
@@ -695,11 +717,11 @@ class UpstreamPool:
             if failed:
                 self._spares_fail()  # no request waits on it
             return
-        user, conn.opening_for = conn.opening_for, None
+        waiter, conn.opening_for = conn.opening_for, None
         self._connection_gone()
         if failed:
             exc = asyncio.TimeoutError() if task.cancelled() else task.exception()
-            user.upstream_connect_failed(_connect_error(exc, self.connect_timeout))
+            waiter.connection_failed(_connect_error(exc, self.connect_timeout))
 
     def _spare_refused(self) -> None:
         self.stats["connect_failed"] += 1
@@ -742,18 +764,17 @@ class UpstreamPool:
         if self.shut:
             self.discard(conn, "shutdown")
             return
-        while self.waiters:
+        if self.waiters:
             waiter = self.waiters.popleft()
-            if waiter in self._fresh_waiters and not waiter.finished:
+            if waiter in self._fresh_waiters:
                 # Back to the front: closing ``conn`` frees the slot it is connected in.
                 self.waiters.appendleft(waiter)
                 self.discard(conn, "making room for a fresh connection")
                 return
-            if not waiter.finished:
-                self.stats["reused"] += 1
-                self._note_demand()
-                waiter.upstream_ready(conn, reused=True)
-                return
+            self.stats["reused"] += 1
+            self._note_demand()
+            waiter.connection_ready(conn, reused=True)
+            return
         conn.record.idle_since_ns = time.monotonic_ns()
         self.idle.append(conn)
         self._arm_sweeper()
@@ -787,9 +808,9 @@ class UpstreamPool:
         if self.waiters and (not self.max_connections or self.open_count < self.max_connections):
             waiter = self.waiters.popleft()
             self._fresh_waiters.discard(waiter)
-            if not waiter.finished:
-                waiter.upstream_connecting(self._connect(waiter))
-                self._note_demand()
+            self._connect(waiter)
+            waiter.connection_opening()
+            self._note_demand()
 
     # -- idle expiry and keeping warm -------------------------------------------------
     def _arm_sweeper(self) -> None:
