@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from traceproxy.cli import _parser
-from traceproxy.config import listen_argument
+from traceproxy.config import listen_argument, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = shutil.which("docker-compose")
@@ -277,3 +277,25 @@ def test_the_project_installs_from_the_read_only_mount_as_compose_does(launches,
     result = subprocess.run(["unshare", "-m", "sh", "-c", " && ".join([read_only, *steps])],
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)")
+_DURATION_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def _compose_seconds(duration: str) -> float:
+    """A compose duration ("35s", "1m30s") in seconds."""
+    parts = _DURATION_PART.findall(duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"not a compose duration: {duration!r}"
+    return sum(float(number) * _DURATION_UNIT[unit] for number, unit in parts)
+
+
+def test_a_stop_gives_traceproxy_its_shutdown_grace_before_compose_kills_it(services, launches):
+    """docker-compose stop waits stop_grace_period (10 s by default) after SIGTERM, then
+    SIGKILLs: shorter than the proxy's shutdown grace, streams in flight would be cut."""
+    serving = {name: launch for name, launch in launches.items() if launch.program[:2] == ["traceproxy", "serve"]}
+    assert serving
+    for name, launch in serving.items():
+        settings = load_settings(_parser().parse_args(launch.program[1:]), launch.environment)
+        waited = _compose_seconds(str(services[name].get("stop_grace_period", "10s")))
+        assert waited > settings.timeouts.shutdown_grace, (name, waited, settings.timeouts.shutdown_grace)
