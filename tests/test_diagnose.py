@@ -124,6 +124,19 @@ def test_by_trace_id(traced):
     assert "stalls: none" in out
 
 
+def test_a_reader_that_leaves_early_ends_it_quietly_not_with_a_traceback(traced):
+    """`traceproxy diagnose ID | head -1`: the pipe's reader is gone before it writes."""
+    spans, responses = traced
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
+    reader, writer = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "traceproxy", "diagnose", _trace_id(responses[1]), "--spans",
+                             str(spans)], stdout=writer, stderr=subprocess.PIPE, text=True, env=env)
+    os.close(writer)
+    os.close(reader)  # long before the interpreter has started and written its first line
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (141, ""), err
+
+
 def test_by_request_id_with_a_stall(traced):
     spans, responses = traced
     third = responses[2]

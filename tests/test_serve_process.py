@@ -134,8 +134,11 @@ def test_startup_lines_name_the_admin_url_and_the_absolute_paths_of_the_span_fil
             if "listening on" in lines[-1] or not lines[-1]:
                 break
         assert f"admin http://127.0.0.1:{admin} " in lines[-1], lines
-        proc.send_signal(signal.SIGTERM)  # the lines that follow it, up to the stop, all read at once
-        lines += proc.communicate(timeout=15)[1].splitlines()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)  # the few lines up to the stop fit the pipe
+        # Read through the same file object: lines it already buffered would be lost to
+        # communicate(), which reads the pipe itself.
+        lines += proc.stderr.read().splitlines()
     finally:
         _stop(proc)
     spans, access_log = tmp_path / "out" / "spans.jsonl", tmp_path / "out" / "access.jsonl"

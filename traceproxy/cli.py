@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from . import __version__
@@ -23,7 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # The reader left (`traceproxy diagnose ID | head`): stop quietly, as other
+        # commands in a pipe do. stdout is pointed at /dev/null so that the interpreter's
+        # own flush at exit does not fail again and print a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command ended by it
 
 
 def _parser() -> argparse.ArgumentParser:
