@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import re
 import time
@@ -56,7 +57,9 @@ from . import headers as H
 from . import sockets
 from .context import ServerContext
 from .forward import Exchange, RequestHead
+from .linger import LINGER_MAX_BYTES, LINGER_SECONDS
 from .local_reply import body_size, error_response
+from .timer import Timer
 
 log = logging.getLogger("traceproxy.downstream")
 
@@ -68,9 +71,9 @@ PEER_CHECK_INTERVAL = 0.25
 # connection closes after the last one queued (each costs a record and an exchange,
 # and a 1 MiB read of minimal GETs would queue 38,000).
 MAX_PIPELINED = 32
-# Lingering close: how long bytes the client still sends are read and thrown away
-# after the proxy's FIN (see close_lingering).
-LINGER_SECONDS = 2.0
+# The stages of lingering (see linger.py): the rest of a body answered early, then
+# what comes after the proxy's FIN.
+_DRAINING, _CLOSING = 1, 2
 # How a FIN after a whole request, taken as leaving, is recorded (see eof_received).
 HALF_CLOSE_TAKEN_AS_LEAVING = ("client half-closed the connection (FIN) after its whole request, before {what}: "
                                "taken as leaving (limits.client_half_close = abort)")
@@ -138,16 +141,16 @@ class ClientConnection(asyncio.Protocol):
         self.active: Exchange | None = None
         self.queue: collections.deque[Exchange] = collections.deque()
         self.rejection: tuple[int, Outcome, str] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
-        self._on_deadline = None
-        # The active exchange's deadline timer (see Exchange._aim_timer), kept across
-        # requests so keep-alive requests do not each create and cancel one.
-        self._exchange_timer: asyncio.TimerHandle | None = None
-        self._exchange_timer_due = 0
-        self._peer_check: asyncio.TimerHandle | None = None  # see Hazards: Paused reading
-        self._linger: asyncio.TimerHandle | None = None  # set while closing lingeringly
-        self._flush_deadline: asyncio.TimerHandle | None = None  # set while a close waits on a full connection
+        # The connection's timers (see timer.Timer): the request-head or keep-alive
+        # timeout; the active exchange's deadlines (kept across requests, so that
+        # keep-alive requests do not each create and cancel one); the hang-up check of
+        # paused reading (see Hazards); and a lingering stage's end or a close's flush.
+        self._head_timer = Timer()
+        self._exchange_timer = Timer()
+        self._peer_check = Timer()
+        self._close_timer = Timer()
+        self._lingering = 0  # _DRAINING or _CLOSING (see linger.py)
+        self._lingered_bytes = 0  # of a body drained after its answer
         self.reading_stopped = False  # too many requests pipelined: nothing more is parsed
         # The client's FIN came after whole requests, which are still answered (see
         # Hazards: Half-close); and its FIN after a whole request was taken as leaving.
@@ -159,7 +162,6 @@ class ClientConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.loop = asyncio.get_running_loop()
         peer = transport.get_extra_info("peername")
         self.peer_ip = peer[0] if peer else "unknown"
         self.record = ClientConnectionRecord(peer=f"{peer[0]}:{peer[1]}" if peer else "unknown",
@@ -172,22 +174,12 @@ class ClientConnection(asyncio.Protocol):
             self._send_rejection()
             return
         self.ctx.connection_idle(self)  # evictable until its first byte arrives
-        self._arm_timer(self.ctx.timeouts.client_headers, self._on_idle_timeout)
+        self._head_timer.set_in(self.ctx.timeouts.client_headers, self._on_idle_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._exchange_timer is not None:
-            self._exchange_timer.cancel()
-            self._exchange_timer = None
-        if self._peer_check is not None:
-            self._peer_check.cancel()
-            self._peer_check = None
-        for closing_timer in (self._linger, self._flush_deadline):
-            if closing_timer is not None:
-                closing_timer.cancel()
+        for timer in (self._head_timer, self._exchange_timer, self._peer_check, self._close_timer):
+            timer.cancel()
         closed = self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
         for exchange in (self.active, *self.queue):
@@ -210,11 +202,10 @@ class ClientConnection(asyncio.Protocol):
         """Drop what refers back to this connection, so that it is freed by reference
         counting as soon as nothing else holds it, not by the cycle collector, which
         runs rarely (see app.YOUNG_COLLECTION_THRESHOLD): the parser holds its
-        callbacks, the deadline its bound method, an exchange still here (a body
-        arriving, a reply lingering) its connection. None is used after the close:
-        ``_feed`` and ``exchange_finished`` stop at ``closing``, the timers are cancelled."""
+        callbacks, an exchange still here (a body arriving, a reply lingering) its
+        connection (the timers let go of theirs when cancelled). None is used after
+        the close: ``_feed`` and ``exchange_finished`` stop at ``closing``."""
         self.parser = None
-        self._on_deadline = None
         self.active = self.parsing_exchange = None
 
     def eof_received(self) -> bool:
@@ -253,8 +244,8 @@ class ClientConnection(asyncio.Protocol):
         last = self.queue[-1] if self.queue else self.active
         last.head.keep_alive = last.keep_client_alive = False
         self.reading_paused_for.clear()  # no reading is left to pause or resume
-        if self._peer_check is None:
-            self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)
+        if not self._peer_check.armed:
+            self._peer_check.set_in(PEER_CHECK_INTERVAL, self._check_peer)
 
     def close(self) -> None:
         if not self.closing:
@@ -266,8 +257,7 @@ class ClientConnection(asyncio.Protocol):
                 self._arm_flush_deadline(sockets.unsent(self.transport))
 
     def _arm_flush_deadline(self, unsent: int | None) -> None:
-        self._flush_deadline = self.loop.call_later(self.ctx.timeouts.client_send, self._flush_deadline_passed,
-                                                    unsent)
+        self._close_timer.set_in(self.ctx.timeouts.client_send, functools.partial(self._flush_deadline_passed, unsent))
 
     def _flush_deadline_passed(self, unsent_before: int | None) -> None:
         unsent = sockets.unsent(self.transport)
@@ -278,26 +268,50 @@ class ClientConnection(asyncio.Protocol):
             # close-delimited response look complete.
             sockets.reset(self.transport)
 
+    # -- lingering (see linger.py): one mechanism, two stages -----------------------
+    def _drain_body(self) -> None:
+        """Stage 1: the active exchange answered before its body ended, and keeps the
+        turn while the rest is read and thrown away (see on_body)."""
+        self._lingering, self._lingered_bytes = _DRAINING, 0
+        self.resume_reading("pending")
+        self.resume_reading("upstream")
+        self._close_timer.set_in(LINGER_SECONDS, self._linger_expired)
+
+    def _body_discarded(self, size: int) -> None:
+        self._lingered_bytes += size
+        if self._lingering == _DRAINING and self._lingered_bytes > LINGER_MAX_BYTES:
+            self._drain_ended(body_complete=False)
+
+    def _drain_ended(self, body_complete: bool) -> None:
+        """The drained body ended (the connection is kept if its answer said so), or
+        ran out of time or bytes: stage 2 follows (see exchange_finished)."""
+        self._lingering = 0
+        self._close_timer.clear()
+        self.record.body_drained(time.monotonic_ns())
+        exchange = self.active
+        self.exchange_finished(exchange, body_complete and exchange.keep_client_alive)
+
     def close_lingering(self) -> None:
-        """Close a connection the client may still be sending on (a response before the
-        end of its request body, a refusal mid-head): a FIN after the reply, then what
-        still arrives is read and thrown away, until the client's FIN or LINGER_SECONDS.
-        A close with the client's bytes unread would make the kernel reset the
-        connection, and a reset destroys what the client has not read yet: the reply
-        (nginx's lingering_close does the same)."""
+        """Stage 2: close a connection the client may still be sending on (a response
+        before the end of its request body, a refusal mid-head): a FIN after the reply,
+        then what still arrives is read and thrown away, until the client's FIN or
+        LINGER_SECONDS."""
         if self.closing:
             return
         self.closing = True  # from here every read is dropped unparsed (see _feed)
         if not self.transport.can_write_eof():
             self.transport.close()
             return
+        self._lingering = _CLOSING
         self.transport.write_eof()
         self.reading_paused_for.clear()
         self.transport.resume_reading()
-        self._linger = self.loop.call_later(LINGER_SECONDS, self._linger_expired)
+        self._close_timer.set_in(LINGER_SECONDS, self._linger_expired)
 
     def _linger_expired(self) -> None:
-        if sockets.unsent(self.transport):
+        if self._lingering == _DRAINING:
+            self._drain_ended(body_complete=False)
+        elif sockets.unsent(self.transport):
             sockets.reset(self.transport)  # the reply is not all taken: the client must see it cut
         else:
             self.transport.close()
@@ -329,7 +343,7 @@ class ClientConnection(asyncio.Protocol):
         sockets.reset(self.transport)
 
     def write(self, data: bytes) -> None:
-        if not self.transport.is_closing() and self._linger is None:  # nothing after our FIN
+        if not self.transport.is_closing() and self._lingering != _CLOSING:  # nothing after our FIN
             self.transport.write(data)
 
     def unsent(self) -> int | None:
@@ -357,8 +371,8 @@ class ClientConnection(asyncio.Protocol):
             return  # reading ended with the client's FIN
         if not self.reading_paused_for and not self.closing:
             self.transport.pause_reading()
-            if self._peer_check is None:
-                self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)
+            if not self._peer_check.armed:
+                self._peer_check.set_in(PEER_CHECK_INTERVAL, self._check_peer)
         self.reading_paused_for.add(reason)
 
     def resume_reading(self, reason: str) -> None:
@@ -370,7 +384,6 @@ class ClientConnection(asyncio.Protocol):
     def _check_peer(self) -> None:
         """While reading is paused, or ended by a FIN that is being answered, look for a
         hang-up the loop is not watching for."""
-        self._peer_check = None
         if self.closing or not (self.reading_paused_for or self.half_closed):
             return
         hung_up = sockets.peer_hung_up(self.transport)
@@ -383,7 +396,7 @@ class ClientConnection(asyncio.Protocol):
                 self._left_after_request = self._fin_after_whole_requests()
             self.reset()  # connection_lost follows and ends every request on it
             return
-        self._peer_check = self.loop.call_later(PEER_CHECK_INTERVAL, self._check_peer)
+        self._peer_check.set_in(PEER_CHECK_INTERVAL, self._check_peer)
 
     # ---------------------------------------------------------------------------
     # Parsing
@@ -466,7 +479,7 @@ class ClientConnection(asyncio.Protocol):
                     return
         if self._head_timer_pending:
             self._head_timer_pending = False
-            self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
+            self._head_timer.set_in(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
     def _read_no_more(self) -> None:
         """MAX_PIPELINED requests wait: the connection closes after the last of them
@@ -531,7 +544,7 @@ class ClientConnection(asyncio.Protocol):
             raise _PipelineFull
         now = time.monotonic_ns()
         self._begun += 1
-        self._on_deadline = None  # the keep-alive idle timer stands down (see _arm_timer)
+        self._head_timer.clear()  # the keep-alive idle timeout stands down
         self.ctx.connection_busy(self)
         record = self.record.begin_request(now)
         record.owner = self  # until its exchange exists
@@ -574,7 +587,7 @@ class ClientConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         record = self.parsing
         self._in_head = self._head_timer_pending = False
-        self._on_deadline = None  # the head timer stands down (see _arm_timer)
+        self._head_timer.clear()  # the head timeout stands down
         method = self.parser.get_method()
         record.method = _METHODS.get(method) or method.decode("ascii", "replace")
         target = self._url  # named now, so that a refusal below still names it
@@ -715,7 +728,11 @@ class ClientConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_in_read = True
-        self.parsing_exchange.request_body(body)
+        exchange = self.parsing_exchange
+        if exchange.finished:  # answered before its body ended: thrown away (see linger.py)
+            self._body_discarded(len(body))
+        else:
+            exchange.request_body(body)
 
     def on_message_complete(self) -> None:
         if self._chunked_body and len(self._headers) > self._head_fields:
@@ -723,6 +740,8 @@ class ClientConnection(asyncio.Protocol):
         exchange = self.parsing_exchange
         self.parsing, self.parsing_exchange, self._chunked_body = None, None, False
         exchange.request_done()
+        if self._lingering == _DRAINING and exchange is self.active:
+            self._drain_ended(body_complete=True)
 
     def _check_trailers(self) -> None:
         """A trailer section that came whole in one read is not seen by the per-read
@@ -749,7 +768,10 @@ class ClientConnection(asyncio.Protocol):
             # open ahead that this request could have used; it expires idle.)
             self.ctx.client_began_sending(self)
 
-    def exchange_finished(self, exchange: Exchange, keep_alive: bool) -> None:
+    def exchange_finished(self, exchange: Exchange, keep_alive: bool, drain: bool = False) -> None:
+        if drain:
+            self._drain_body()  # it keeps its turn until the rest of its body is read
+            return
         self.active = None
         if self.reading_paused_for:
             # Pauses the finished request made (its body queued for a connection, or
@@ -782,13 +804,13 @@ class ClientConnection(asyncio.Protocol):
             self.close()
         elif self.parsing is None:
             self.ctx.connection_idle(self)
-            self._arm_timer(self.ctx.timeouts.client_keepalive, self._on_idle_timeout)
+            self._head_timer.set_in(self.ctx.timeouts.client_keepalive, self._on_idle_timeout)
         else:
             # The head begun behind the requests before it: its turn starts now, and
             # its time to complete (the stall verdict, the header timeout) with it.
             self.parsing.waiting_turn = False
             self.parsing.turn_began_ns = time.monotonic_ns()
-            self._arm_timer(self.ctx.timeouts.client_headers, self._on_header_timeout)
+            self._head_timer.set_in(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
     def _drop_queue(self, outcome: Outcome, why: str) -> None:
         while self.queue:
@@ -860,51 +882,24 @@ class ClientConnection(asyncio.Protocol):
             self.close_lingering()  # refused while the client may still be sending
 
     # ---------------------------------------------------------------------------
-    # Connection timers
+    # Connection timers (see timer.Timer: a later deadline costs nothing, so none is
+    # reset per request)
     # ---------------------------------------------------------------------------
-    # One handle per connection, re-aimed lazily: arming a later deadline than the
-    # one already armed costs nothing, and the handle re-arms itself when it fires
-    # early. Keep-alive connections would otherwise create and cancel two timers
-    # per request.
-    def _arm_timer(self, seconds: float, callback) -> None:
-        loop = self.loop
-        due = loop.time() + seconds
-        self._deadline, self._on_deadline = due, callback
-        if self._timer is not None and self._timer.when() <= due:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = loop.call_at(due, self._timer_fired)
-
-    def _timer_fired(self) -> None:
-        self._timer = None
-        callback = self._on_deadline
-        if callback is None or self.closing:
-            return
-        loop = self.loop
-        if loop.time() < self._deadline:
-            self._timer = loop.call_at(self._deadline, self._timer_fired)
-            return
-        self._on_deadline = None
-        callback()
-
     def aim_exchange_timer(self, due_ns: int, now_ns: int) -> None:
-        """Make the exchange timer fire no later than ``due_ns`` (monotonic ns)."""
+        """Make the exchange timer call the active exchange back no later than ``due_ns``
+        (monotonic ns). Due sooner already, it is left alone: the active exchange re-aims
+        it when it fires, so its deadlines may move later without a call here."""
         timer = self._exchange_timer
-        if timer is not None:
-            if self._exchange_timer_due <= due_ns:
-                return  # the armed timer fires first and the active exchange re-aims it
-            timer.cancel()
-        self._exchange_timer_due = due_ns
-        self._exchange_timer = self.loop.call_later(
-            max(due_ns - now_ns, 0) / 1e9, self._exchange_timer_fired)
+        due = timer.now() + (due_ns - now_ns) / 1e9
+        if not timer.due_by(due):
+            timer.set(due, self._exchange_timer_fired)
 
-    def exchange_timer_due_after(self, due_ns: int) -> bool:
-        """True when the exchange timer would not fire by ``due_ns`` (or is not armed)."""
-        return self._exchange_timer is None or self._exchange_timer_due > due_ns
+    def exchange_timer_due_within(self, delay_ns: int) -> bool:
+        """True when the exchange timer calls the active exchange back within ``delay_ns`` anyway."""
+        timer = self._exchange_timer
+        return timer.due_by(timer.now() + delay_ns / 1e9)
 
     def _exchange_timer_fired(self) -> None:
-        self._exchange_timer = None
         if self.active is not None:
             self.active.timer_fired()
 
@@ -913,6 +908,8 @@ class ClientConnection(asyncio.Protocol):
             self.close()
 
     def _on_header_timeout(self) -> None:
+        if self.closing:
+            return
         if self.parsing is not None and not self.parsing.has(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE):
             waited = self.ctx.timeouts.client_headers
             self.rejection = (408, Flag.DHT, f"request head not complete after {waited:g} s")

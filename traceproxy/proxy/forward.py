@@ -21,7 +21,6 @@ Hazards
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
 import time
@@ -34,7 +33,9 @@ from ..lifecycle.timeline import Attempt, RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
+from .linger import drainable
 from .local_reply import body_size, error_response
+from .timer import Timer
 
 if TYPE_CHECKING:
     from .context import ServerContext
@@ -43,15 +44,9 @@ if TYPE_CHECKING:
 # Request bytes held while no upstream connection is ready yet; past this the
 # client is paused rather than buffered.
 PENDING_HIGH_WATER = 256 * 1024
-# Lingering close: after an error reply sent before the request body was read,
-# keep reading and discarding the body (up to these bounds) before closing, so the
-# client's unsent bytes do not make our kernel reset the connection and destroy
-# the error reply before the client reads it.
-LINGER_MAX_BYTES = 8 * 1024 * 1024
 # The start of the request body kept for span attributes (model, stream, max_tokens).
 BODY_HEAD_BYTES = 8192
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
-LINGER_MAX_SECONDS = 2.0
 # How long the upstream's last bytes are waited for after the client left at the
 # stream's end (see Exchange.client_lost), before its connection is closed instead.
 UPSTREAM_TAIL_SECONDS = 0.5  # the engine must see the close within a second of the client leaving
@@ -76,8 +71,7 @@ class Exchange:
     __slots__ = (
         "ctx", "client", "record", "head", "upstream", "awaiting_connection", "pending", "pending_size", "sent_log",
         "sent_size", "request_complete", "response_started", "response_framing", "keep_client_alive",
-        "awaiting_drain", "finished", "lingering", "_lingered_bytes", "_client_out", "_upstream_paused_by_client",
-        "_linger_timer", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
+        "awaiting_drain", "finished", "_client_out", "_upstream_paused_by_client", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
         "_mark_observers", "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
     )
 
@@ -103,11 +97,8 @@ class Exchange:
         self.keep_client_alive = head.keep_alive
         self.awaiting_drain = False
         self.finished = False
-        self.lingering = False
-        self._lingered_bytes = 0
         self._client_out: list[bytes] = []
         self._upstream_paused_by_client = False
-        self._linger_timer: asyncio.TimerHandle | None = None
         self._started_ns = 0
         self._expects_body = head.framing.has_body
         # With rid injection the body is held until complete, then rewritten, and
@@ -126,7 +117,7 @@ class Exchange:
         # The client left after the stream's end (see client_lost), and the wait for
         # the upstream's last bytes then.
         self._client_gone = False
-        self._tail_timer: asyncio.TimerHandle | None = None
+        self._tail_timer: Timer | None = None
 
     # ---------------------------------------------------------------------------
     # Phase: awaiting an upstream connection
@@ -135,7 +126,7 @@ class Exchange:
         self._started_ns = now = time.monotonic_ns()
         # On a keep-alive connection the timer is usually armed already, due before
         # any deadline of this request can be: it re-aims when it fires.
-        if self.client.exchange_timer_due_after(now + self.ctx.first_request_deadline_ns):
+        if not self.client.exchange_timer_due_within(self.ctx.first_request_deadline_ns):
             self._aim_timer(now)
         if self._rewrite is None or self.request_complete:
             self._acquire(fresh=False)
@@ -195,7 +186,6 @@ class Exchange:
     # ---------------------------------------------------------------------------
     def request_body(self, data: bytes) -> None:
         if self.finished:
-            self._linger_discard(len(data))
             return
         record = self.record
         record.downstream_rx_body_bytes += len(data)
@@ -219,9 +209,7 @@ class Exchange:
 
     def request_done(self) -> None:
         if self.finished:
-            self.request_complete = True
-            if self.lingering:
-                self._stop_lingering(True)
+            self.request_complete = True  # its body was read to throw it away (see linger.py)
             return
         now = time.monotonic_ns()
         self._stamp(now, MARK.LAST_DOWNSTREAM_RX_BYTE)
@@ -249,7 +237,7 @@ class Exchange:
         the longer, the timer fires first and re-aims itself.)"""
         upstream_headers_ns = self.ctx.upstream_headers_ns
         if (self.ctx.header_timeout_shorter and self._expects_body and not self.response_started
-                and not self.finished and self.client.exchange_timer_due_after(now + upstream_headers_ns)):
+                and not self.finished and not self.client.exchange_timer_due_within(upstream_headers_ns)):
             self._aim_timer(now)
 
     def _send_rewritten_body(self) -> None:
@@ -335,7 +323,7 @@ class Exchange:
         self.response_started = True
         record.last_upstream_rx_ns = now
         upstream_read_ns = self.ctx.upstream_read_ns
-        if upstream_read_ns and self.client.exchange_timer_due_after(now + upstream_read_ns):
+        if upstream_read_ns and not self.client.exchange_timer_due_within(upstream_read_ns):
             self._aim_timer(now)
 
     # ---------------------------------------------------------------------------
@@ -512,7 +500,6 @@ class Exchange:
             self._stamp_once(MARK.DOWNSTREAM_CLOSED, now)
 
     def client_lost(self, why: str = "client closed the connection") -> None:
-        self.lingering = False
         if self.finished or self._client_gone:
             return
         self._fail(Flag.DC, why, client_gone=True)
@@ -539,7 +526,8 @@ class Exchange:
         at [DONE]. The request ends OK, not DC, and the upstream's last bytes are read,
         so its connection can be pooled, but not waited on for long."""
         self._client_gone = True
-        self._tail_timer = asyncio.get_running_loop().call_later(UPSTREAM_TAIL_SECONDS, self.end_without_tail)
+        self._tail_timer = Timer()
+        self._tail_timer.set_in(UPSTREAM_TAIL_SECONDS, self.end_without_tail)
         self.ctx.tail_waits.add(self)  # its client connection is gone: shutdown finds it here
 
     def end_without_tail(self) -> None:
@@ -590,7 +578,8 @@ class Exchange:
                 # does; but not after a body timeout (the client is stalled) or a
                 # body the parser refused (nothing after it can be read).
                 linger = outcome not in (Flag.DBT, Flag.DPE)
-                self.keep_client_alive = self.keep_client_alive and linger and self._rest_of_body_drainable()
+                self.keep_client_alive = (self.keep_client_alive and linger
+                                          and drainable(self.head.framing, self.record.downstream_rx_body_bytes))
             status = status or outcome.local_status or 502
             reply = error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
                                    extra_lines=self.ctx.response_ids(self.record), head_only=self.head.method == "HEAD")
@@ -610,36 +599,9 @@ class Exchange:
                 # clean close waits for it to drain what is buffered, which it may
                 # never do. Either way the connection is reset instead.
                 self.client.reset()
-        self._finish(outcome, message, hand_back=not linger)
-        if linger:
-            self._start_lingering()
+        self._finish(outcome, message, drain=linger)
 
-    def _rest_of_body_drainable(self) -> bool:
-        framing = self.head.framing
-        if framing.chunked:
-            return True  # bounded by LINGER_MAX_BYTES while draining
-        return framing.content_length - self.record.downstream_rx_body_bytes <= LINGER_MAX_BYTES
-
-    def _start_lingering(self) -> None:
-        self.lingering = True
-        self.client.resume_reading("pending")
-        self.client.resume_reading("upstream")
-        self._linger_timer = asyncio.get_running_loop().call_later(
-            LINGER_MAX_SECONDS, self._stop_lingering, False)
-
-    def _linger_discard(self, size: int) -> None:
-        self._lingered_bytes += size
-        if self.lingering and self._lingered_bytes > LINGER_MAX_BYTES:
-            self._stop_lingering(False)
-
-    def _stop_lingering(self, body_complete: bool) -> None:
-        if self.lingering:
-            self.lingering = False
-            self._linger_timer.cancel()
-            self.record.connection.body_drained(time.monotonic_ns())
-            self.client.exchange_finished(self, body_complete and self.keep_client_alive)
-
-    def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True) -> None:
+    def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True, drain: bool = False) -> None:
         self.finished = True
         if self._client_gone:
             self._tail_timer.cancel()
@@ -647,7 +609,7 @@ class Exchange:
         self._upstream_out.clear()
         self.ctx.end_request(self.record, outcome, error)
         if hand_back:
-            self.client.exchange_finished(self, self.keep_client_alive)
+            self.client.exchange_finished(self, self.keep_client_alive, drain)
 
     # ---------------------------------------------------------------------------
     # Deadlines: one timer, aimed at the nearest deadline and re-aimed when it fires,

@@ -60,11 +60,13 @@ class ClientSide(Protocol):
     def aim_exchange_timer(self, due_ns: int, now_ns: int) -> None:
         """Make the connection's exchange timer call the active exchange back no later than ``due_ns``."""
 
-    def exchange_timer_due_after(self, due_ns: int) -> bool:
-        """True when the exchange timer would not call back by ``due_ns`` (or is not armed)."""
+    def exchange_timer_due_within(self, delay_ns: int) -> bool:
+        """True when the exchange timer calls back within ``delay_ns`` from now anyway."""
 
-    def exchange_finished(self, exchange: object, keep_alive: bool) -> None:
-        """The exchange ended: the connection is the next request's, or closes."""
+    def exchange_finished(self, exchange: object, keep_alive: bool, drain: bool = False) -> None:
+        """The exchange ended: the connection is the next request's, or closes. With
+        ``drain`` (an answer before the end of the request body), the rest of the body
+        is read and thrown away first (see linger.py)."""
 
 
 class UpstreamSide(Protocol):

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import re
 import time
@@ -73,6 +74,7 @@ import httptools
 from ..lifecycle.timeline import UpstreamConnectionRecord
 from . import headers as H
 from . import sockets
+from .timer import Timer
 
 if TYPE_CHECKING:
     from .sides import ConnectionWaiter, UpstreamUser
@@ -113,7 +115,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.opened_ahead = False  # it was (the flag above is cleared once connected)
         self.renewing = False  # opened ahead in place of an idle one that is due
         self.abandoned = False  # its connect was cancelled: whatever connects is aborted
-        self.connect_timer: asyncio.TimerHandle | None = None
+        self.connect_timer = Timer()
         self.timed_out = False
         # The transport's own flow-control state: it outlives a request (uvloop says
         # pause once, at the crossing), so the next request on this connection must
@@ -554,7 +556,7 @@ class UpstreamPool:
         self.spares_failing = False  # the last connect ahead of demand failed: probe with one a sweep
         self.spares_to_open = 0
         self.spares_per_tick = 1
-        self._spare_timer: asyncio.TimerHandle | None = None
+        self._spare_timer = Timer()
         self.shut = False
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
@@ -567,7 +569,7 @@ class UpstreamPool:
         self._fresh_waiters: set[ConnectionWaiter] = set()
         self.open_count = 0
         self.connecting: dict[asyncio.Task, UpstreamConnection] = {}
-        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweeper = Timer()
         self.stats = collections.Counter()
         # Response headers the proxy sets itself (request id, traceresponse).
         self.replaced_response_headers: frozenset[bytes] = frozenset()
@@ -662,7 +664,7 @@ class UpstreamPool:
         self.open_count += 1
         loop = asyncio.get_running_loop()
         task = loop.create_task(loop.create_connection(lambda: conn, self.host, self.port))
-        conn.connect_timer = loop.call_later(self.connect_timeout, conn.connect_timed_out, task)
+        conn.connect_timer.set_in(self.connect_timeout, functools.partial(conn.connect_timed_out, task))
         self.connecting[task] = conn
         task.add_done_callback(self._connect_done)
         return task
@@ -814,11 +816,10 @@ class UpstreamPool:
 
     # -- idle expiry and keeping warm -------------------------------------------------
     def _arm_sweeper(self) -> None:
-        if self._sweeper is None and not self.shut:
-            self._sweeper = asyncio.get_running_loop().call_later(self.sweep_interval_ns / 1e9, self._sweep)
+        if not self._sweeper.armed and not self.shut:
+            self._sweeper.set_in(self.sweep_interval_ns / 1e9, self._sweep)
 
     def _sweep(self) -> None:
-        self._sweeper = None
         now = time.monotonic_ns()
         self._update_warm_target(now)
         for conn in [c for c in self.idle if c.record.idle_age_ns(now) >= self.idle_timeout_ns]:
@@ -858,11 +859,10 @@ class UpstreamPool:
         ticks = max(1, int(self.sweep_interval_ns / 2e9 / self.SPARE_TICK_S))
         self.spares_to_open = 1 if self.spares_failing else count
         self.spares_per_tick = -(-self.spares_to_open // ticks)
-        if self._spare_timer is None:
+        if not self._spare_timer.armed:
             self._open_spares()
 
     def _open_spares(self) -> None:
-        self._spare_timer = None
         if self.shut:
             return
         batch = min(self.spares_per_tick, self.spares_to_open)
@@ -872,7 +872,7 @@ class UpstreamPool:
                 return
         self.spares_to_open -= batch
         if self.spares_to_open > 0:
-            self._spare_timer = asyncio.get_running_loop().call_later(self.SPARE_TICK_S, self._open_spares)
+            self._spare_timer.set_in(self.SPARE_TICK_S, self._open_spares)
 
     def warm_for_clients(self, clients: int) -> None:
         """A keep-alive client connection sent its first request: ``clients`` such
@@ -896,10 +896,8 @@ class UpstreamPool:
 
     def close_all(self) -> None:
         self.shut = True
-        for timer in (self._sweeper, self._spare_timer):
-            if timer is not None:
-                timer.cancel()
-        self._sweeper = self._spare_timer = None
+        self._sweeper.cancel()
+        self._spare_timer.cancel()
         for task, conn in list(self.connecting.items()):
             if conn.opening_for is not None or conn.spare:  # handed-over connections are in use
                 conn.abandoned = True
