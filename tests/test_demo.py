@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from traceproxy.demo import (BY_KEY, NOT_REACHED_TEXT, SCENARIOS, Row, Said, Where, codes_shown, example_trace_id,
-                             legend_lines, running_lines)
+                             legend_lines, running_lines, stopped_lines)
 from traceproxy.lifecycle.flags import BY_CODE, Blame
 
 # The demo with SIGINT restored: a non-interactive parent may have it ignored, and the
@@ -170,7 +170,8 @@ def test_keep_running_leaves_a_stack_its_printed_commands_work_against_and_ctrl_
         socket.create_connection(("127.0.0.1", proxy_port), timeout=2).close()
 
 
-def test_ctrl_c_stops_the_demo_with_a_line_not_a_traceback_and_leaves_nothing_running(tmp_path):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_the_demo_with_a_line_not_a_traceback_and_leaves_nothing_running(tmp_path, stop):
     # A new session, SIGINT restored (a non-interactive parent may have it ignored).
     proc = subprocess.Popen([sys.executable, "-c", RUN_DEMO], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -180,14 +181,18 @@ def test_ctrl_c_stops_the_demo_with_a_line_not_a_traceback_and_leaves_nothing_ru
             time.sleep(0.1)
         time.sleep(2)  # well into the run: workers, router and proxy up
         children = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole group
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole group
+        else:
+            os.kill(proc.pid, signal.SIGTERM)  # as kill or a supervisor stops the demo alone
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130 and "demo interrupted" in err and "Traceback" not in err, err
+    expected = (130, "demo interrupted") if stop == "ctrl-c" else (143, "demo stopped (SIGTERM)")
+    assert (proc.returncode, expected[1] in err, "Traceback" in err) == (expected[0], True, False), err
     _, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive
+    assert not alive, [child.cmdline() for child in alive]
 
 
 # ----------------------------------------------------------------------------------
@@ -214,6 +219,15 @@ def test_the_lookup_offered_is_a_request_that_went_wrong():
     assert example_trace_id(rows) == "d" * 32
     assert example_trace_id(rows[:2]) == "a" * 32
     assert example_trace_id(rows[1:2]) is None
+
+
+def test_after_a_run_of_some_scenarios_the_offer_to_keep_it_running_names_them(tmp_path):
+    where = Where("http://127.0.0.1:41001", "127.0.0.1:41002", tmp_path / "spans.jsonl", tmp_path / "access.log",
+                  "http://127.0.0.1:41003", None, 2)
+    some = stopped_lines([_row("pool-cap", "PWS proxy", "e" * 32)], where)
+    assert some[-1].endswith("traceproxy demo --scenario pool-cap --keep-running"), some
+    every = stopped_lines([_row(scenario.key, "OK", "a" * 32) for scenario in SCENARIOS], where)
+    assert every[-1].endswith("traceproxy demo --keep-running"), every
 
 
 def test_the_running_commands_name_the_stacks_real_addresses_and_paths(tmp_path):

@@ -36,6 +36,7 @@ DATA_DIR = "traceproxy-data"
 SIM_MODEL = "sim-llama"  # the model the simulated workers serve
 NOT_REACHED_TEXT = "never reached the proxy"
 INTERRUPTED_EXIT = 130
+TERMINATED_EXIT = 143  # 128 + SIGTERM, as a shell reports it
 
 # How a scenario is driven (``demo_stack`` has one coroutine for each).
 HARNESS = "harness"  # the repro harness, on reused connections, straight to traceproxy
@@ -200,7 +201,10 @@ def stopped_lines(rows: list[Row], where: Where) -> list[str]:
     trace_id = example_trace_id(rows)
     if trace_id is not None:
         lines += ["look a request up (from any folder):", f"  {diagnose_command(trace_id, where)}"]
-    return lines + ["the stack is stopped; to leave it up for curl, repro and top: traceproxy demo --keep-running"]
+    # The same scenarios again, kept running: a run of some scenarios offers those.
+    chosen = "" if len(rows) == len(SCENARIOS) else "".join(f" --scenario {row.scenario.key}" for row in rows)
+    return lines + ["the stack is stopped; to leave it up for curl, repro and top: "
+                    f"traceproxy demo{chosen} --keep-running"]
 
 
 def running_lines(rows: list[Row], where: Where) -> list[str]:
@@ -256,9 +260,12 @@ def selected_scenarios(keys: list[str] | None) -> tuple[Scenario, ...]:
 
 def run_demo(args: argparse.Namespace | None = None) -> int:
     """``traceproxy demo``; ``args`` from a parser given ``add_arguments`` (None: the defaults)."""
+    import asyncio
+
     import uvloop
 
     from .demo_stack import run_stack
+    from .sim.startup import SimStartError
 
     if args is None:
         args = add_arguments(argparse.ArgumentParser()).parse_args([])
@@ -268,5 +275,11 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
     except KeyboardInterrupt:  # what it started is stopped as run_stack unwinds
         print("demo interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    except asyncio.CancelledError:  # SIGTERM, likewise
+        print("demo stopped (SIGTERM)", file=sys.stderr)
+        return TERMINATED_EXIT
+    except SimStartError as exc:  # one line saying why, no traceback
+        print(f"traceproxy demo: {exc}", file=sys.stderr)
+        return 1
     print(f"demo finished in {time.monotonic() - started:.1f} s", flush=True)
     return code

@@ -111,6 +111,10 @@ async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool) -> int:
     outcomes = Outcomes()
     has_router = router_importable()
     signals = StopSignals()
+    # SIGTERM (kill, a supervisor) stops the demo as Ctrl-C does: the main task is
+    # cancelled, so everything started is stopped as it unwinds. Left to the default
+    # action, the router, in its own session, would outlive the demo.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         async with SimDeployment(router=has_router, request_timeout=20) as deployment:
             upstream = deployment.router_url or deployment.decode.url
