@@ -112,7 +112,7 @@ class ServerContext:
         self.idle_connections: dict[ClientConnection, None] = {}
         self.in_flight: dict[int, RequestRecord] = {}
         # Requests whose client left at their stream's end, still reading the upstream's
-        # last bytes (see Exchange.client_lost): no client connection holds them.
+        # last bytes (see Exchange.client_sent_fin): no client connection holds them.
         self.tail_waits: set[Exchange] = set()
         # Called with the ClientConnectionRecord of every closed client connection.
         self.connection_closed_listeners: list = []

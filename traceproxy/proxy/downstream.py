@@ -56,6 +56,7 @@ from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord
 from . import headers as H
 from . import sockets
 from .context import ServerContext
+from .endings import Ending
 from .forward import Exchange, RequestHead
 from .linger import LINGER_MAX_BYTES, LINGER_SECONDS
 from .local_reply import body_size, error_response
@@ -188,11 +189,12 @@ class ClientConnection(asyncio.Protocol):
         if self._left_after_request:
             self._drop_queue(Flag.DC, HALF_CLOSE_TAKEN_AS_LEAVING.format(what="this pipelined request's turn"))
             if self.active is not None:
-                self.active.client_lost(HALF_CLOSE_TAKEN_AS_LEAVING.format(what="the response was complete"))
+                self.active.end(Ending.CLIENT_LEFT, Flag.DC,
+                                HALF_CLOSE_TAKEN_AS_LEAVING.format(what="the response was complete"))
         else:
             self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
             if self.active is not None:
-                self.active.client_lost()
+                self.active.end(Ending.CLIENT_LEFT, Flag.DC, "client closed the connection")
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
             self.ctx.stamp_once(self.parsing, closed, MARK.DOWNSTREAM_CLOSED)
             self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
@@ -325,7 +327,7 @@ class ClientConnection(asyncio.Protocol):
         self._drop_queue(Flag.LR, reason)
         if self.active is not None:
             self.active.keep_client_alive = False
-            self.active.abort(Flag.LR, reason)
+            self.active.end(Ending.FAILED, Flag.LR, reason)
         if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
             if self.rejection is not None:
                 # Refused already (its 4xx waits behind the response before it): the
@@ -814,7 +816,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _drop_queue(self, outcome: Outcome, why: str) -> None:
         while self.queue:
-            self.queue.popleft().drop(outcome, why)
+            self.queue.popleft().end(Ending.NOT_STARTED, outcome, why)
 
     # ---------------------------------------------------------------------------
     # Refusals
@@ -830,7 +832,7 @@ class ClientConnection(asyncio.Protocol):
             # The bad bytes are inside the body of the active request (e.g. a bad
             # chunk size): that request cannot complete, so it is the one that fails.
             self.parsing = None
-            self.active.abort(outcome, reason, status)
+            self.active.end(Ending.FAILED, outcome, reason, status)
             return
         if broken is not None and broken in self.queue:
             # A pipelined request with a broken body never starts; its 400 goes

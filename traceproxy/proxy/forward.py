@@ -1,9 +1,10 @@
 """One request through the proxy: the phases in the order a request lives them.
 
 Read top to bottom: start (pool), upstream ready (send head and body), the request
-body, the response head, the response body, the end, and the failures. Every way out
-goes through ``_finish``, which stamps the outcome once, tells the observers once
-(``on_done``) and hands the client connection back.
+body, the response head, the response body, what ends it, and the deadlines. Every
+way out goes through ``end``, with the reason as data (``endings.Ending``): it stamps
+the outcome once, tells the observers once (``on_done``) and hands the client
+connection back.
 
 Hazards
 -------
@@ -13,7 +14,7 @@ Hazards
   connection, and its failure is final.
 * Truncation must look like truncation: once the response head went out, a failure
   closes the client connection without the terminating chunk (or short of
-  Content-Length). ``_finish`` never writes a clean ending for a failed request.
+  Content-Length). ``end`` never writes a clean ending for a failed request.
 * Backpressure both ways: the client not reading pauses upstream reads; the
   upstream not reading pauses client reads. Silence caused by our own pause never
   counts against the other side's timeout.
@@ -22,7 +23,6 @@ Hazards
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ from ..lifecycle.timeline import Attempt, RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
+from .endings import Ending, close_reason, judge_clean_ending, last_event_is_done, lost_connection, where
 from .linger import drainable
 from .local_reply import body_size, error_response
 from .timer import Timer
@@ -46,9 +47,8 @@ if TYPE_CHECKING:
 PENDING_HIGH_WATER = 256 * 1024
 # The start of the request body kept for span attributes (model, stream, max_tokens).
 BODY_HEAD_BYTES = 8192
-_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"')
 # How long the upstream's last bytes are waited for after the client left at the
-# stream's end (see Exchange.client_lost), before its connection is closed instead.
+# stream's end (see Exchange.client_sent_fin), before its connection is closed instead.
 UPSTREAM_TAIL_SECONDS = 0.5  # the engine must see the close within a second of the client leaving
 
 
@@ -71,7 +71,7 @@ class Exchange:
     __slots__ = (
         "ctx", "client", "record", "head", "upstream", "awaiting_connection", "pending", "pending_size", "sent_log",
         "sent_size", "request_complete", "response_started", "response_framing", "keep_client_alive",
-        "awaiting_drain", "finished", "_client_out", "_upstream_paused_by_client", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
+        "_awaiting_client_drain", "finished", "_client_out", "_upstream_paused_by_client", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
         "_mark_observers", "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
     )
 
@@ -95,7 +95,7 @@ class Exchange:
         self.response_started = False
         self.response_framing = H.ResponseFraming.NONE
         self.keep_client_alive = head.keep_alive
-        self.awaiting_drain = False
+        self._awaiting_client_drain = False  # the response is complete; the client has not taken it all
         self.finished = False
         self._client_out: list[bytes] = []
         self._upstream_paused_by_client = False
@@ -114,8 +114,8 @@ class Exchange:
         # (acknowledged), and when that last grew (see timeouts.client_send).
         self._client_taken = 0
         self._client_taken_ns = 0
-        # The client left after the stream's end (see client_lost), and the wait for
-        # the upstream's last bytes then.
+        # The client left after the stream's end (see client_sent_fin), and the wait
+        # for the upstream's last bytes then.
         self._client_gone = False
         self._tail_timer: Timer | None = None
 
@@ -179,7 +179,7 @@ class Exchange:
     def connection_failed(self, error: str) -> None:
         self.awaiting_connection = False
         if not self.finished:
-            self._fail(Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
+            self.end(Ending.FAILED, Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
 
     # ---------------------------------------------------------------------------
     # Phase: the request body (client -> upstream)
@@ -377,57 +377,29 @@ class Exchange:
             self._upstream_paused_by_client = False
             if self.upstream is not None:
                 self.upstream.resume_reading()
-        if self.awaiting_drain:
-            self._finish_ok()
+        if self._awaiting_client_drain:
+            self.end(Ending.COMPLETE)
 
     # ---------------------------------------------------------------------------
-    # The end of a healthy exchange
+    # The response complete
     # ---------------------------------------------------------------------------
     def upstream_response_complete(self, reusable: bool) -> None:
         if self.finished:
             return
-        now = time.monotonic_ns()
-        self._stamp(now, MARK.LAST_UPSTREAM_RX_BYTE)
+        self._stamp(time.monotonic_ns(), MARK.LAST_UPSTREAM_RX_BYTE)
         if self._client_gone:  # nothing more goes to the client: it had its whole stream
             self._release_upstream(reusable and self.request_complete)
-            self._end_for_the_client_that_left()
+            self.end(Ending.CLIENT_HAD_ITS_STREAM)
             return
         if self.response_framing == H.ResponseFraming.CHUNKED:
             self._client_out.append(H.LAST_CHUNK)
         self.flush_client()
         self._release_upstream(reusable and self.request_complete)
         if self.client.write_paused:
-            # The client is not reading the tail; finish when its transport drains.
-            self.awaiting_drain = True
+            # The client is not reading the tail; the end waits for its transport to drain.
+            self._awaiting_client_drain = True
         else:
-            self._finish_ok()
-
-    def _finish_ok(self) -> None:
-        self.awaiting_drain = False
-        self._stamp(time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
-        outcome, error = self._judge_clean_ending()
-        self._finish(outcome, error)
-
-    def _judge_clean_ending(self) -> tuple[Outcome, str | None]:
-        """Checks on a response that ended cleanly: our own framing, and SSE completeness."""
-        record = self.record
-        if self._declared_length is not None and record.downstream_tx_body_bytes != self._declared_length:
-            return Flag.PFE, (f"wrote {record.downstream_tx_body_bytes} body bytes under "
-                              f"Content-Length {self._declared_length}")
-        if self._sse and record.status == 200 and not self._sse_ended():
-            return Flag.NDN, (f"SSE stream of {record.upstream_rx_chunks} chunks ended without "
-                              f"data: [DONE] or a finish reason")
-        return Flag.OK, None
-
-    def _sse_ended(self) -> bool:
-        """The stream's last reads hold data: [DONE] or a finish reason (a stream that
-        ended: no choice is left unfinished)."""
-        _, previous, last = self.record.response_tail
-        # The usual ending is found in the last read's last 2 KiB, without copying them.
-        if last.find(b"[DONE]", -2048) >= 0:
-            return True
-        tail = previous[-512:] + last[-2048:]
-        return b"[DONE]" in tail or _FINISH_REASON.search(tail) is not None
+            self.end(Ending.COMPLETE)
 
     def _release_upstream(self, reusable: bool) -> None:
         conn, self.upstream = self.upstream, None
@@ -446,40 +418,30 @@ class Exchange:
         self.ctx.pool.discard(conn, why, reset=reset)
 
     # ---------------------------------------------------------------------------
-    # Failures
+    # What ends it from either side
     # ---------------------------------------------------------------------------
     def upstream_lost(self, exc: BaseException | None, bytes_received: int) -> None:
         if self.finished:
             return
-        if self._client_gone:  # its stream had ended, and nobody reads the rest
-            self.upstream = None
-            self._end_for_the_client_that_left()
-            return
         self.upstream = None
+        if self._client_gone:  # its stream had ended, and nobody reads the rest
+            self.end(Ending.CLIENT_HAD_ITS_STREAM)
+            return
         self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         attempt = self.record.attempt
-        why = _close_reason(exc)
-        where = self._where(attempt)
-        if bytes_received == 0 and attempt.reused:
-            if attempt.index == 0 and self.sent_log is not None:
-                self._resend_on_fresh_connection(why)
-                return
-            if attempt.index == 0:
-                self.ctx.pool.stats["stale_not_retried"] += 1
-                limit = self.ctx.retry_buffer_bytes
-                reason = (f"request of at least {self.sent_size} bytes exceeds pool.retry_buffer_bytes ({limit})"
-                          if limit else "resending is off (pool.retry_buffer_bytes = 0)")
-                self._fail(Flag.SRC, f"{where}: {why} before any response byte; {reason}, not resent")
-                return
-        if attempt.index > 0 and bytes_received == 0:
-            self._fail(Flag.URX, f"{where}: {why} before any response byte, after a resend")
+        outcome, detail = lost_connection(
+            attempt, bytes_received, self.sent_log is not None, self.sent_size, self.ctx.retry_buffer_bytes,
+            where(self.ctx.upstream_authority, attempt), close_reason(exc))
+        if outcome is None:
+            self._resend_on_fresh_connection(detail)
             return
-        self._fail(Flag.UC, f"{where}: {why}, {bytes_received} bytes of the response read")
+        if outcome is Flag.SRC:
+            self.ctx.pool.stats["stale_not_retried"] += 1
+        self.end(Ending.FAILED, outcome, detail)
 
-    def _resend_on_fresh_connection(self, why: str) -> None:
+    def _resend_on_fresh_connection(self, detail: str) -> None:
         attempt = self.record.attempt
-        attempt.outcome = Flag.SRC
-        attempt.error = f"{self._where(attempt)}: {why} before any response byte"
+        attempt.outcome, attempt.error = Flag.SRC, detail
         self.ctx.pool.stats["stale_retried"] += 1
         # The dead connection's write pause dies with it: the fresh one starts unpaused.
         if self.record.upstream_paused_since_ns is not None:
@@ -491,74 +453,77 @@ class Exchange:
         self._acquire(fresh=True)
 
     def upstream_protocol_error(self, detail: str) -> None:
-        if not self.finished:
-            self._fail(Flag.UPE, f"{self._where(self.record.attempt)}: {detail}")
+        self.end(Ending.FAILED, Flag.UPE, f"{where(self.ctx.upstream_authority, self.record.attempt)}: {detail}")
 
     def client_closed(self, now: int) -> None:
         """Stamp the client connection's end on this request, if it was still open."""
         if not self.finished:
             self._stamp_once(MARK.DOWNSTREAM_CLOSED, now)
 
-    def client_lost(self, why: str = "client closed the connection") -> None:
-        if self.finished or self._client_gone:
-            return
-        self._fail(Flag.DC, why, client_gone=True)
-
     def client_sent_fin(self) -> bool:
         """The client closed with a FIN: judged now, before anything more comes from the
-        upstream. It had the whole stream when data: [DONE] was the last event and it had
-        acknowledged every byte: everything but the chunked terminator. Not a finish
-        reason, which one choice of several may send mid-stream. True when it had it."""
-        if not self._sse or self.record.status != 200 or self.finished:
+        upstream. True when it had its whole stream: the request then ends OK, not DC,
+        once the upstream's last bytes (the chunked terminator after data: [DONE]) are
+        read, so that its connection can be pooled; the openai SDK stops reading at
+        [DONE]. They are not waited on for long."""
+        if (not self._sse or self.record.status != 200 or self.finished or not last_event_is_done(self.record)
+                or self.client.unsent() != 0):
             return False
-        _, previous, last = self.record.response_tail
-        tail = previous[-18:] + last[-18:]  # the event may be split across reads
-        if (tail.endswith((b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n"))
-                and self.client.unsent() == 0):
-            # From now: the upstream's bytes (in this very loop pass too) are past it.
-            self._client_left_after_the_end()
-            return True
-        return False
-
-    def _client_left_after_the_end(self) -> None:
-        """The client closed once it had the stream's end, before the upstream's last
-        bytes (the chunked terminator after data: [DONE]): the openai SDK stops reading
-        at [DONE]. The request ends OK, not DC, and the upstream's last bytes are read,
-        so its connection can be pooled, but not waited on for long."""
+        # From now: the upstream's bytes (in this very loop pass too) are past it.
         self._client_gone = True
         self._tail_timer = Timer()
         self._tail_timer.set_in(UPSTREAM_TAIL_SECONDS, self.end_without_tail)
         self.ctx.tail_waits.add(self)  # its client connection is gone: shutdown finds it here
+        return True
 
     def end_without_tail(self) -> None:
-        """Stop waiting for the upstream's last bytes: its connection is closed."""
-        if not self.finished:
-            self._release_upstream(reusable=False)
-            self._end_for_the_client_that_left()
-
-    def _end_for_the_client_that_left(self) -> None:
-        """OK, as judged when it left: what came after is nobody's response."""
-        self._stamp_once(MARK.LAST_DOWNSTREAM_TX_BYTE, self.record.last_downstream_tx_ns or time.monotonic_ns())
-        self._finish(Flag.OK, None)
+        """Stop waiting for the upstream's last bytes after the client left with its
+        whole stream (see client_sent_fin): the upstream connection is closed."""
+        self.end(Ending.CLIENT_HAD_ITS_STREAM)
 
     def abort(self, outcome: Outcome, message: str, status: int | None = None) -> None:
-        """End the request from outside (shutdown grace expired, watchdog action, a
-        refused request body); ``status`` for the client if no response started yet
-        (else the outcome's own)."""
-        if not self.finished:
-            self._fail(outcome, message, status=status)
+        """The watchdog's abort (see lifecycle.timeline.RequestOwner)."""
+        self.end(Ending.FAILED, outcome, message, status)
 
-    def drop(self, outcome: Outcome, message: str) -> None:
-        """End a pipelined request that never had its turn: nothing of it went upstream,
-        and nothing is written for it (the connection is closing, and bytes after a
-        response that ended the connection would be read as part of that response)."""
-        if not self.finished:
-            self._finish(outcome, message, hand_back=False)
-
-    def _fail(self, outcome: Outcome, message: str, client_gone: bool = False, status: int | None = None) -> None:
-        if self._client_gone:  # the client had its whole stream: whatever fails now is past it
-            self.end_without_tail()
+    # ---------------------------------------------------------------------------
+    # The end: one way out, the reason as data (see endings.Ending)
+    # ---------------------------------------------------------------------------
+    def end(self, ending: Ending, outcome: Outcome = Flag.OK, detail: str | None = None,
+            status: int | None = None) -> None:
+        """End the exchange, once: the reason says what the client is sent and what
+        becomes of the upstream connection; the outcome is stamped and the observers
+        told (``ServerContext.end_request``), then the client connection is handed
+        back. ``status``: for the client of a FAILED exchange whose response has not
+        started (else the outcome's own). A second call does nothing."""
+        if self.finished:
             return
+        if self._client_gone:  # it had its whole stream: whatever ends it now is past that
+            if ending is Ending.CLIENT_LEFT:
+                return  # its close was judged already; the upstream's last bytes are still awaited
+            ending, outcome, detail = Ending.CLIENT_HAD_ITS_STREAM, Flag.OK, None
+        drain = False
+        if ending is Ending.COMPLETE:
+            self._awaiting_client_drain = False
+            self._stamp(time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
+            outcome, detail = judge_clean_ending(self.record, self._declared_length, self._sse)
+        elif ending is Ending.CLIENT_HAD_ITS_STREAM:
+            self._release_upstream(reusable=False)
+            # OK as judged when it left: what came after is nobody's response.
+            self._stamp_once(MARK.LAST_DOWNSTREAM_TX_BYTE, self.record.last_downstream_tx_ns or time.monotonic_ns())
+        elif ending.resets_upstream:
+            self._give_up_upstream(outcome)
+            if ending is Ending.FAILED:
+                drain = self._answer_failure(outcome, detail, status)
+        self.finished = True
+        if self._tail_timer is not None:
+            self._tail_timer.cancel()
+            self.ctx.tail_waits.discard(self)
+        self._upstream_out.clear()
+        self.ctx.end_request(self.record, outcome, detail)
+        if ending.hands_back:
+            self.client.exchange_finished(self, self.keep_client_alive, drain)
+
+    def _give_up_upstream(self, outcome: Outcome) -> None:
         conn, self.upstream = self.upstream, None
         if conn is not None:
             # A reset: the engine sees it now, even behind request bytes it has not read.
@@ -566,32 +531,13 @@ class Exchange:
         if self.awaiting_connection:
             self.awaiting_connection = False
             self.ctx.pool.give_up(self)
-        linger = False
-        if client_gone:
-            pass
-        elif not self.response_started or self.record.last_downstream_tx_ns is None:
-            # Nothing of the response reached the client yet (its head may have been
-            # parsed in the very read that then failed): it can still get the error.
-            self._client_out.clear()
-            if not self.request_complete:
-                # Drain the rest of the body, then keep the connection, as nginx
-                # does; but not after a body timeout (the client is stalled) or a
-                # body the parser refused (nothing after it can be read).
-                linger = outcome not in (Flag.DBT, Flag.DPE)
-                self.keep_client_alive = (self.keep_client_alive and linger
-                                          and drainable(self.head.framing, self.record.downstream_rx_body_bytes))
-            status = status or outcome.local_status or 502
-            reply = error_response(status, outcome, message, self.keep_client_alive, self.head.http11,
-                                   extra_lines=self.ctx.response_ids(self.record), head_only=self.head.method == "HEAD")
-            self.client.write(reply)
-            self.record.status = status
-            self.record.downstream_tx_body_bytes += body_size(reply)
-            now = time.monotonic_ns()
-            self._stamp_once(MARK.FIRST_DOWNSTREAM_TX_BYTE, now)
-            self._stamp(now, MARK.LAST_DOWNSTREAM_TX_BYTE)
-        else:
-            # The response already started: end it short so the client can tell.
-            self._client_out.clear()
+
+    def _answer_failure(self, outcome: Outcome, detail: str, status: int | None) -> bool:
+        """The client's side of a failure: an error reply while nothing of the response
+        reached it, else the response cut short so that it can tell. True when the rest
+        of the request body is to be drained (see linger.py)."""
+        self._client_out.clear()
+        if self.response_started and self.record.last_downstream_tx_ns is not None:
             self.keep_client_alive = False
             if self.response_framing == H.ResponseFraming.CLOSE or self.client.write_paused:
                 # Close-delimited: the body ends where the connection ends, and a clean
@@ -599,17 +545,27 @@ class Exchange:
                 # clean close waits for it to drain what is buffered, which it may
                 # never do. Either way the connection is reset instead.
                 self.client.reset()
-        self._finish(outcome, message, drain=linger)
-
-    def _finish(self, outcome: Outcome, error: str | None, hand_back: bool = True, drain: bool = False) -> None:
-        self.finished = True
-        if self._client_gone:
-            self._tail_timer.cancel()
-            self.ctx.tail_waits.discard(self)
-        self._upstream_out.clear()
-        self.ctx.end_request(self.record, outcome, error)
-        if hand_back:
-            self.client.exchange_finished(self, self.keep_client_alive, drain)
+            return False
+        # Nothing of the response reached the client yet (its head may have been
+        # parsed in the very read that then failed): it can still get the error.
+        drain = False
+        if not self.request_complete:
+            # Drain the rest of the body, then keep the connection, as nginx does; but
+            # not after a body timeout (the client is stalled) or a body the parser
+            # refused (nothing after it can be read).
+            drain = outcome not in (Flag.DBT, Flag.DPE)
+            self.keep_client_alive = (self.keep_client_alive and drain
+                                      and drainable(self.head.framing, self.record.downstream_rx_body_bytes))
+        status = status or outcome.local_status or 502
+        reply = error_response(status, outcome, detail, self.keep_client_alive, self.head.http11,
+                               extra_lines=self.ctx.response_ids(self.record), head_only=self.head.method == "HEAD")
+        self.client.write(reply)
+        self.record.status = status
+        self.record.downstream_tx_body_bytes += body_size(reply)
+        now = time.monotonic_ns()
+        self._stamp_once(MARK.FIRST_DOWNSTREAM_TX_BYTE, now)
+        self._stamp(now, MARK.LAST_DOWNSTREAM_TX_BYTE)
+        return drain
 
     # ---------------------------------------------------------------------------
     # Deadlines: one timer, aimed at the nearest deadline and re-aimed when it fires,
@@ -654,11 +610,11 @@ class Exchange:
                 self._client_taken, self._client_taken_ns = taken, now
                 self._aim_timer(now)
                 return
-        ending = expiry(expired, due, now, self.record, self.ctx, self._where(self.record.attempt),
+        passed = expiry(expired, due, now, self.record, self.ctx, where(self.ctx.upstream_authority, self.record.attempt),
                         self.ctx.pool.max_connections)
-        if not ending.client_kept:
+        if not passed.client_kept:
             self.keep_client_alive = False
-        self._fail(ending.outcome, ending.detail)
+        self.end(Ending.FAILED, passed.outcome, passed.detail)
 
     # ---------------------------------------------------------------------------
     def _stamp(self, now: int, *marks: Mark) -> None:
@@ -673,17 +629,3 @@ class Exchange:
     def _stamp_once(self, mark: Mark, now: int) -> None:
         if self.record.mark_once(mark, now) and self._mark_observers:
             self.ctx.fanout.mark(self.record, mark)
-
-    def _where(self, attempt) -> str:
-        if attempt is None or attempt.connection is None:
-            return f"upstream {self.ctx.upstream_authority}"
-        conn = attempt.connection
-        kind = f"reused connection #{conn.id} (idle {attempt.idle_age_ns / 1e9:.1f} s, request {attempt.connection_request_number})" \
-            if attempt.reused else f"new connection #{conn.id}"
-        return f"upstream {self.ctx.upstream_authority} on {kind}"
-
-
-def _close_reason(exc: BaseException | None) -> str:
-    if exc is None:
-        return "peer closed the connection"
-    return f"connection error ({exc.strerror or exc})" if isinstance(exc, OSError) else f"connection error ({exc})"
