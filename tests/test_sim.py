@@ -1,18 +1,21 @@
-"""The simulated SGLang PD deployment (``traceproxy.sim``), alone and behind the real router.
+"""The simulated PD deployment (``traceproxy.sim``), alone and behind each real router.
 
-Part 1 checks the simulated workers on their own: the fault table, what the router
-probes, PD pairing by ``bootstrap_room`` (in one process and across processes),
-pacing, per-request faults, idle closes, the faulty keep-alive proxy and the CLI.
+Part 1 checks the simulated workers on their own: the fault table, what the routers
+call, PD pairing by ``bootstrap_room`` and by vLLM's ``kv_transfer_params`` (in one
+process and across processes), pacing, per-request faults, idle closes, the faulty
+keep-alive proxy and the CLI.
 
-Part 2 runs traceproxy in front of the real sglang-router (PD mode) in front of the
-simulated workers, with fast stall thresholds, and checks for each named fault
-what the client gets and which verdict and blame traceproxy gives. The router
-sits in the middle, so the assertions are about what really comes out of it; the
-comments say what the router did with each fault.
+Part 2 runs traceproxy in front of each real router (sglang-router, smg,
+vllm-router; PD mode) in front of the simulated workers, with fast stall thresholds,
+and checks for each named fault what the client gets, which verdict and blame
+traceproxy gives, and the engine-side stage the request hangs in. The router sits in
+the middle, so the assertions are about what really comes out of it; where the
+routers differ, each one's behaviour is asserted, and the comments say what it did.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import selectors
@@ -34,10 +37,13 @@ from traceproxy.sim.faults import FAULTS, FaultError, parse_fault, parse_faults,
 from traceproxy.sim.faultyproxy import FaultyProxy
 from traceproxy.sim import launch
 from traceproxy.sim.launch import SimDeployment, free_port
+from traceproxy.sim.routers import (ROUTER_NAMES, ROUTERS, VLLM_PROTOCOL, RouterKind, default_router,
+                                    installed_routers, router_kind)
 from traceproxy.sim.startup import ListenerError, SimStartError
 from traceproxy.sim.otel import make_tracing
 
 from .otlp_receiver import OtlpHttpReceiver
+from .router_harness import ROUTERS_UNDER_TEST, RouterHarness
 from .support import LoopThread, RawClient, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +60,11 @@ JSON = [("Content-Type", "application/json")]
 def chat_body(stream: bool = True, max_tokens: int = 5, **extra) -> bytes:
     return json.dumps({"model": "sim-llama", "messages": [{"role": "user", "content": "Say hi"}],
                        "max_tokens": max_tokens, "stream": stream, **extra}).encode()
+
+
+def completion_body(stream: bool = True, max_tokens: int = 5, **extra) -> bytes:
+    return json.dumps({"model": "sim-llama", "prompt": "Say hi", "max_tokens": max_tokens, "stream": stream,
+                       **extra}).encode()
 
 
 def generate_body(room: int | None = None, bootstrap_port: int | None = None, text: str = "Say hi",
@@ -95,10 +106,14 @@ def http_post_json(url: str, payload: dict) -> tuple[int, dict]:
 
 def gauge(worker: SimWorker, name: str) -> float:
     """One sample from the worker's /metrics, read over HTTP like Prometheus would."""
-    for line in http_get(f"{worker.url}/metrics").decode().splitlines():
+    return gauge_at(worker.url, name)
+
+
+def gauge_at(url: str, name: str) -> float:
+    for line in http_get(f"{url}/metrics").decode().splitlines():
         if line.startswith(f'{name}{{model_name="'):
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in {worker.role}'s /metrics")
+    raise AssertionError(f"{name} not in {url}/metrics")
 
 
 def read_for(client: RawClient, seconds: float) -> bytes:
@@ -269,6 +284,44 @@ def test_worker_answers_what_the_router_probes(start_worker):
         assert f'{name}{{model_name="probe-model"}} 0' in metrics
 
 
+def test_worker_reports_its_load_as_sglang_does_for_smg(start_worker):
+    decode = start_worker("decode", default_faults=["decode_stall:1"])
+    held = RawClient(decode.port)
+    held.request("POST", "/v1/chat/completions", JSON, chat_body())
+    assert wait_until(lambda: gauge(decode, "sglang:num_running_reqs") == 1, timeout=5)
+    for path in ("/loads?model=sim-llama", "/v1/loads?include=core,disagg,queues,memory", "/v1/loads"):
+        report = json.loads(http_get(decode.url + path))
+        assert report["dp_rank_count"] == 1 and report["aggregate"]["total_running_reqs"] == 1, path
+        [rank] = report["loads"]
+        assert rank["dp_rank"] == 0 and rank["num_running_reqs"] == 1 and rank["num_waiting_reqs"] == 0, path
+        assert rank["disaggregation"]["mode"] == "decode" and rank["queues"]["waiting"] == 0, path
+    [core] = json.loads(http_get(decode.url + "/v1/loads?include=core"))["loads"]
+    assert {"memory", "disaggregation", "queues"}.isdisjoint(core) and core["num_running_reqs"] == 1
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        http_get(decode.url + "/v1/loads?include=core,gpu")
+    assert refused.value.code == 400 and "'gpu'" in json.loads(refused.value.read())["error"]["message"]
+    held.close()
+
+
+def test_worker_renders_and_tokenizes_as_vllm_does_for_vllm_router(start_worker):
+    prefill = start_worker("prefill")
+    chat = {"model": "sim-llama", "messages": [{"role": "user", "content": "Say hi to the world"}], "max_tokens": 7}
+    status, rendered = http_post_json(prefill.url + "/v1/chat/completions/render", chat)
+    assert status == 200 and rendered["model"] == "sim-llama" and rendered["sampling_params"]["max_tokens"] == 7
+    status, tokens = http_post_json(prefill.url + "/tokenize", {"model": "sim-llama", "messages": chat["messages"]})
+    assert status == 200 and tokens["tokens"] == rendered["token_ids"] and tokens["count"] == len(tokens["tokens"])
+    # The same text gives the same ids, and a longer conversation starts with the shorter one's.
+    longer = {**chat, "messages": [*chat["messages"], {"role": "assistant", "content": "Hello, world"}]}
+    _, again = http_post_json(prefill.url + "/v1/chat/completions/render", longer)
+    assert again["token_ids"][:len(rendered["token_ids"]) - 1] == rendered["token_ids"][:-1]
+    status, prompts = http_post_json(prefill.url + "/v1/completions/render",
+                                     {"model": "sim-llama", "prompt": ["one", "two two"], "max_tokens": 3})
+    assert status == 200 and [len(p["token_ids"]) for p in prompts] == [1, 2]
+    assert http_post_json(prefill.url + "/v1/chat/completions/render", {"messages": "hi"})[0] == 400
+    assert prefill.requests == []  # neither is inference
+    assert {(c.path, c.status) for c in prefill.calls} >= {("/tokenize", 200), ("/v1/completions/render", 200)}
+
+
 @pytest.mark.parametrize("path, payload, field", [
     ("/v1/chat/completions", {"messages": [], "max_tokens": "abc"}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [], "max_tokens": -1}, "max_tokens"),
@@ -308,10 +361,73 @@ def _pair_and_check(prefill_port: int, bootstrap_port: int, decode: SimWorker, r
     assert gauge(decode, "sglang:num_decode_prealloc_queue_reqs") == 0
 
 
+def vllm_prefill_body(text: str = "Say hi") -> bytes:
+    """What vllm-router sends the prefill of a /generate request."""
+    return json.dumps({"text": text, "sampling_params": {"max_new_tokens": 4}, "stream": False, "max_tokens": 1,
+                       "min_tokens": 1, "kv_transfer_params": {
+                           "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                           "remote_block_ids": None, "remote_host": None, "remote_port": None}}).encode()
+
+
+def vllm_decode_body(params: dict, stream: bool = False) -> bytes:
+    """What vllm-router sends decode once prefill answered: the client's body and prefill's parameters."""
+    return json.dumps({"text": "Say hi", "sampling_params": {"max_new_tokens": 4}, "stream": stream,
+                       "kv_transfer_params": params}).encode()
+
+
+def _pair_vllm_and_check(prefill_url: str, decode: SimWorker) -> None:
+    """Prefill first: it answers with kv_transfer_params and keeps the KV cache until decode pulls it."""
+    answer = RawClient(int(prefill_url.rsplit(":", 1)[1])).roundtrip("POST", "/generate", JSON, vllm_prefill_body())
+    assert answer.status == 200
+    params = json.loads(answer.body)["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_request_id"].startswith("sim-room-") and params["remote_block_ids"] == [0]
+    assert gauge_at(prefill_url, "sglang:num_prefill_inflight_queue_reqs") == 1  # kept for decode
+    decoded = RawClient(decode.port).roundtrip("POST", "/generate", JSON, vllm_decode_body(params))
+    assert decoded.status == 200 and json.loads(decoded.body)["meta_info"]["completion_tokens"] == 4
+    [seen] = decode.requests
+    assert f"sim-room-{seen.room}" == params["remote_request_id"]
+    assert wait_until(lambda: gauge_at(prefill_url, "sglang:num_prefill_inflight_queue_reqs") == 0, timeout=5)
+
+
 def test_decode_waits_for_its_prefill_room_in_one_process(start_worker):
     prefill, decode = start_worker("prefill"), start_worker("decode")
     _pair_and_check(prefill.port, prefill.bootstrap_port, decode, room=7)
     assert gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 0
+
+
+def test_vllm_decode_pulls_the_kv_cache_its_prefill_named_in_one_process(start_worker):
+    prefill, decode = start_worker("prefill"), start_worker("decode")
+    _pair_vllm_and_check(prefill.url, decode)
+    [pre] = prefill.requests
+    assert pre.room is not None and pre.faults == ()
+    assert gauge(prefill, "sglang:num_transfer_failed_reqs_total") == 0
+
+
+def test_a_vllm_kv_cache_never_pulled_is_a_failed_transfer(start_worker):
+    prefill, decode = start_worker("prefill", bootstrap_timeout=0.3), start_worker("decode")
+    answer = RawClient(prefill.port).roundtrip("POST", "/generate", JSON, vllm_prefill_body())
+    params = json.loads(answer.body)["kv_transfer_params"]
+    assert gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 1
+    assert wait_until(lambda: gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 0, timeout=5)
+    assert gauge(prefill, "sglang:num_transfer_failed_reqs_total") == 1
+    late = RawClient(decode.port).roundtrip("POST", "/generate", JSON, vllm_decode_body(params))
+    assert late.status == 503 and json.loads(late.body)["error"]["message"] == "transfer timeout"
+    # A cache let go of (POST /admin/release) is dropped without counting a failed transfer.
+    RawClient(prefill.port).roundtrip("POST", "/generate", JSON, vllm_prefill_body())
+    assert gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 1
+    assert http_post_json(prefill.url + "/admin/release", {}) == (200, {"released": True})
+    assert wait_until(lambda: gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 0, timeout=5)
+    assert gauge(prefill, "sglang:num_transfer_failed_reqs_total") == 1
+
+
+def test_a_vllm_decode_given_no_prefill_room_is_served_alone(start_worker):
+    # vllm-router passes decode whatever kv_transfer_params prefill answered, or none.
+    decode = start_worker("decode")
+    for params in (None, {"do_remote_prefill": False}, {"do_remote_prefill": True, "remote_request_id": "x"}):
+        resp = RawClient(decode.port).roundtrip("POST", "/generate", JSON, vllm_decode_body(params))
+        assert resp.status == 200 and json.loads(resp.body)["meta_info"]["completion_tokens"] == 4, params
+    assert [seen.room for seen in decode.requests] == [None, None, None]
 
 
 @pytest.mark.parametrize("via", ["bootstrap-port", "prefill-url"])
@@ -327,6 +443,8 @@ def test_decode_polls_the_bootstrap_of_a_prefill_in_another_process(start_worker
         else:  # docker-compose: the body's bootstrap port is not where the prefill listens
             decode, bootstrap_port = start_worker("decode", prefill_url=prefill_url), free_port()
         _pair_and_check(prefill_port, bootstrap_port, decode, room=8)
+        decode.clear()
+        _pair_vllm_and_check(prefill_url, decode)  # remote_host and remote_port name the bootstrap listener
         assert stop_child(proc, signal.SIGINT) == 0
     finally:
         stop_child(proc)
@@ -438,24 +556,88 @@ def test_faulty_proxy_limits_are_drawn_from_the_seeded_range(start_worker, loop_
         loop_thread.run(proxy.stop())
 
 
-def test_cli_starts_the_deployment_prints_urls_and_stops_everything_on_sigterm():
-    pytest.importorskip("sglang_router", exc_type=ImportError)
-    proc = sim_command("--faulty-proxy", "--log-level", "warning", stderr=subprocess.PIPE)
+PARSERS = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router",
+           "vllm-router": "vllm_router.launch_router"}
+
+
+@pytest.mark.parametrize("router", ROUTERS_UNDER_TEST)
+@pytest.mark.parametrize("level", ["debug", "info", "warn", "warning", "error"])
+def test_each_routers_command_is_one_its_own_parser_accepts(router, level):
+    # vllm-router spells "warning" in full and refuses "warn"; it has no shutdown grace
+    # period, and in vLLM's PD mode the prefill takes no bootstrap port.
+    kind = router_kind(router)
+    argv = kind.command("python", host="127.0.0.1", port=30001, prometheus_port=30002,
+                        prefill_url="http://127.0.0.1:30003", bootstrap_port=30004,
+                        decode_url="http://127.0.0.1:30005", log_level=level, request_timeout=20,
+                        extra_args=("--policy", "random"))
+    assert argv[:2 + len(kind.launch)] == ["python", "-m", *kind.launch]
+    parsed = importlib.import_module(PARSERS[router]).parse_router_args(argv[2 + len(kind.launch):])
+    assert (parsed.host, parsed.port, parsed.prometheus_port) == ("127.0.0.1", 30001, 30002)
+    assert parsed.decode_urls == ["http://127.0.0.1:30005"] and parsed.request_timeout_secs == 20
+    assert parsed.policy == "random"
+    if kind.protocol == VLLM_PROTOCOL:
+        assert parsed.vllm_pd_disaggregation and parsed.prefill_urls == [("http://127.0.0.1:30003", None)]
+    else:
+        assert parsed.pd_disaggregation and parsed.prefill_urls == [("http://127.0.0.1:30003", 30004)]
+
+
+def test_a_log_level_no_router_knows_is_refused():
+    for kind in ROUTERS:
+        with pytest.raises(ValueError, match="log level must be one of debug, info, warning, error"):
+            kind.log_level("verbose")
+
+
+def test_the_default_router_is_the_first_installed(monkeypatch):
+    installed = {"smg", "vllm-router"}
+    monkeypatch.setattr(RouterKind, "installed", property(lambda kind: kind.name in installed))
+    assert [kind.name for kind in installed_routers()] == ["smg", "vllm-router"]
+    assert default_router().name == "smg" and launch.resolve_router(True).name == "smg"
+    assert launch.resolve_router("vllm-router").name == "vllm-router" and launch.resolve_router(False) is None
+    with pytest.raises(launch.RouterUnavailable, match=r"^sglang-router is not installed \(pip install"):
+        launch.resolve_router("sglang-router")
+    installed.clear()
+    assert default_router() is None
+    with pytest.raises(launch.RouterUnavailable, match="no router is installed"):
+        launch.resolve_router(True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--router", "vllm-router"], "traceproxy sim: --router vllm-router: vllm-router is not installed"
+                                  " (pip install vllm-router)\n"),
+    (["--router", "smg", "--no-router"], "traceproxy sim: --router and --no-router contradict each other\n"),
+])
+def test_a_router_that_cannot_run_is_a_one_line_error_before_anything_starts(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(RouterKind, "installed", property(lambda kind: kind.name != "vllm-router"))
+    assert _exit_status(["sim", *argv]) == 2
+    assert capsys.readouterr().err == message
+
+
+def test_an_unknown_router_is_a_usage_error(capsys):
+    assert _exit_status(["sim", "--router", "nginx"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nginx'" in err and "sglang-router" in err and "vllm-router" in err
+
+
+@pytest.mark.parametrize("router", ROUTERS_UNDER_TEST)
+def test_cli_starts_the_deployment_prints_urls_and_stops_everything_on_sigterm(router):
+    kind = router_kind(router)
+    proc = sim_command("--router", router, "--faulty-proxy", "--log-level", "warning", stderr=subprocess.PIPE)
     children: list[psutil.Process] = []
     try:
         lines = read_lines(proc, 5, timeout=60)
         urls = dict(line.split(" ", 1) for line in lines)
         assert list(urls) == ["prefill", "decode", "router", "faulty-proxy", "bootstrap"]
         assert all(url.startswith("http://127.0.0.1:") for url in urls.values())
-        [placement] = read_lines(proc, 1, timeout=5, stream="stderr")
+        which, placement = read_lines(proc, 2, timeout=5, stream="stderr")
+        assert which.startswith(f"router {router} {kind.version} at {urls['router']}: ")
         assert placement.startswith(f"faulty-proxy {urls['faulty-proxy']} stands in front of the router"
                                     f" {urls['router']}:")
         router_port = int(urls["router"].rsplit(":", 1)[1])
         resp = RawClient(router_port).roundtrip("POST", "/generate", JSON, generate_body())
         assert resp.status == 200 and json.loads(resp.body)["meta_info"]["completion_tokens"] == 4
         children = psutil.Process(proc.pid).children(recursive=True)
-        # The router renames its process ("sglang::router"), hence the loose match.
-        assert any("sglang" in " ".join(child.cmdline()) for child in children), children
+        # Each router renames its process (sglang::router, smg::router, vllm::router).
+        assert any(kind.process_title in " ".join(child.cmdline()) for child in children), children
         assert stop_child(proc) == 0
         assert wait_until(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
                           timeout=10), "the router outlived traceproxy sim"
@@ -466,8 +648,13 @@ def test_cli_starts_the_deployment_prints_urls_and_stops_everything_on_sigterm()
                 child.kill()
 
 
+def needs_a_router() -> None:
+    if default_router() is None:
+        pytest.skip(f"no router is installed ({', '.join(ROUTER_NAMES)})")
+
+
 def test_faults_are_armed_only_after_the_routers_warm_up(loop_thread):
-    pytest.importorskip("sglang_router", exc_type=ImportError)
+    needs_a_router()
     # prefill_stall held the warm-up /generate, so the deployment never started;
     # pinned_request would have leaked the warm-up's slot into the gauge.
     deployment = SimDeployment(router=True, faults=["prefill_stall", "pinned_request"], startup_timeout=15)
@@ -487,7 +674,7 @@ def test_faults_are_armed_only_after_the_routers_warm_up(loop_thread):
 def test_a_sim_whose_router_is_never_ready_says_why_in_one_line():
     pytest.importorskip("sglang_router", exc_type=ImportError)
     # An API key the warm-up does not carry: every warm-up gets 401, the router never becomes ready.
-    status, out, err = failed_start("--startup-timeout", "2", "--log-level", "warning",
+    status, out, err = failed_start("--router", "sglang-router", "--startup-timeout", "2", "--log-level", "warning",
                                     "--router-arg=--api-key", "--router-arg=not-sent")
     assert status == 1 and out == ""
     [line] = err.splitlines()
@@ -498,7 +685,7 @@ def test_a_sim_whose_router_is_never_ready_says_why_in_one_line():
 @pytest.mark.parametrize("flag", ["--prefill-port", "--decode-port", "--bootstrap-port", "--router-port"])
 def test_a_port_in_use_is_a_one_line_startup_error(held_port, flag):
     if flag == "--router-port":
-        pytest.importorskip("sglang_router", exc_type=ImportError)
+        needs_a_router()
     extra = [] if flag == "--router-port" else ["--no-router"]
     status, out, err = failed_start(flag, str(held_port), "--startup-timeout", "10", "--log-level", "warning", *extra)
     assert (status, out) == (2, ""), (status, out, err)
@@ -516,7 +703,7 @@ def test_a_worker_on_a_port_in_use_names_its_listen_flag(held_port):
 
 
 def test_a_router_port_taken_by_another_deployment_is_never_adopted(fast_upstream, loop_thread, monkeypatch):
-    pytest.importorskip("sglang_router", exc_type=ImportError)
+    needs_a_router()
     other = fast_upstream()  # answers every request with 200, as another deployment's router would
     check = launch.check_port_taken
     checks = []
@@ -566,7 +753,7 @@ def test_faulty_proxy_stands_in_front_of_a_given_traceproxy(start_worker, start_
 
 
 # ----------------------------------------------------------------------------------
-# 2. traceproxy -> the real sglang-router (PD) -> the simulated workers
+# 2. traceproxy -> each real router (PD) -> the simulated workers
 # ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def span_receiver():
@@ -574,28 +761,19 @@ def span_receiver():
         yield receiver
 
 
-@pytest.fixture(scope="module")
-def sim(loop_thread: LoopThread, span_receiver):
-    pytest.importorskip("sglang_router", reason="sglang-router cannot be imported", exc_type=ImportError)
-    deployment = SimDeployment(router=True, faulty_proxy=True, hang_after=1, otlp_endpoint=span_receiver.endpoint)
-    loop_thread.run(deployment.start(), timeout=90)
-    yield deployment
-    loop_thread.run(deployment.stop(), timeout=30)
+@pytest.fixture(scope="module", params=ROUTERS_UNDER_TEST)
+def sim(request, loop_thread: LoopThread, span_receiver):
+    with RouterHarness(loop_thread, request.param, faulty_proxy=True, hang_after=1,
+                       otlp_endpoint=span_receiver.endpoint) as harness:
+        yield harness
 
 
 @pytest.fixture
-def pd(sim, loop_thread):
+def pd(sim):
     """The module's deployment with no faults, nothing held and empty records."""
-
-    def reset():
-        for worker in (sim.prefill, sim.decode):
-            worker.set_faults([])
-            loop_thread.run(worker.release_held())
-            worker.clear()
-
-    reset()
+    sim.reset()
     yield sim
-    reset()
+    sim.reset()
 
 
 @pytest.fixture
@@ -622,9 +800,11 @@ def test_healthy_streaming_chat_completes_and_the_trace_reaches_both_workers(pd,
 
     trace_id = resp.headers["traceresponse"].split("-")[1]
     [pre], [dec] = pd.prefill.requests, pd.decode.requests
+    # The trace id joins the client's view and both engines' records, behind every router.
     assert pre.trace_id == dec.trace_id == trace_id
-    assert pre.request_id == dec.request_id == resp.headers["x-request-id"]
-    assert pre.room is not None and pre.room == dec.room
+    assert pre.request_id == dec.request_id
+    assert (pre.request_id == resp.headers["x-request-id"]) is pd.facts.engines_get_client_request_id
+    assert pre.room is not None and pre.room == dec.room  # paired, whichever PD protocol
     for role in ("prefill", "decode"):
         assert any(r.name == f"traceproxy.sim.{role}" and f"trace_id={trace_id}" in r.getMessage()
                    and f"x-request-id={pre.request_id}" in r.getMessage() for r in caplog.records), role
@@ -651,19 +831,39 @@ def test_workers_export_their_span_under_the_incoming_traceparent(pd, traced, sp
         assert span.attributes["sglang.request_id"] == seen.request_id
 
 
+def test_every_call_each_router_makes_to_the_workers_is_answered(pd, traced):
+    # Registration, health and load calls (smg polls /loads and /v1/loads), and what
+    # vllm-router asks before each request (/v1/*/render, /tokenize): none is a 404.
+    proxy, _ = traced
+    for body in (chat_body(stream=False), chat_body(stream=True)):
+        assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, body).status == 200
+    assert RawClient(proxy.port).roundtrip("POST", "/v1/completions", JSON, completion_body()).status == 200
+    calls = pd.deployment.startup_calls + pd.prefill.calls + pd.decode.calls
+    assert calls and [c for c in calls if c.status >= 400] == []
+    paths = {c.path.partition("?")[0] for c in calls}
+    if pd.name == "smg":
+        assert "/loads" in paths or "/v1/loads" in paths, sorted(paths)
+    if pd.name == "vllm-router":
+        assert {"/v1/chat/completions/render", "/v1/completions/render"} <= paths, sorted(paths)
+
+
 def test_prefill_stall_is_a_first_byte_stall_blamed_on_the_engine(pd, traced):
     proxy, done = traced
     pd.prefill.set_faults(["prefill_stall"])
     client = RawClient(proxy.port)
     client.request("POST", "/v1/chat/completions", JSON, chat_body())
     entry = inflight_entry(proxy, "FBS")
-    # The router answers its client only once prefill has answered: no headers at all.
+    # Every router answers its client only once prefill has answered: no headers at all.
     assert entry["verdict"]["blame"] == "engine" and entry["phase"] == "awaiting_upstream_headers"
-    # Meanwhile, in the engines: prefill is running, decode waits for the KV cache.
+    # Meanwhile, in the engines: prefill is running; decode waits for the KV cache, or
+    # (vLLM's protocol: decode only after prefill) has not been called.
     assert gauge(pd.prefill, "sglang:num_running_reqs") == 1
-    assert gauge(pd.decode, "sglang:num_decode_transfer_queue_reqs") == 1
+    if pd.facts.decode_waits_for_prefill_answer:
+        assert pd.decode.requests == []
+    else:
+        assert gauge(pd.decode, "sglang:num_decode_transfer_queue_reqs") == 1
     client.close()
-    # The router drops both engine requests once its own client (traceproxy) is gone.
+    # Every router drops its engine requests once its own client (traceproxy) is gone.
     assert wait_until(lambda: gauge(pd.prefill, "sglang:num_running_reqs") == 0
                       and gauge(pd.decode, "sglang:num_decode_transfer_queue_reqs") == 0, timeout=5)
     record = done.one()
@@ -681,34 +881,49 @@ def test_decode_stall_is_a_mid_stream_stall_blamed_on_the_engine(pd, traced):
     assert token_events(got) == 3 and b"[DONE]" not in got
     [dec] = pd.decode.requests
     assert dec.faults == ("decode_stall:3",)
+    assert gauge(pd.decode, "sglang:num_running_reqs") == 1
     client.close()
     assert [s.code for s in done.one().stalls] == ["MSS"]
-    # Observed: the router does not cancel a *silent* decode stream when its client
-    # leaves (it would notice on the next chunk); only its request timeout ends it.
-    assert gauge(pd.decode, "sglang:num_running_reqs") == 1
+    if pd.facts.cancels_silent_decode_on_disconnect:
+        # vllm-router drops the decode request as soon as its client has gone.
+        assert wait_until(lambda: gauge(pd.decode, "sglang:num_running_reqs") == 0, timeout=2)
+    else:
+        # sglang-router and smg do not cancel a *silent* decode stream when their client
+        # leaves (they would notice on the next chunk); only their request timeout ends it.
+        time.sleep(0.3)
+        assert gauge(pd.decode, "sglang:num_running_reqs") == 1
 
 
-def test_reset_mid_stream_truncates_the_response_and_is_upstream_closed(pd, traced):
+def test_reset_mid_stream_reaches_the_client_as_each_router_passes_it_on(pd, traced):
     proxy, done = traced
     pd.decode.set_faults(["reset_mid_stream:3"])
     resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body(max_tokens=8))
-    # Observed: the router streams decode's body through; when decode's connection is
-    # reset mid-body it cannot finish its own chunked response and closes the
-    # connection to traceproxy without the last chunk. It does not turn the reset
-    # into a clean end (which would have been NDN), so traceproxy sees UC.
-    assert resp.status == 200 and not resp.complete and b"[DONE]" not in resp.body
+    assert resp.status == 200 and b'"finish_reason":"' not in resp.body
     # An RST may discard the last token in the router's receive buffer before it was read.
     assert 1 <= token_events(resp.body) <= 3
     record = done.one()
-    assert record.outcome.code == "UC" and record.outcome.blame.value == "engine"
+    if pd.name == "smg":
+        # smg turns the engine's reset into an in-band error event and ends its stream
+        # cleanly; what traceproxy must make of that is
+        # test_routers.py::test_smg_in_band_stream_error_is_an_engine_failure.
+        assert resp.complete
+        *_, error, last = sse_events(resp.body)
+        assert last == "[DONE]" and json.loads(error)["error"]["type"] == "stream_error"
+        assert "Connection reset by peer" in json.loads(error)["error"]["message"]
+    else:
+        # sglang-router and vllm-router stream decode's body through; when decode's
+        # connection is reset mid-body they cannot finish their own chunked response
+        # and close the connection to traceproxy without the last chunk: UC.
+        assert not resp.complete and b"[DONE]" not in resp.body
+        assert record.outcome.code == "UC" and record.outcome.blame.value == "engine"
 
 
 def test_malformed_sse_line_passes_through_the_router_and_is_ndn(pd, traced):
     proxy, done = traced
     pd.decode.set_faults(["malformed_sse"])
     resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
-    # Observed: the router does not parse decode's SSE; the truncated JSON event and
-    # the clean end without [DONE] reach the client as they were sent.
+    # No router parses decode's SSE: the truncated JSON event and the clean end without
+    # [DONE] reach the client as they were sent.
     assert resp.status == 200 and resp.complete
     events = sse_events(resp.body)
     assert len(events) == 2 and json.loads(events[0])["choices"][0]["delta"]["content"]
@@ -718,16 +933,23 @@ def test_malformed_sse_line_passes_through_the_router_and_is_ndn(pd, traced):
     assert record.outcome.code == "NDN" and record.outcome.blame.value == "engine"
 
 
-def test_malformed_chunk_makes_the_router_cut_its_response(pd, traced):
+def test_malformed_chunk_is_cut_or_reported_in_band_by_the_router(pd, traced):
     proxy, done = traced
     pd.decode.set_faults(["malformed_sse:chunk"])
     resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
-    # Observed: the router's HTTP client rejects the invalid chunk size and the router
-    # ends its own response abruptly (headers sent, body cut): UC, not UPE, because
-    # the framing traceproxy saw (the router's) was valid up to the cut.
-    assert resp.status == 200 and not resp.complete and b"[DONE]" not in resp.body
+    assert resp.status == 200 and b'"finish_reason":"' not in resp.body
     record = done.one()
-    assert record.outcome.code == "UC" and record.outcome.blame.value == "engine"
+    if pd.name == "smg":
+        # As with a reset: an in-band error event, then [DONE] and a clean end.
+        assert resp.complete
+        *_, error, last = sse_events(resp.body)
+        assert last == "[DONE]" and "Invalid chunk size line" in json.loads(error)["error"]["message"]
+    else:
+        # The router's HTTP client rejects the invalid chunk size and the router ends its
+        # own response abruptly (headers sent, body cut): UC, not UPE, because the
+        # framing traceproxy saw (the router's) was valid up to the cut.
+        assert not resp.complete and b"[DONE]" not in resp.body
+        assert record.outcome.code == "UC" and record.outcome.blame.value == "engine"
 
 
 def test_no_done_is_a_stream_without_done(pd, traced):
@@ -748,7 +970,8 @@ def test_slow_first_token_is_a_stall_that_resolves(pd, traced):
     record = done.one()
     assert record.outcome.code == "OK"
     [stall] = record.stalls
-    # The router sent the headers once prefill answered; the wait is for the first token.
+    # Every router sends the headers once prefill answered and decode opened its stream;
+    # the wait is for the first token.
     assert stall.code == "FBS" and stall.phase == "streaming_response" and stall.resolved_ns is not None
 
 
@@ -767,23 +990,24 @@ def test_pinned_request_leaves_the_inflight_gauge_at_one(pd, traced):
 
 def test_request_faults_through_the_router_only_survive_in_the_body(pd, traced):
     proxy, done = traced
-    # The router forwards an allow-list of headers: x-sim-fault never reaches decode.
+    # Every router forwards an allow-list of headers: x-sim-fault never reaches decode.
     resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", [*JSON, ("x-sim-fault", "no_done")],
                                            chat_body())
     assert resp.complete and sse_events(resp.body)[-1] == "[DONE]"
     [dec] = pd.decode.requests
     assert "x-sim-fault" not in dec.headers and dec.faults == ()
     assert done.one().outcome.code == "OK"
-    # Chat's metadata map is kept by the router's typed request: the fault arrives.
-    done.records.clear()
-    resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON,
-                                           chat_body(metadata={"sim_fault": "no_done"}))
-    assert resp.complete and b"[DONE]" not in resp.body
-    assert done.one().outcome.code == "NDN"
+    # Chat's metadata map and the completion's sim_fault field are kept by every router.
+    for path, body in (("/v1/chat/completions", chat_body(metadata={"sim_fault": "no_done"})),
+                       ("/v1/completions", completion_body(sim_fault="no_done"))):
+        done.records.clear()
+        resp = RawClient(proxy.port).roundtrip("POST", path, JSON, body)
+        assert resp.complete and b"[DONE]" not in resp.body, path
+        assert done.one().outcome.code == "NDN", path
 
 
 def test_faulty_proxy_hangs_a_reused_connection_and_serves_a_fresh_one(pd):
-    port = int(pd.faulty_proxy_url.rsplit(":", 1)[1])
+    port = int(pd.deployment.faulty_proxy_url.rsplit(":", 1)[1])
     client = RawClient(port)
     first = client.roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
     assert first.status == 200 and first.complete and sse_events(first.body)[-1] == "[DONE]"
@@ -797,7 +1021,7 @@ def test_faulty_proxy_hangs_a_reused_connection_and_serves_a_fresh_one(pd):
 
 def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, start_proxy):
     done = Done()
-    proxy = start_proxy(pd.faulty_proxy_url, observers=[done], **FAST)
+    proxy = start_proxy(pd.deployment.faulty_proxy_url, observers=[done], **FAST)
     client = RawClient(proxy.port)
     assert client.roundtrip("POST", "/v1/chat/completions", JSON, chat_body()).complete
     send_next(client, "POST", "/v1/chat/completions", JSON, chat_body())  # reuses the pooled upstream connection

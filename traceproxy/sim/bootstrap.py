@@ -2,9 +2,9 @@
 
 Theory of operation
 -------------------
-sglang-router sends one request to a prefill and a decode worker at the same time,
-with the prefill's bootstrap address (``bootstrap_host``, ``bootstrap_port``) and a
-random ``bootstrap_room`` in the body. Like a real pair:
+sglang-router and smg send one request to a prefill and a decode worker at the same
+time, with the prefill's bootstrap address (``bootstrap_host``, ``bootstrap_port``)
+and a random ``bootstrap_room`` in the body. Like a real pair:
 
 1. the decode side *attaches* to the room on the prefill's bootstrap server (it may
    get there before the prefill has the request: the room is created by whoever
@@ -13,6 +13,9 @@ random ``bootstrap_room`` in the body. Like a real pair:
    prefill, then marks the room *ready* (its KV cache is in flight);
 3. the decode side *takes* the ready room (the KV transfer), which releases the
    prefill's answer, and starts decoding.
+
+vllm-router calls decode only once prefill has answered; its prefill opens a room of
+its own, ready by the time decode attaches (``pairing.py``), and the same take ends it.
 
 The prefill worker keeps its rooms in ``Rooms``. A decode worker in the same process
 and on the same event loop finds them through an in-process registry keyed by the

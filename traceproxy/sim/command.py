@@ -17,16 +17,20 @@ from urllib.parse import urlsplit
 
 from ..hostnames import is_hostname
 from .faults import FaultError, fault_table, parse_faults
+from .routers import ROUTER_NAMES
 
 DESCRIPTION = """\
-Run a simulated SGLang prefill/decode deployment on loopback: a prefill and a decode
-worker and, when sglang_router is importable, the real sglang-router in PD mode in
-front of them (offline), optionally a faulty keep-alive proxy in front of the router
-or of any URL. Prints one "NAME URL" line per listener (prefill, decode, router,
-faulty-proxy, bootstrap) on stdout, and on stderr what the faulty proxy stands in
-front of, and runs until SIGINT/SIGTERM. Faults are armed once the router is ready:
-its start-up traffic never meets them. A start that fails (a port in use, a router
-that is not ready in time) says why in one line and exits non-zero.
+Run a simulated prefill/decode deployment on loopback: a prefill and a decode worker
+and a real router in PD mode in front of them (offline): --router sglang-router, smg
+or vllm-router (default: the first of these installed; without any, no router).
+The workers speak the PD protocol of either: SGLang's bootstrap rooms (sglang-router,
+smg) or vLLM's kv_transfer_params (vllm-router). Optionally a faulty keep-alive proxy
+in front of the router or of any URL. Prints one "NAME URL" line per listener
+(prefill, decode, router, faulty-proxy, bootstrap) on stdout, and on stderr which
+router runs and what the faulty proxy stands in front of, and runs until
+SIGINT/SIGTERM. Faults are armed once the router is ready: its start-up traffic never
+meets them. A start that fails (a port in use, a router that is not ready in time)
+says why in one line and exits non-zero.
 
 To put the faulty proxy where a hang is the harness's own, in front of traceproxy
 (harness -> faulty proxy -> traceproxy -> router):
@@ -42,8 +46,8 @@ prefill's --bootstrap-port).
 FAULTS_EPILOG = """\
 faults: --fault NAME[:ARG], repeatable or comma-separated; (role) is the worker it acts on.
 Per worker at runtime: POST /admin/faults {"faults": [...]} (POST /admin/release drops held
-requests). Per request: header x-sim-fault (the router drops it), or the body field sim_fault
-on /v1/completions, or metadata.sim_fault on /v1/chat/completions (both survive the router).
+requests). Per request: header x-sim-fault (every router drops it), or the body field sim_fault
+on /v1/completions, or metadata.sim_fault on /v1/chat/completions (both survive the routers).
 """ + fault_table()
 
 
@@ -58,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-port", type=port_argument, default=0, help="0 picks a free port (default)")
     parser.add_argument("--bootstrap-port", type=port_argument, default=0,
                         help="the prefill's KV bootstrap port (0: free)")
-    parser.add_argument("--no-router", action="store_true", help="do not start sglang-router")
+    parser.add_argument("--router", choices=ROUTER_NAMES, default=None,
+                        help="the router to run in front of the workers (default: the first of these installed)")
+    parser.add_argument("--no-router", action="store_true", help="run no router")
     parser.add_argument("--faulty-proxy", action="store_true",
                         help="also start the faulty keep-alive proxy (in front of the router, else of decode)")
     parser.add_argument("--faulty-proxy-upstream", type=upstream_url_argument, default=None, metavar="URL",
@@ -73,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the router may take to answer a warm-up request through both workers "
                         "(default 60)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for sglang_router.launch_router (repeatable, e.g. --router-arg=--policy"
+                        help="extra argument for the router (repeatable, e.g. --router-arg=--policy"
                         " --router-arg=random)")
     parser.set_defaults(sim_command=None)
 
@@ -186,10 +192,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_worker(args)
     from .launch import SimDeployment, router_importable, run_deployment
 
-    router = not args.no_router
-    if router and not router_importable():
-        print("traceproxy sim: sglang_router is not importable; running without the router", file=sys.stderr)
-        router = False
+    router = _chosen_router(args, router_importable)
+    if router is None:
+        return 2
     deployment = SimDeployment(
         router=router, faults=args.fault, faulty_proxy=args.faulty_proxy, host=args.host,
         prefill_port=args.prefill_port, decode_port=args.decode_port, router_port=args.router_port,
@@ -200,6 +205,26 @@ def run(args: argparse.Namespace) -> int:
     given = {"prefill": ("--prefill-port", args.prefill_port), "decode": ("--decode-port", args.decode_port),
              "bootstrap": ("--bootstrap-port", args.bootstrap_port), "router": ("--router-port", args.router_port)}
     return _run_until_stopped(run_deployment(deployment), {name: flag for name, (flag, port) in given.items() if port})
+
+
+def _chosen_router(args: argparse.Namespace, installed) -> bool | str | None:
+    """What to pass SimDeployment as ``router``; None (after saying why) when it cannot run."""
+    if args.no_router:
+        if args.router is not None:
+            print("traceproxy sim: --router and --no-router contradict each other", file=sys.stderr)
+            return None
+        return False
+    if args.router is not None:
+        if not installed(args.router):
+            print(f"traceproxy sim: --router {args.router}: {args.router} is not installed"
+                  f" (pip install {args.router})", file=sys.stderr)
+            return None
+        return args.router
+    if not installed():
+        print(f"traceproxy sim: no router is installed ({', '.join(ROUTER_NAMES)}); running without one",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def _run_worker(args: argparse.Namespace) -> int:

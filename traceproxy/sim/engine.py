@@ -2,16 +2,20 @@
 
 Theory of operation
 -------------------
-``SimWorker`` is an aiohttp app that answers everything sglang-router 0.3.2 asks of a
-worker (it probes the port for gRPC first: the HTTP/2 preface gets a 400 and the
-router falls back to HTTP): ``/health``, ``/health_generate``, ``/server_info`` and
-``/get_server_info`` (``disaggregation_mode`` = the role; ``model_path`` is an
-existing, empty local directory, so an offline router never downloads a
-tokenizer), ``/model_info``, ``/get_model_info``, ``/v1/models`` and ``/get_load``.
+``SimWorker`` is an aiohttp app that answers everything the three routers
+(``routers.py``) ask of a worker. sglang-router 0.3.2 and smg probe the port for gRPC
+first (the HTTP/2 preface gets a 400 and they fall back to HTTP); all of them call
+``/health`` (and ``/health_generate``), ``/server_info`` and ``/get_server_info``
+(``disaggregation_mode`` = the role; ``model_path`` is an existing, empty local
+directory, so an offline router never downloads a tokenizer), ``/model_info``,
+``/get_model_info``, ``/v1/models``, ``/get_load`` and ``/metrics``; smg polls
+``/loads`` and ``/v1/loads``, vllm-router calls ``/v1/*/render`` and ``/tokenize``
+before each request (``router_calls.py``). Every call that is not inference is kept
+in ``calls`` (method, path, status), so a test can say that none got a 404.
 Inference (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, stream or
-not) is run by ``generation.serve``; a prefill worker also runs the bootstrap
-listener its decode peers wait on (``bootstrap.py``; its main port answers the same
-``GET /bootstrap/{room}`` poll).
+not) is run by ``generation.serve``, in either PD protocol (``pairing.py``); a
+prefill worker also runs the bootstrap listener its decode peers wait on
+(``bootstrap.py``; its main port answers the same ``GET /bootstrap/{room}`` poll).
 
 Around each inference request the worker records what arrived (``requests``), logs
 one line (rid, x-request-id, trace id, result), counts it in SGLang's gauges
@@ -38,16 +42,26 @@ import aiohttp
 from aiohttp import web
 
 from . import gauges as g
+from . import router_calls
 from .aioserve import quiet_logger, start_app
 from .bootstrap import BootstrapServer, Rooms, poll_handler, register_local, unregister_local
 from .faults import FaultError, applies, parse_faults, request_fault_specs
 from .generation import Job, serve
 from .otel import end_request_span, make_tracing, request_span
+from .pairing import pairing_of
 from .shapes import Reply, check_request, max_tokens, prompt_tokens, request_rid
 from .startup import ListenerError
 
 INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 RECORD_LIMIT = 1000  # requests remembered per worker
+
+
+class Call(NamedTuple):
+    """A request that was not inference (a router's registration, health or load call)."""
+
+    method: str
+    path: str  # with its query string
+    status: int
 
 
 class SeenRequest(NamedTuple):
@@ -96,6 +110,8 @@ class SimWorker:
         self.rooms = Rooms()
         self.idle_closes = 0
         self._records: deque[SeenRequest] = deque(maxlen=RECORD_LIMIT)
+        self._calls: deque[Call] = deque(maxlen=RECORD_LIMIT)
+        self._kv_held: dict[int, asyncio.Task] = {}  # vLLM prefill: room -> its cache kept for decode
         self._idle_timers: dict[object, asyncio.TimerHandle] = {}  # per connection (aiohttp protocol)
         self._idle_after: dict[object, float] = {}  # a request's own idle_close, for its connection
         self._own_model_path = False
@@ -143,6 +159,10 @@ class SimWorker:
         if self.stopping is not None:
             self.stopping.set()
             self.let_go.set()  # held requests end before the runner waits for them
+        held = list(self._kv_held.values())
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
         for timer in self._idle_timers.values():
             timer.cancel()
         self._idle_timers.clear()
@@ -171,6 +191,11 @@ class SimWorker:
         return f"http://{self.advertised_host}:{self.port}"
 
     @property
+    def engine_id(self) -> str:
+        """How a vLLM prefill names itself to its decode peer (``remote_engine_id``)."""
+        return f"sim-{self.role}-{self.advertised_host}:{self.port}"
+
+    @property
     def bootstrap_url(self) -> str:
         return f"http://{self.advertised_host}:{self.bootstrap_port}"
 
@@ -179,20 +204,50 @@ class SimWorker:
     def requests(self) -> list[SeenRequest]:
         return list(self._records)
 
+    @property
+    def calls(self) -> list[Call]:
+        return list(self._calls)
+
     def clear(self) -> None:
         self._records.clear()
+        self._calls.clear()
 
     def set_faults(self, specs) -> None:
         self.faults = parse_faults(specs)
 
     async def release_held(self) -> None:
-        """Drop every request a fault is holding (their connections close); later ones hold again."""
+        """Drop every request a fault is holding (their connections close), and every KV cache a
+        vLLM prefill keeps for a decode that has not come; later ones hold again."""
         let_go, self.let_go = self.let_go, asyncio.Event()
         let_go.set()
+        for task in list(self._kv_held.values()):
+            task.cancel()
+
+    def keep_kv_for_decode(self, room_id: int) -> None:
+        """vLLM: after answering, a prefill keeps the room's KV cache until its decode pulls it.
+        Counted in the inflight queue meanwhile; not pulled within ``bootstrap_timeout``, it is
+        a failed transfer."""
+        task = asyncio.get_running_loop().create_task(self._keep_kv(room_id))
+        self._kv_held[room_id] = task
+        task.add_done_callback(lambda _: self._kv_held.pop(room_id, None))
+
+    async def _keep_kv(self, room_id: int) -> None:
+        room, stage = self.rooms.get(room_id), self.metrics.stage()
+        stage.enter(g.PREFILL_INFLIGHT)
+        try:
+            if not await self.rooms.wait_for(room, lambda r: r.taken, self.bootstrap_timeout):
+                self.rooms.update(room, failed=room.failed or "transfer timeout")
+                self.metrics.count("sglang:num_transfer_failed_reqs")
+        except asyncio.CancelledError:
+            self.rooms.update(room, failed=room.failed or "let go")
+            raise
+        finally:
+            stage.leave()
 
     # -- the app -------------------------------------------------------------------------
     def _app(self) -> web.Application:
-        app = web.Application(middlewares=[self._idle_close_middleware])
+        app = web.Application(middlewares=[self._record_calls_middleware, self._idle_close_middleware])
+        router_calls.add_routes(app, self)
         for path in ("/health", "/health_generate"):
             app.router.add_get(path, self._health)
         for path in ("/server_info", "/get_server_info"):
@@ -291,18 +346,13 @@ class SimWorker:
 
     def _job(self, request: web.Request, body: dict, request_faults: dict) -> Job:
         path = request.path
-        room = body.get("bootstrap_room")
-        room = room if isinstance(room, int) and not isinstance(room, bool) else None
-        bootstrap = None
-        if room is not None and isinstance(body.get("bootstrap_host"), str) and isinstance(
-                body.get("bootstrap_port"), int):
-            bootstrap = (body["bootstrap_host"], body["bootstrap_port"])
-        standalone = room is None
+        pairing = pairing_of(self.role, body)
+        standalone = pairing is None
         faults = {name: fault for name, fault in {**self.faults, **request_faults}.items()
                   if applies(fault, self.role, standalone)}
         reply = Reply(path, request_rid(body), self.model, prompt_tokens(path, body))
         return Job(self, request, path, body, faults, reply, max_tokens(path, body), self.metrics.stage(),
-                   room=room, bootstrap=bootstrap)
+                   pairing=pairing)
 
     def _record(self, job: Job, received: float) -> None:
         headers: dict[str, str] = {}
@@ -322,6 +372,22 @@ class SimWorker:
             trace_id_of(headers.get("traceparent", "")) or "-", job.room if job.room is not None else "-",
             ",".join(str(f) for f in job.faults.values()) or "-", job.status, job.tokens, job.result,
             time.monotonic() - received)
+
+    # -- what else was asked ------------------------------------------------------------------
+    @web.middleware
+    async def _record_calls_middleware(self, request: web.Request, handler):
+        if request.method == "POST" and request.path in INFERENCE_PATHS:
+            return await handler(request)
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            self._calls.append(Call(request.method, request.path_qs, status))
 
     # -- idle_close --------------------------------------------------------------------------
     @web.middleware

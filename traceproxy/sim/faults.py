@@ -8,12 +8,14 @@ source of truth: the CLI help, the docs and the parser all read it.
 
 A worker has worker-wide faults (``--fault`` flags, ``POST /admin/faults``) and every
 request may add its own, which win over worker-wide faults of the same name. A
-request names its faults in the ``x-sim-fault`` header. sglang-router 0.3.2
-forwards only an allow-list of headers and re-serialises bodies into typed
-structs, so behind the router the header never arrives; what does survive is a
-top-level ``"sim_fault"`` field on ``/v1/completions`` and
-``"metadata": {"sim_fault": ...}`` on ``/v1/chat/completions``. On ``/generate``
-nothing does: use the worker-wide faults there.
+request names its faults in the ``x-sim-fault`` header. Every router (sglang-router
+0.3.2, smg 1.13, vllm-router 0.1.17) forwards only an allow-list of headers, so
+behind a router the header never arrives; what survives all three is a top-level
+``"sim_fault"`` field on ``/v1/completions`` and ``"metadata": {"sim_fault": ...}``
+on ``/v1/chat/completions``. They re-serialise bodies into typed structs, and differ
+on the rest: smg keeps a top-level ``sim_fault`` on every route, vllm-router on the
+OpenAI routes only, sglang-router 0.3.2 on ``/v1/completions`` only. Behind
+sglang-router or vllm-router, use the worker-wide faults on ``/generate``.
 
 Every fault has a *home*: the PD role whose work it disturbs. A worker applies a
 fault when it is the fault's home, or when it is a decode worker serving a

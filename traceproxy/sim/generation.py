@@ -14,6 +14,16 @@ Theory of operation
   ``max_tokens`` tokens at ``decode_tokens_per_s`` (running).
 * **decode without a room** (a worker used on its own): prefill locally, then decode.
 
+That is SGLang's PD protocol (sglang-router, smg). In vLLM's (vllm-router; see
+``pairing.py``) the router calls prefill first and decode after it answered:
+
+* **prefill** (``kv_transfer_params.do_remote_decode``): open a room, queue, prefill,
+  mark the room ready, answer at once with one token and the ``kv_transfer_params``
+  naming the room; the KV cache stays counted in the inflight queue until the decode
+  side pulls it (``SimWorker.keep_kv_for_decode``).
+* **decode** (``kv_transfer_params.do_remote_prefill``): open the SSE response, pull
+  the room's KV cache (transfer queue), decode.
+
 The job is counted in exactly one SGLang gauge at a time (``Stage``). Faults act at
 fixed points: before prefill compute (``prefill_stall``), before token number N
 (``decode_stall``, ``reset_mid_stream``), before the first token
@@ -38,6 +48,7 @@ from . import gauges as g
 from .bootstrap import fetch_kv
 from .faults import Fault
 from .gauges import Stage
+from .pairing import VLLM, Pairing, prefill_kv_params
 from .shapes import Reply, sse, token_text
 
 if TYPE_CHECKING:
@@ -57,12 +68,21 @@ class Job:
     reply: Reply
     max_tokens: int
     stage: Stage
-    room: int | None = None
-    bootstrap: tuple[str, int] | None = None  # the prefill's bootstrap host and port
+    pairing: Pairing | None = None  # None: a request served alone
     tokens: int = 0
     status: int = 200
     result: str = "ok"
     events: list[str] = field(default_factory=list)  # milestones, for the span
+
+    @property
+    def room(self) -> int | None:
+        return self.pairing.room if self.pairing is not None else None
+
+    @property
+    def bootstrap(self) -> tuple[str, int] | None:
+        """Where the prefill's rooms are (its bootstrap host and port); None when the request does
+        not say (a vLLM prefill opens a room of its own)."""
+        return self.pairing.bootstrap if self.pairing is not None else None
 
     @property
     def stream(self) -> bool:
@@ -89,6 +109,8 @@ async def serve(job: Job) -> web.StreamResponse:
 # prefill
 # ----------------------------------------------------------------------------------
 async def _serve_prefill(job: Job) -> web.StreamResponse:
+    if job.pairing is not None and job.pairing.protocol == VLLM:
+        return await _serve_vllm_prefill(job)
     rooms = job.worker.rooms
     room = rooms.get(job.room) if job.room is not None else None
     timeout = job.worker.bootstrap_timeout
@@ -115,6 +137,31 @@ async def _serve_prefill(job: Job) -> web.StreamResponse:
         await resp.write_eof()
         return resp
     return web.json_response(job.reply.complete(0))
+
+
+async def _serve_vllm_prefill(job: Job) -> web.StreamResponse:
+    """Prefill first: compute, answer with the room's ``kv_transfer_params``, keep the cache."""
+    worker = job.worker
+    worker.rooms.update(worker.rooms.get(job.room), prefill_arrived=True)
+    held = await _prefill_compute(job)
+    if held is not None:
+        return held
+    worker.rooms.update(worker.rooms.get(job.room), ready=True)
+    worker.keep_kv_for_decode(job.room)
+    _maybe_pin(job)
+    job.tokens = 1  # the one token the router asked for (max_tokens 1), which it discards
+    first = job.reply.token_event(token_text(0), 1)
+    worker.metrics.count("sglang:generation_tokens")
+    params = {"kv_transfer_params": prefill_kv_params(job.room, worker.advertised_host, worker.bootstrap_port,
+                                                      worker.engine_id, job.reply.prompt_tokens)}
+    if job.stream:
+        resp = await _open_stream(job)
+        await resp.write(sse(first))
+        await resp.write(sse({**job.reply.final_event(1), **params}))
+        await resp.write(sse("[DONE]"))
+        await resp.write_eof()
+        return resp
+    return web.json_response({**job.reply.complete(1), **params})
 
 
 async def _room_failed(job: Job, room, why: str, counter: str, message: str) -> web.StreamResponse:

@@ -1,12 +1,12 @@
-"""Start a simulated PD deployment: prefill + decode workers, the real sglang-router, a faulty proxy.
+"""Start a simulated PD deployment: prefill + decode workers, a real router, a faulty proxy.
 
 Theory of operation
 -------------------
 ``SimDeployment`` starts, on the running event loop, a prefill and a decode
-``SimWorker`` (loopback, ephemeral ports), then, when asked, the real
-``python -m sglang_router.launch_router --pd-disaggregation`` as a child process in
-its own session (``RouterProcess``), then, when asked, a ``FaultyProxy`` in front of
-the router (or of the decode worker when there is no router, or of any URL given).
+``SimWorker`` (loopback, ephemeral ports), then, when asked, a real router in PD mode
+(sglang-router, smg or vllm-router; see ``routers.py``) as a child process in its own
+session (``RouterProcess``), then, when asked, a ``FaultyProxy`` in front of the
+router (or of the decode worker when there is no router, or of any URL given).
 The router cannot bind port 0 and report it, so its ports are picked just before it
 starts (bind 0, read, release); a port given to it is checked to be free first. It
 runs offline (``HF_HUB_OFFLINE=1``; the workers' ``model_path`` is an empty
@@ -47,6 +47,7 @@ import psutil
 from .engine import SimWorker
 from .faults import split_by_home
 from .faultyproxy import FaultyProxy
+from .routers import ROUTER_NAMES, VLLM_PROTOCOL, RouterKind, default_router, installed_routers, router_kind
 from .startup import ListenerError, SimStartError, check_port_taken
 
 STARTUP_TIMEOUT = 60.0
@@ -54,15 +55,32 @@ STOP_WAIT = 5.0
 
 
 class RouterUnavailable(SimStartError):
-    """sglang_router cannot be imported in this interpreter."""
+    """The router asked for is not installed in this interpreter (or none is)."""
 
 
-def router_importable() -> bool:
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def router_importable(name: str | None = None) -> bool:
+    """Whether the router ``name`` is installed; without a name, whether any is."""
+    if name is None:
+        return bool(installed_routers())
+    return router_kind(name).installed
+
+
+def resolve_router(router: bool | str | RouterKind) -> RouterKind | None:
+    """``True``: the default router (the first installed); ``False``: none; a name: that router.
+
+    Raises ``RouterUnavailable`` when the router asked for is not installed, and
+    ``UnknownRouter`` (a ValueError) for a name that is no router."""
+    if router is False or router is None:
+        return None
+    if router is True:
+        kind = default_router()
+        if kind is None:
+            raise RouterUnavailable(f"no router is installed (pip install one of: {', '.join(ROUTER_NAMES)})")
+        return kind
+    kind = router if isinstance(router, RouterKind) else router_kind(router)
+    if not kind.installed:
+        raise RouterUnavailable(f"{kind.name} is not installed (pip install {kind.name})")
+    return kind
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,11 +91,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RouterProcess:
-    """``sglang_router.launch_router`` in PD mode, as a child in its own session."""
+    """A router (``router``: a name or ``RouterKind``; True for the default one) in PD mode,
+    as a child in its own session."""
 
     def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, workdir: str, *,
-                 host: str = "127.0.0.1", port: int = 0, request_timeout: float = 60.0, log_level: str = "warn",
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 router: bool | str | RouterKind = True, host: str = "127.0.0.1", port: int = 0,
+                 request_timeout: float = 60.0, log_level: str = "warning", extra_args: tuple[str, ...] = ()) -> None:
+        self.kind = resolve_router(router) if router else None
+        if self.kind is None:
+            raise ValueError("a RouterProcess needs a router")
+        self.kind.log_level(log_level)  # a bad level is an error here, not a router that never starts
         self.prefill_url, self.bootstrap_port, self.decode_url = prefill_url, bootstrap_port, decode_url
         self.workdir, self.host = workdir, host
         self.port = port or free_port(host)
@@ -91,25 +114,20 @@ class RouterProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def name(self) -> str:
+        return self.kind.name
+
     def command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--host", self.host, "--port", str(self.port),
-            "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
-            "--pd-disaggregation",
-            "--prefill", self.prefill_url, str(self.bootstrap_port),
-            "--decode", self.decode_url,
-            "--log-level", self.log_level,
-            # The workers are up first: these only bound how long a broken setup takes to fail.
-            "--worker-startup-timeout-secs", "30", "--worker-startup-check-interval", "1",
-            "--request-timeout-secs", str(max(1, int(self.request_timeout))),
-            "--shutdown-grace-period-secs", "1",
-            *self.extra_args,
-        ]
+        return self.kind.command(sys.executable, host=self.host, port=self.port,
+                                 prometheus_port=self.prometheus_port, prefill_url=self.prefill_url,
+                                 bootstrap_port=self.bootstrap_port, decode_url=self.decode_url,
+                                 log_level=self.log_level, request_timeout=self.request_timeout,
+                                 extra_args=self.extra_args)
 
     async def start(self, timeout: float = STARTUP_TIMEOUT) -> "RouterProcess":
-        if not router_importable():
-            raise RouterUnavailable("sglang_router is not importable (pip install sglang-router)")
+        if not self.kind.installed:
+            raise RouterUnavailable(f"{self.name} is not installed (pip install {self.name})")
         check_port_taken("router", self.host, self.port)
         t0 = time.monotonic()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1")
@@ -143,13 +161,13 @@ class RouterProcess:
                     if status == 200 and self._holds_port():
                         return
                     last = (f"HTTP {status}: {text[:200]!r}" if status != 200 else
-                            f"port {self.port} answers, but not from the sglang-router started here")
+                            f"port {self.port} answers, but not from the {self.name} started here")
                 except asyncio.TimeoutError:
                     last = f"no answer within {min(10.0, remaining):g} s"
                 except aiohttp.ClientError as exc:
                     last = str(exc) or type(exc).__name__
                 await asyncio.sleep(0.1)
-        raise SimStartError(f"sglang-router at {self.url} was not ready within {timeout:g} s"
+        raise SimStartError(f"{self.name} at {self.url} was not ready within {timeout:g} s"
                             f" (a warm-up /generate through it to both workers; last: {last})", self.log_tail())
 
     async def _warm_up(self, session: aiohttp.ClientSession, remaining: float) -> tuple[int, bytes]:
@@ -182,7 +200,7 @@ class RouterProcess:
             exc.detail = self.log_tail()
             return exc
         last_line = next((line for line in reversed(self.log_tail().splitlines()) if line.strip()), "no output")
-        return SimStartError(f"sglang-router exited with status {self.proc.returncode} before it was ready:"
+        return SimStartError(f"{self.name} exited with status {self.proc.returncode} before it was ready:"
                              f" {last_line[:300]}", self.log_tail())
 
     async def stop(self) -> None:
@@ -227,22 +245,26 @@ async def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
 class SimDeployment:
     """``async with SimDeployment(router=True, faults=(), faulty_proxy=False) as dep: ...``
 
+    ``router``: True for the default router (the first installed of ``routers.ROUTERS``),
+    a router's name (``"sglang-router"``, ``"smg"``, ``"vllm-router"``), or False for
+    none; a router that is not installed is ``RouterUnavailable`` from ``start()``.
     ``faults`` (specs like ``"decode_stall:3"``) go to the worker each fault disturbs
     (its home role, see ``faults.py``), armed once the router is ready.
     ``faulty_proxy_upstream`` (a URL, implies ``faulty_proxy``) puts the faulty proxy
     in front of that URL instead of the router: e.g. a traceproxy in front of this
     router, so that the harness, not traceproxy's pool, meets the hang. Attributes
     once started: ``prefill``, ``decode`` (``SimWorker``), ``router``
-    (``RouterProcess`` or None), ``router_url``, ``faulty_proxy`` and
+    (``RouterProcess`` or None), ``router_kind`` (its ``RouterKind``: name, version,
+    PD protocol; None without a router), ``router_url``, ``faulty_proxy`` and
     ``faulty_proxy_url`` (None when not asked for), ``faulty_proxy_target`` (what
     the faulty proxy stands in front of: ``(name, URL)``).
     """
 
-    def __init__(self, router: bool = True, faults=(), faulty_proxy: bool = False, *, host: str = "127.0.0.1",
+    def __init__(self, router: bool | str = True, faults=(), faulty_proxy: bool = False, *, host: str = "127.0.0.1",
                  prefill_port: int = 0, decode_port: int = 0, router_port: int = 0, bootstrap_port: int = 0,
                  hang_after: int | tuple[int, int] = (1, 3), seed: int | None = None, model: str = "sim-llama",
                  prefill_tokens_per_s: float = 8000.0, decode_tokens_per_s: float = 100.0,
-                 otlp_endpoint: str | None = None, router_args: tuple[str, ...] = (), router_log_level: str = "warn",
+                 otlp_endpoint: str | None = None, router_args: tuple[str, ...] = (), router_log_level: str = "warning",
                  request_timeout: float = 60.0, startup_timeout: float = STARTUP_TIMEOUT,
                  faulty_proxy_upstream: str | None = None) -> None:
         self.want_router, self.want_faulty_proxy = router, faulty_proxy or faulty_proxy_upstream is not None
@@ -259,6 +281,8 @@ class SimDeployment:
                                  bootstrap_port=bootstrap_port, **common)
         self.decode = SimWorker("decode", port=decode_port, default_faults=by_home["decode"], **common)
         self.router: RouterProcess | None = None
+        self.router_kind: RouterKind | None = None
+        self.startup_calls: list = []  # what the router asked the workers while it started (engine.Call)
         self.faulty_proxy: FaultyProxy | None = None
         self.faulty_proxy_target: tuple[str, str] | None = None
 
@@ -281,8 +305,7 @@ class SimDeployment:
         return out
 
     async def start(self) -> "SimDeployment":
-        if self.want_router and not router_importable():
-            raise RouterUnavailable("sglang_router is not importable (pip install sglang-router)")
+        self.router_kind = resolve_router(self.want_router) if self.want_router else None
         self.workdir = tempfile.mkdtemp(prefix="traceproxy-sim-")
         model_path = os.path.join(self.workdir, "model")  # exists, holds no tokenizer
         os.mkdir(model_path)
@@ -290,7 +313,7 @@ class SimDeployment:
             for worker in (self.prefill, self.decode):
                 worker.model_path = model_path
                 await worker.start()
-            if self.want_router:
+            if self.router_kind is not None:
                 await self._start_router()
             if self.want_faulty_proxy:
                 await self._start_faulty_proxy()
@@ -301,7 +324,7 @@ class SimDeployment:
 
     async def _start_router(self) -> None:
         self.router = RouterProcess(self.prefill.url, self.prefill.bootstrap_port, self.decode.url,
-                                    self.workdir, host=self.host, port=self.router_port,
+                                    self.workdir, router=self.router_kind, host=self.host, port=self.router_port,
                                     request_timeout=self.request_timeout, log_level=self.router_log_level,
                                     extra_args=self.router_args)
         # The router's registration calls and its warm-up /generate are this deployment's
@@ -315,6 +338,7 @@ class SimDeployment:
         finally:
             for worker, faults in armed:
                 worker.faults = faults
+        self.startup_calls = self.prefill.calls + self.decode.calls
         self.prefill.clear()
         self.decode.clear()
 
@@ -330,6 +354,13 @@ class SimDeployment:
             self.faulty_proxy = await proxy.start()
         except OSError as exc:
             raise ListenerError("faulty-proxy", self.host, proxy.port, exc) from None
+
+    def describe_router(self) -> str:
+        """One line: which router runs where, and the PD protocol it speaks to the workers."""
+        kind = self.router_kind
+        pairing = ("prefill, then decode, paired by kv_transfer_params" if kind.protocol == VLLM_PROTOCOL
+                   else "prefill and decode at once, paired by bootstrap_room")
+        return f"router {kind.name} {kind.version} at {self.router_url}: {pairing}"
 
     def describe_faulty_proxy(self) -> str:
         """One line: where the faulty proxy listens, what it stands in front of, when it hangs."""
@@ -377,12 +408,14 @@ async def _until_signalled() -> None:
 
 
 async def run_deployment(deployment: SimDeployment) -> int:
-    """Start, print one ``NAME URL`` line per listener on stdout (and, on stderr, what the
-    faulty proxy stands in front of), run until signalled. A failed start raises
-    ``SimStartError``."""
+    """Start, print one ``NAME URL`` line per listener on stdout (and, on stderr, which
+    router runs and what the faulty proxy stands in front of), run until signalled. A
+    failed start raises ``SimStartError``."""
     async with deployment:
         for name, url in deployment.urls():
             print(f"{name} {url}", flush=True)
+        if deployment.router is not None:
+            print(deployment.describe_router(), file=sys.stderr, flush=True)
         if deployment.faulty_proxy is not None:
             print(deployment.describe_faulty_proxy(), file=sys.stderr, flush=True)
         await _until_signalled()

@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import zlib
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKENS_CAP = 4096  # bounds every generation loop
+VOCABULARY = 32000  # token ids are below this
 _WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".", " It", " was",
           " a", " bright", " cold", " day", " in", " April", ",", " and", " the", " clocks", " struck", " thirteen")
 
@@ -45,6 +47,22 @@ def prompt_tokens(path: str, body: dict) -> int:
         return max(1, len(body["input_ids"]))
     text = body.get("text") if path == "/generate" else body.get("prompt")
     return estimate_tokens(text if isinstance(text, str) else json.dumps(text or ""))
+
+
+def prompt_text(path: str, body: dict) -> str:
+    """The prompt as one text: chat messages one a line (``role: content``), else the prompt."""
+    if path == "/v1/chat/completions":
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        return "\n".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}" for m in messages
+                         if isinstance(m, dict))
+    text = body.get("text") if path == "/generate" else body.get("prompt")
+    return text if isinstance(text, str) else json.dumps(text or "")
+
+
+def prompt_token_ids(text: str) -> list[int]:
+    """Token ids for ``text``, four characters a token as ``estimate_tokens`` counts: the same
+    text always gives the same ids, and a shared prefix the same leading ids."""
+    return [zlib.crc32(text[i:i + 4].encode()) % VOCABULARY for i in range(0, len(text), 4)] or [0]
 
 
 def _content_text(content: object) -> str:
