@@ -57,9 +57,10 @@ from . import headers as H
 from . import sockets
 from .context import ServerContext
 from .endings import Ending
-from .forward import Exchange, RequestHead
+from .forward import Exchange
 from .linger import LINGER_MAX_BYTES, LINGER_SECONDS
 from .local_reply import body_size, error_response
+from .request_head import RequestHead
 from .timer import Timer
 
 log = logging.getLogger("traceproxy.downstream")

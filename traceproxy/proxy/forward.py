@@ -22,94 +22,71 @@ Hazards
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 from ..lifecycle.deadlines import client_took_more, expiry, next_deadline
 from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK, Mark
-from ..lifecycle.timeline import Attempt, RequestRecord
+from ..lifecycle.timeline import RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
 from .endings import Ending, close_reason, judge_clean_ending, last_event_is_done, lost_connection, where
 from .linger import drainable
 from .local_reply import body_size, error_response
+from .request_head import RequestHead, upstream_head
 from .timer import Timer
+from .upload import Upload, keep_body_evidence
 
 if TYPE_CHECKING:
     from .context import ServerContext
     from .sides import ClientSide, UpstreamSide
 
-# Request bytes held while no upstream connection is ready yet; past this the
-# client is paused rather than buffered.
-PENDING_HIGH_WATER = 256 * 1024
-# The start of the request body kept for span attributes (model, stream, max_tokens).
-BODY_HEAD_BYTES = 8192
 # How long the upstream's last bytes are waited for after the client left at the
 # stream's end (see Exchange.client_sent_fin), before its connection is closed instead.
 UPSTREAM_TAIL_SECONDS = 0.5  # the engine must see the close within a second of the client leaving
 
 
-class RequestHead:
-    __slots__ = ("method", "target", "parts", "framing", "http11", "keep_alive", "expect_continue", "generated_id")
-
-    def __init__(self, method, target, parts, http11, keep_alive, expect_continue, generated_id=False):
-        self.method: str = method
-        self.target: bytes = target
-        self.parts: H.RequestParts = parts
-        self.framing: H.RequestFraming = parts.framing
-        self.http11: bool = http11
-        self.keep_alive: bool = keep_alive
-        self.expect_continue: bool = expect_continue
-        self.generated_id: bool = generated_id  # the request id is ours: send it upstream
-
-
 class Exchange:
     # Slots: one Exchange is built per request, and every phase reads its fields.
     __slots__ = (
-        "ctx", "client", "record", "head", "upstream", "awaiting_connection", "pending", "pending_size", "sent_log",
-        "sent_size", "request_complete", "response_started", "response_framing", "keep_client_alive",
-        "_awaiting_client_drain", "finished", "_client_out", "_upstream_paused_by_client", "_started_ns", "_expects_body", "_rewrite", "_upstream_out", "_declared_length", "_sse",
-        "_mark_observers", "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
+        "ctx", "client", "record", "head", "finished", "request_complete", "keep_client_alive", "_started_ns",
+        "_expects_body", "_mark_observers",
+        "upstream", "awaiting_connection", "upload", "_upstream_paused_by_client",
+        "response_started", "response_framing", "_declared_length", "_sse", "_client_out", "_awaiting_client_drain",
+        "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
     )
 
     def __init__(self, ctx: "ServerContext", client: "ClientSide", record: RequestRecord, head: RequestHead):
+        # The request: one per exchange.
         self.ctx = ctx
         self.client = client
         self.record = record
         record.owner = self
         self.head = head
-        self.upstream: UpstreamSide | None = None
-        self.awaiting_connection = False  # asked the pool, not answered yet (see sides.ConnectionWaiter)
-        # Body bytes for the upstream not yet written (no connection yet), and bytes
-        # written on the current attempt (kept for one resend; None once too big).
-        # The head is built per attempt, when a connection is ready: each attempt
-        # sends its own CLIENT span as the traceparent parent.
-        self.pending: list[bytes] = []
-        self.pending_size = 0
-        self.sent_log: list[bytes] | None = [] if ctx.retry_buffer_bytes else None  # 0: never resend
-        self.sent_size = 0
-        self.request_complete = False
-        self.response_started = False
-        self.response_framing = H.ResponseFraming.NONE
-        self.keep_client_alive = head.keep_alive
-        self._awaiting_client_drain = False  # the response is complete; the client has not taken it all
         self.finished = False
-        self._client_out: list[bytes] = []
-        self._upstream_paused_by_client = False
+        self.request_complete = False
+        self.keep_client_alive = head.keep_alive
         self._started_ns = 0
         self._expects_body = head.framing.has_body
-        # With rid injection the body is held until complete, then rewritten, and
-        # only then is an upstream connection taken (its length goes in the head).
-        self._rewrite: list[bytes] | None = (
-            [] if ctx.inject_rid and wants_rid(head.method, head.target, head.framing.content_length) else None
-        )
-        self._upstream_out: list[bytes] = []
+        self._mark_observers = ctx.fanout.mark_observers  # the list itself: observers added later count
+        # The upstream side, per attempt: the connection, the pool's answer awaited, and
+        # what is owed to it (kept for one resend, see upload.py). With rid injection
+        # the body is held until complete, then rewritten, and only then is a
+        # connection taken (its length goes in the head).
+        self.upstream: UpstreamSide | None = None
+        self.awaiting_connection = False  # asked the pool, not answered yet (see sides.ConnectionWaiter)
+        self.upload = Upload(ctx.retry_buffer_bytes,
+                             ctx.inject_rid and wants_rid(head.method, head.target, head.framing.content_length))
+        self._upstream_paused_by_client = False
+        # The response, from its head on.
+        self.response_started = False
+        self.response_framing = H.ResponseFraming.NONE
         self._declared_length: int | None = None  # Content-Length we promised the client
         self._sse = False
-        self._mark_observers = ctx.fanout.mark_observers  # the list itself: observers added later count
+        self._client_out: list[bytes] = []  # what one upstream read produced for the client
+        self._awaiting_client_drain = False  # the response is complete; the client has not taken it all
         # While the client's connection is full: how much of the response it had taken
         # (acknowledged), and when that last grew (see timeouts.client_send).
         self._client_taken = 0
@@ -119,16 +96,14 @@ class Exchange:
         self._client_gone = False
         self._tail_timer: Timer | None = None
 
-    # ---------------------------------------------------------------------------
-    # Phase: awaiting an upstream connection
-    # ---------------------------------------------------------------------------
+    # -- phase: awaiting an upstream connection -----------------------------------
     def start(self) -> None:
         self._started_ns = now = time.monotonic_ns()
         # On a keep-alive connection the timer is usually armed already, due before
         # any deadline of this request can be: it re-aims when it fires.
         if not self.client.exchange_timer_due_within(self.ctx.first_request_deadline_ns):
             self._aim_timer(now)
-        if self._rewrite is None or self.request_complete:
+        if self.upload.rewrite is None or self.request_complete:
             self._acquire(fresh=False)
 
     def _acquire(self, fresh: bool) -> None:
@@ -155,10 +130,10 @@ class Exchange:
         self._stamp(now, MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE)
         self.upstream = conn
         conn.begin_response(self, head_only=self.head.method == "HEAD")
-        self._upstream_out.append(self._upstream_head(attempt))
-        data, self.pending, self.pending_size = self.pending, [], 0
-        if data:
-            self._send_upstream(b"".join(data))
+        upload = self.upload
+        upload.out.append(upstream_head(self.ctx, self.head, self.record, attempt, self.client.forwarding))
+        if upload.held:
+            self._send_upstream(upload.release_held())
         elif not self.client.feeding:
             self.flush_upstream()
         if self.request_complete:
@@ -167,45 +142,26 @@ class Exchange:
         if conn.write_paused:  # still full of the request before (a resend, an early answer)
             self.upstream_write_paused()
 
-    def _upstream_head(self, attempt: Attempt) -> bytes:
-        record, head = self.record, self.head
-        extra = b"traceparent: %s\r\n" % tc.format_traceparent(record.trace_id, attempt.span_id, record.sampled)
-        if record.tracestate:
-            extra += b"tracestate: %s\r\n" % record.tracestate
-        if head.generated_id:
-            extra += b"%s: %s\r\n" % (self.ctx.request_id_header, record.request_id.encode("latin-1"))
-        return H.upstream_request_head(head.method, head.target, head.parts, self.client.forwarding, extra)
-
     def connection_failed(self, error: str) -> None:
         self.awaiting_connection = False
-        if not self.finished:
-            self.end(Ending.FAILED, Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
+        self.end(Ending.FAILED, Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
 
-    # ---------------------------------------------------------------------------
-    # Phase: the request body (client -> upstream)
-    # ---------------------------------------------------------------------------
+    # -- phase: the request body (client -> upstream) ------------------------------
     def request_body(self, data: bytes) -> None:
         if self.finished:
             return
         record = self.record
         record.downstream_rx_body_bytes += len(data)
         record.last_downstream_rx_ns = time.monotonic_ns()
-        room = BODY_HEAD_BYTES - len(record.request_body_head)
-        if room > 0:
-            record.request_body_head += data[:room]
-        if len(data) > room and self.ctx.fanout.request_body_tail_bytes:
-            # Past the head: the top-level fields an SDK writes after a long messages
-            # list (model, stream, max_tokens) are near the end.
-            keep = self.ctx.fanout.request_body_tail_bytes
-            record.request_body_tail = (record.request_body_tail + data[-keep:])[-keep:]
-        if self._rewrite is not None:
-            self._rewrite.append(data)
+        keep_body_evidence(record, data, self.ctx.fanout.request_body_tail_bytes)
+        if self.upload.rewrite is not None:
+            self.upload.rewrite.append(data)
             return
         framed = H.chunk(data) if self.head.framing.chunked else data
         if self.upstream is not None:
             self._send_upstream(framed)
         else:
-            self._queue_upstream(framed)
+            self._hold(framed)
 
     def request_done(self) -> None:
         if self.finished:
@@ -219,7 +175,7 @@ class Exchange:
         self.request_complete = True
         if self.ctx.header_timeout_shorter:
             self._aim_at_the_header_timeout(now)
-        if self._rewrite is not None:
+        if self.upload.rewrite is not None:
             self._send_rewritten_body()
             return
         tail = H.LAST_CHUNK if self.head.framing.chunked else b""
@@ -228,7 +184,7 @@ class Exchange:
                 self._send_upstream(tail)
             self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         elif tail:
-            self._queue_upstream(tail)
+            self._hold(tail)
 
     def _aim_at_the_header_timeout(self, now: int) -> None:
         """The header timeout applies from here (the body is no longer the client's to
@@ -241,42 +197,29 @@ class Exchange:
             self._aim_timer(now)
 
     def _send_rewritten_body(self) -> None:
-        body = inject_rid(b"".join(self._rewrite), self.record.request_id)
-        self._rewrite = None
-        parts = self.head.parts
-        self.head.parts = dataclasses.replace(parts, framing=H.RequestFraming(False, len(body)))
-        self.head.framing = self.head.parts.framing
-        self._queue_upstream(body)
+        upload = self.upload
+        body = inject_rid(b"".join(upload.rewrite), self.record.request_id)
+        upload.rewrite = None
+        self.head.with_length(len(body))
+        self._hold(body)
         if self._started_ns:
             self._acquire(fresh=False)
 
-    def _queue_upstream(self, data: bytes) -> None:
-        self.pending.append(data)
-        self.pending_size += len(data)
-        if self.pending_size > PENDING_HIGH_WATER:
+    def _hold(self, data: bytes) -> None:
+        if self.upload.hold(data):
             self.client.pause_reading("pending")
             self._aim_at_the_header_timeout(time.monotonic_ns())
 
     def _send_upstream(self, data: bytes) -> None:
-        if not data:
-            return
-        self.sent_size += len(data)
-        log = self.sent_log
-        if log is not None:
-            if self.sent_size <= self.ctx.retry_buffer_bytes:
-                log.append(data)
-            else:
-                self.sent_log = None
-        self._upstream_out.append(data)
-        if not self.client.feeding:
-            self.flush_upstream()
+        if data:
+            self.upload.send(data)
+            if not self.client.feeding:
+                self.flush_upstream()
 
     def flush_upstream(self) -> None:
         """Write what one client read produced in one call (head and body together)."""
-        out = self._upstream_out
-        if out and self.upstream is not None:
-            self._upstream_out = []
-            self.upstream.send(out[0] if len(out) == 1 else b"".join(out))
+        if self.upload.out and self.upstream is not None:
+            self.upstream.send(self.upload.take())
 
     def upstream_write_paused(self) -> None:
         self.record.upstream_paused_since_ns = now = time.monotonic_ns()
@@ -288,12 +231,10 @@ class Exchange:
         self.record.upstream_resumed_ns = time.monotonic_ns()
         self.client.resume_reading("upstream")
 
-    # ---------------------------------------------------------------------------
-    # Phase: the response head
-    # ---------------------------------------------------------------------------
+    # -- phase: the response head ----------------------------------------------
     def upstream_first_byte(self) -> None:
         self._stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, time.monotonic_ns())
-        self.sent_log = None  # the upstream answered: this request is never resent
+        self.upload.answered()
 
     def upstream_response_head(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
         if self.finished:
@@ -303,7 +244,7 @@ class Exchange:
         self._stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, now)
         self._stamp(now, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE)
         record.status = record.attempts[-1].status = status
-        self.sent_log = None
+        self.upload.answered()
         framing, length = H.response_framing(status, self.head.method, parts, self.head.http11)
         self.response_framing = framing
         if framing == H.ResponseFraming.LENGTH and length.isdigit():
@@ -326,9 +267,7 @@ class Exchange:
         if upstream_read_ns and not self.client.exchange_timer_due_within(upstream_read_ns):
             self._aim_timer(now)
 
-    # ---------------------------------------------------------------------------
-    # Phase: the response body (upstream -> client)
-    # ---------------------------------------------------------------------------
+    # -- phase: the response body (upstream -> client) -------------------------
     def upstream_response_body(self, data: bytes) -> None:
         if self.finished or self._client_gone:  # read to reuse the connection, not forwarded
             return
@@ -380,9 +319,7 @@ class Exchange:
         if self._awaiting_client_drain:
             self.end(Ending.COMPLETE)
 
-    # ---------------------------------------------------------------------------
-    # The response complete
-    # ---------------------------------------------------------------------------
+    # -- the response complete -------------------------------------------------
     def upstream_response_complete(self, reusable: bool) -> None:
         if self.finished:
             return
@@ -417,9 +354,7 @@ class Exchange:
         self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         self.ctx.pool.discard(conn, why, reset=reset)
 
-    # ---------------------------------------------------------------------------
-    # What ends it from either side
-    # ---------------------------------------------------------------------------
+    # -- what ends it from either side -----------------------------------------
     def upstream_lost(self, exc: BaseException | None, bytes_received: int) -> None:
         if self.finished:
             return
@@ -430,7 +365,7 @@ class Exchange:
         self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         attempt = self.record.attempt
         outcome, detail = lost_connection(
-            attempt, bytes_received, self.sent_log is not None, self.sent_size, self.ctx.retry_buffer_bytes,
+            attempt, bytes_received, self.upload.sent_log is not None, self.upload.sent_size, self.ctx.retry_buffer_bytes,
             where(self.ctx.upstream_authority, attempt), close_reason(exc))
         if outcome is None:
             self._resend_on_fresh_connection(detail)
@@ -446,10 +381,7 @@ class Exchange:
         # The dead connection's write pause dies with it: the fresh one starts unpaused.
         if self.record.upstream_paused_since_ns is not None:
             self.upstream_write_resumed()
-        # Everything the dead connection was given goes again, first, and once.
-        self.pending = self.sent_log + self.pending
-        self.pending_size = sum(len(b) for b in self.pending)
-        self.sent_log, self.sent_size, self._upstream_out = [], 0, []
+        self.upload.resend()
         self._acquire(fresh=True)
 
     def upstream_protocol_error(self, detail: str) -> None:
@@ -485,9 +417,7 @@ class Exchange:
         """The watchdog's abort (see lifecycle.timeline.RequestOwner)."""
         self.end(Ending.FAILED, outcome, message, status)
 
-    # ---------------------------------------------------------------------------
-    # The end: one way out, the reason as data (see endings.Ending)
-    # ---------------------------------------------------------------------------
+    # -- the end: one way out, the reason as data (see endings.Ending) ---------
     def end(self, ending: Ending, outcome: Outcome = Flag.OK, detail: str | None = None,
             status: int | None = None) -> None:
         """End the exchange, once: the reason says what the client is sent and what
@@ -518,7 +448,7 @@ class Exchange:
         if self._tail_timer is not None:
             self._tail_timer.cancel()
             self.ctx.tail_waits.discard(self)
-        self._upstream_out.clear()
+        self.upload.out.clear()
         self.ctx.end_request(self.record, outcome, detail)
         if ending.hands_back:
             self.client.exchange_finished(self, self.keep_client_alive, drain)
@@ -567,13 +497,11 @@ class Exchange:
         self._stamp(now, MARK.LAST_DOWNSTREAM_TX_BYTE)
         return drain
 
-    # ---------------------------------------------------------------------------
-    # Deadlines: one timer, aimed at the nearest deadline and re-aimed when it fires,
-    # instead of being reset on every chunk. The handle belongs to the client
-    # connection and outlives the exchange: the next request on a keep-alive
-    # connection adopts it (its deadlines are later, so the old handle fires first
-    # and re-aims), instead of every request creating and cancelling a timer.
-    # ---------------------------------------------------------------------------
+    # -- deadlines ------------------------------------------------------------------
+    # One timer, aimed at the nearest deadline and re-aimed when it fires, never reset
+    # per chunk. It is the client connection's and outlives the exchange: the next
+    # request on a keep-alive connection adopts it (its deadlines are later, so the
+    # old one fires first and this re-aims it), instead of creating and cancelling one.
     def _next_deadline(self, now: int) -> tuple[int, Outcome] | None:
         """(deadline ns, outcome) of the limit that expires first (see lifecycle.deadlines)."""
         record = self.record
@@ -616,7 +544,7 @@ class Exchange:
             self.keep_client_alive = False
         self.end(Ending.FAILED, passed.outcome, passed.detail)
 
-    # ---------------------------------------------------------------------------
+    # -- marks ----------------------------------------------------------------------
     def _stamp(self, now: int, *marks: Mark) -> None:
         """Stamp one or more marks at ``now`` (edges crossed in the same moment go together)."""
         record = self.record
