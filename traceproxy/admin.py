@@ -1,4 +1,14 @@
-"""The read-only admin listener: ``GET /healthz``, ``GET /debug/inflight``, ``GET /metrics``."""
+"""The read-only admin listener: ``GET /healthz``, ``GET /debug/inflight``, ``GET /metrics``.
+
+One view of the service, however many workers serve it. ``ServiceAdmin`` asks its
+source for the workers' answers (``workers.LocalSource``: this process, the only
+worker; ``workers.WorkerLinks``: every worker of the service, from the parent, each
+within a deadline) and merges them: counters and histograms summed, gauges that
+count things summed, in-flight requests in one list, oldest first. A worker that
+did not answer in time is named in the answer (``workers``, ``answered: false``)
+and counted (``traceproxy_worker_answers_late_total``); the answer is then partial
+or its counters that worker's last, never a number that goes backwards.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +20,9 @@ import time
 from aiohttp import web
 
 from . import __version__
-from .lifecycle.stall import StallThresholds
-from .observe.inflight import engines_view, inflight_view
-from .observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .proxy.context import ServerContext
+from .observe.exposition import Exposition, wants_openmetrics
+from .observe.inflight import engines_view
+from .observe.service_metrics import merge, render
 
 
 def _dumps(value) -> str:
@@ -32,45 +41,87 @@ def _finite(value):
     return value
 
 
-def build_admin_app(ctx: ServerContext, started_ns: int, watchdog=None, metrics=None,
-                    engines=None, prober=None) -> web.Application:
-    """``metrics`` is a ``ProxyMetrics``; without one there is no ``/metrics`` route.
-    ``engines`` is an ``EngineScraper`` or None (then ``/debug/inflight`` is as before).
-    ``prober`` is a ``StallProber`` or None; with one, in-flight entries get ``probe``."""
+SUMMED_HEALTH = ("client_connections", "requests_in_flight", "upstream_connections_open",
+                 "upstream_connections_idle")
 
+
+class ServiceAdmin:
+    """The three answers, from ``source`` (see the module doc). ``engines``: the
+    service's ``EngineScraper`` or None; ``stopping``: a callable saying the service
+    was asked to stop (a worker's own draining says so too)."""
+
+    def __init__(self, source, settings, started_ns: int, engines=None, stopping=lambda: False) -> None:
+        self.source, self.settings, self.engines = source, settings, engines
+        self.started_ns = started_ns
+        self.stopping = stopping
+        # Counting began when the service started: the _created of every OpenMetrics counter.
+        self.created_s = round((time.time_ns() - time.monotonic_ns() + started_ns) / 1e9, 3)
+
+    async def health(self) -> tuple[dict, int]:
+        answers = await self.source.ask("health")
+        return self._health(answers.answered, answers.missing)
+
+    def _health(self, answered: dict, missing: list[int]) -> tuple[dict, int]:
+        healths = list(answered.values())
+        draining = self.stopping() or any(h["status"] == "draining" for h in healths)
+        learned = [h["upstream_keepalive_timeout_s"] for h in healths if h["upstream_keepalive_timeout_s"] is not None]
+        body = {
+            "status": "draining" if draining else "ok",
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round((time.monotonic_ns() - self.started_ns) / 1e9, 3),
+            "upstream": str(self.settings.upstream),
+            **{key: sum(h[key] for h in healths) for key in SUMMED_HEALTH},
+            "upstream_keepalive_timeout_s": min(learned) if learned else None,
+            "upstream_keepalive_misaligned": any(h["upstream_keepalive_misaligned"] for h in healths),
+            "pool_idle_timeout_s": self.settings.pool.idle_timeout,
+            "client_keepalive_timeout_s": self.settings.timeouts.client_keepalive,
+            "workers": self._workers(answered, missing, lambda h: h),
+            "workers_answering": len(answered),
+        }
+        return body, 503 if draining else 200
+
+    def _workers(self, answered: dict, missing: list[int], fields) -> list[dict]:
+        return [{"pid": pid, "answered": True, **fields(answered[pid])} if pid in answered
+                else {"pid": pid, "answered": False} for pid in self.source.workers]
+
+    async def inflight(self) -> dict:
+        answers = await self.source.ask("inflight")
+        answered = answers.answered
+        pairs = [pair for answer in answered.values() for pair in answer["entries"]]
+        pairs.sort(key=lambda pair: pair[0])  # oldest first: the earliest first byte, whichever worker
+        requests = [entry for _, entry in pairs]
+        health, _ = self._health({pid: answer["health"] for pid, answer in answered.items()}, answers.missing)
+        at_engines = None if answers.missing else sum(answer["at_engines"] for answer in answered.values())
+        return {"pid": os.getpid(), "count": len(requests), "requests": requests,
+                "workers": self._workers(answered, answers.missing, lambda a: {"count": len(a["entries"])}),
+                "workers_answering": len(answered), "health": health,
+                **engines_view(self.engines, time.monotonic_ns(), requests, at_engines)}
+
+    async def metrics(self, openmetrics: bool = False) -> Exposition:
+        answers = await self.source.ask("numbers")
+        late = [self.source.last_numbers(pid) for pid in answers.missing]
+        service = merge(list(answers.answered.values()), [numbers for numbers in late if numbers is not None])
+        out = Exposition(openmetrics, created=self.created_s)
+        render(out, service, self.engines, {"count": len(self.source.workers), "answering": len(answers.answered),
+                                            "late_total": self.source.late_total})
+        return out
+
+
+def build_admin_app(admin: ServiceAdmin) -> web.Application:
     async def healthz(_request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "status": "draining" if ctx.shutting_down else "ok",
-                "version": __version__,
-                "pid": os.getpid(),
-                "uptime_s": round((time.monotonic_ns() - started_ns) / 1e9, 3),
-                "upstream": str(ctx.settings.upstream),
-                "client_connections": len(ctx.connections),
-                "requests_in_flight": len(ctx.in_flight),
-                "upstream_connections_open": ctx.pool.open_count,
-                "upstream_connections_idle": len(ctx.pool.idle),
-                "upstream_keepalive_timeout_s": ctx.pool.keepalive.learned,
-                "upstream_keepalive_misaligned": ctx.pool.keepalive.misaligned,
-                "pool_idle_timeout_s": ctx.settings.pool.idle_timeout,
-                "client_keepalive_timeout_s": ctx.settings.timeouts.client_keepalive,
-            },
-            status=503 if ctx.shutting_down else 200,
-        )
+        body, status = await admin.health()
+        return web.json_response(body, status=status, dumps=_dumps)
 
     async def inflight(_request: web.Request) -> web.Response:
-        now = time.monotonic_ns()
-        thresholds = watchdog.thresholds if watchdog is not None else StallThresholds()
-        requests = inflight_view(list(ctx.in_flight.values()), now, thresholds, engines, prober)
-        return web.json_response({"pid": os.getpid(), "count": len(requests), "requests": requests,
-                                  **engines_view(engines, now, requests)}, dumps=_dumps)
+        return web.json_response(await admin.inflight(), dumps=_dumps)
 
-    async def prometheus(_request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render().encode("utf-8"), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    async def prometheus(request: web.Request) -> web.Response:
+        out = await admin.metrics(wants_openmetrics(request.headers.get("Accept")))
+        return web.Response(body=out.text().encode("utf-8"), headers={"Content-Type": out.content_type})
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/debug/inflight", inflight)
-    if metrics is not None:
-        app.router.add_get("/metrics", prometheus)
+    app.router.add_get("/metrics", prometheus)
     return app

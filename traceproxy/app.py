@@ -21,7 +21,7 @@ import traceback
 
 from aiohttp import web
 
-from .admin import build_admin_app
+from .admin import ServiceAdmin, build_admin_app
 from .allocator import tune_allocator
 from .config import ConfigError, HostPort, Settings, check_appendable, check_http_endpoint, named_setting
 from .destinations import access_log_destination, admin_url, spans_destination
@@ -29,8 +29,10 @@ from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
 from .observe.metrics import ProxyMetrics
 from .observe.watchdog import StallLog, Watchdog
+from .observe.worker_view import WorkerView
 from .proxy.context import DESCRIPTORS_RESERVED, ServerContext, descriptors_needed
 from .proxy.downstream import ClientConnection
+from .workers import LocalSource
 
 log = logging.getLogger("traceproxy")
 
@@ -128,16 +130,22 @@ def _resource_attributes(raw: str) -> dict[str, str]:
 
 
 class ProxyServer:
-    def __init__(self, settings: Settings, fanout: Fanout | None = None) -> None:
+    """One process's proxy. ``link`` (a ``workers.WorkerLink``): this process is one
+    worker of several, answering the service's parent instead of serving an admin
+    listener, and reading the engines through the readings the parent sends."""
+
+    def __init__(self, settings: Settings, fanout: Fanout | None = None, link=None) -> None:
         self.settings = settings
         self.fanout = fanout or Fanout()
+        self.link = link
         self.ctx: ServerContext | None = None
         self.export_config = None  # ExportConfig when tracing or the access log is on
         self.span_export = None  # SpanExportPipe when tracing is on
         self.tracing = None  # TracingObserver when tracing is on
         self.watchdog: Watchdog | None = None
         self.metrics: ProxyMetrics | None = None
-        self.engines = None  # EngineScraper when [engines] metrics_urls is set
+        self.engines = None  # EngineScraper when [engines] metrics_urls is set, in one process
+        self.engine_readings = None  # what correlates requests with the engines: the scraper or the link's readings
         self.prober = None  # StallProber when [engines] probe_on_stall is true
         self._server: asyncio.base_events.Server | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -164,8 +172,11 @@ class ProxyServer:
             )
         if self.tracing is not None:
             self.tracing.server = (listen.host, self.port)
-        if self.settings.admin is not None:
-            await self._start_admin()
+        view = WorkerView(self.ctx, self.metrics, self.watchdog, self.engine_readings, self.prober, self.started_ns)
+        if self.link is not None:
+            await self.link.serve(view)
+        elif self.settings.admin is not None:
+            await self._start_admin(view)
         # Everything allocated so far (modules, config, the app itself) lives as long
         # as the process: move it out of the collector's reach, so that a full
         # collection (one landed ~11 ms into the first burst of 256 streams) only
@@ -191,6 +202,7 @@ class ProxyServer:
             spans=config.exporter != "off",
             access_log=bool(config.access_log_path),
             healthy_max_per_second=settings.tracing.healthy_max_per_second,
+            healthy_ceiling=self.link.healthy_ceiling if self.link is not None else None,
         )
 
     def _start_watchdog(self) -> None:
@@ -222,17 +234,21 @@ class ProxyServer:
         engines = self.settings.engines
         if not engines.metrics_urls:
             return
-        from .observe.engines import EngineScraper
+        from .observe.engines import EngineReadings, EngineScraper, counting
 
-        self.engines = EngineScraper(engines.metrics_urls, self.ctx.in_flight.values,
-                                     interval=engines.scrape_interval, timeout=engines.scrape_timeout,
-                                     orphan_after=engines.orphan_after)
+        if self.link is not None:  # the service's parent scrapes them and sends the readings
+            self.engine_readings = self.link.readings = EngineReadings()
+        else:
+            self.engines = self.engine_readings = EngineScraper(
+                engines.metrics_urls, counting(self.ctx.in_flight.values), interval=engines.scrape_interval,
+                timeout=engines.scrape_timeout, orphan_after=engines.orphan_after)
+            self.metrics.engines = self.engines
         # Readers of the latest gauges: attributes set once per scrape, never a scrape.
-        self.metrics.engines = self.engines
-        self.stall_log.engines = self.engines
+        self.stall_log.engines = self.engine_readings
         if self.tracing is not None:
-            self.tracing.engines = self.engines
-        self.engines.start()
+            self.tracing.engines = self.engine_readings
+        if self.engines is not None:
+            self.engines.start()
 
     def _start_prober(self) -> None:
         """The fresh-connection stall probe, only when ``probe_on_stall`` is on."""
@@ -246,16 +262,10 @@ class ProxyServer:
                                   authority=upstream.authority)
         self.watchdog.listeners.append(self.prober)
 
-    async def _start_admin(self) -> None:
-        admin_app = build_admin_app(self.ctx, self.started_ns, self.watchdog, self.metrics, self.engines,
-                                    self.prober)
-        self._admin_runner = web.AppRunner(admin_app, access_log=None)
-        await self._admin_runner.setup()
-        admin = self.settings.admin
-        site = web.TCPSite(self._admin_runner, admin.host, admin.port, reuse_port=self.settings.workers > 1)
-        with _binding("admin", admin):
-            await site.start()
-        self.admin_port = site._server.sockets[0].getsockname()[1]
+    async def _start_admin(self, view: WorkerView) -> None:
+        admin = ServiceAdmin(LocalSource(view), self.settings, self.started_ns, self.engines,
+                             stopping=lambda: self.ctx.shutting_down)
+        self._admin_runner, self.admin_port = await start_admin_listener(admin, self.settings.admin)
 
     @property
     def port(self) -> int:
@@ -284,6 +294,8 @@ class ProxyServer:
             await self.span_export.stop(timeout=5.0)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+        if self.link is not None:
+            self.link.close()
         await asyncio.sleep(0)
 
     async def _let_clients_take_what_is_written(self, deadline: float) -> None:
@@ -301,6 +313,16 @@ class ProxyServer:
             await asyncio.sleep(0)  # their connection_lost runs on the next loop pass
 
 
+async def start_admin_listener(admin: ServiceAdmin, address: HostPort) -> tuple[web.AppRunner, int]:
+    """The admin listener on ``address``; its runner and the port it bound."""
+    runner = web.AppRunner(build_admin_app(admin), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, address.host, address.port)
+    with _binding("admin", address):
+        await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 @contextlib.contextmanager
 def _binding(key: str, address: HostPort):
     """An address taken (or not this machine's) is said with its key."""
@@ -313,14 +335,17 @@ def _binding(key: str, address: HostPort):
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
-async def serve_until_signalled(settings: Settings) -> None:
-    server = ProxyServer(settings)
+async def serve_until_signalled(settings: Settings, link=None) -> None:
+    """``link``: this process is a worker of several (see ``ProxyServer``)."""
+    server = ProxyServer(settings, link=link)
     await server.start()
-    # The addresses actually bound: with port 0 the kernel picked them.
+    # The addresses actually bound: with port 0 the kernel picked them. A worker's
+    # admin listener is the service's, in the parent.
     listen = HostPort(settings.listen.host, server.port)
-    admin = HostPort(settings.admin.host, server.admin_port) if settings.admin is not None else None
-    log.info("traceproxy listening on %s, upstream %s, admin %s (pid %d)", listen, settings.upstream,
-             admin_url(admin), os.getpid())
+    admin = settings.admin if link is not None else (
+        HostPort(settings.admin.host, server.admin_port) if settings.admin is not None else None)
+    log.info("traceproxy listening on %s, upstream %s, admin %s (%spid %d)", listen, settings.upstream,
+             admin_url(admin), "worker " if link is not None else "", os.getpid())
     log.info("spans: %s; access log: %s", spans_destination(server.export_config, os.environ),
              access_log_destination(settings.access_log.path))
     stop = asyncio.Event()
@@ -357,75 +382,151 @@ def run(settings: Settings) -> int:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def _run_one(settings: Settings) -> None:
+def _run_one(settings: Settings, link=None) -> None:
     import uvloop
 
     _raise_fd_limit()
     settings = fit_to_open_file_limit(settings)
     log.debug("%s", tune_allocator())
-    uvloop.run(serve_until_signalled(settings))
+    uvloop.run(serve_until_signalled(settings, link))
 
 
 def _run_workers(settings: Settings) -> int:
-    # Every worker binds the same port with SO_REUSEPORT and the kernel spreads
-    # new connections across them; the parent only supervises and relays signals.
+    # Every worker binds the listen port with SO_REUSEPORT and the kernel spreads new
+    # connections across them. The parent supervises, relays signals, and is the
+    # service's admin side: it serves the admin listener, asking every worker over
+    # its link (workers.py), and scrapes the engines once for the service.
     # What every worker would refuse, the parent refuses first: one message, not N.
     tracing_export_config(settings)
     check_request_id_headers(settings)
     _check_port_bindable(settings)
-    # Workers not yet reaped. Only these are signalled: a reaped worker's PID may
-    # already be another process's.
-    running: set[int] = set()
+    started_ns = time.monotonic_ns()
+    from .observe.tracing import SharedRateCeiling
+    from .workers import WorkerLink, WorkerPeer
+
+    healthy_ceiling = SharedRateCeiling(settings.tracing.healthy_max_per_second)
+    pairs = [socket.socketpair() for _ in range(settings.workers)]
+    peers: list[WorkerPeer] = []
     parent = os.getpid()
-    for _ in range(settings.workers):
+    for index, (parent_end, worker_end) in enumerate(pairs):
         pid = os.fork()
         if pid == 0:
+            for other_parent_end, other_worker_end in pairs:  # this worker keeps its own end only
+                other_parent_end.close()
+                if other_worker_end is not worker_end:
+                    other_worker_end.close()
             _stop_when_orphaned(parent)
-            os._exit(_worker_main(settings))
-        running.add(pid)
-    asked_to_stop = False
+            os._exit(_worker_main(settings, WorkerLink(worker_end, healthy_ceiling)))
+        peers.append(WorkerPeer(pid, parent_end))
+    for _, worker_end in pairs:
+        worker_end.close()
+    return asyncio.run(_supervise(settings, peers, started_ns))
 
-    def relay(signum, _frame):
-        nonlocal asked_to_stop
-        asked_to_stop = True
+
+async def _supervise(settings: Settings, peers, started_ns: int) -> int:
+    """The parent's life once the workers are forked; the service's exit status.
+
+    Workers are not restarted: one that ends before the service was asked to stop
+    stops the others, and the whole service exits with its status (0 when that worker
+    was itself stopped by a signal sent to it), so a supervisor sees it. Reaping and
+    relaying both run on this loop, one at a time: a worker is taken out of
+    ``running`` as it is reaped, so a relay never signals a PID that may already be
+    another process's."""
+    loop = asyncio.get_running_loop()
+    running = {peer.pid for peer in peers}
+    all_ended = asyncio.Event()
+    state = {"asked_to_stop": False, "status": 0}
+
+    def relay(signum: int) -> None:
+        state["asked_to_stop"] = True
         for child in list(running):
             try:
                 os.kill(child, signum)
             except ProcessLookupError:
                 pass
 
-    signal.signal(signal.SIGTERM, relay)
-    signal.signal(signal.SIGINT, relay)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    # Workers are not restarted: one that ends before the service was asked to stop
-    # stops the others, and the whole service exits with its status (0 when that
-    # worker was itself stopped by a signal sent to it), so a supervisor sees it.
-    status = 0
-    while running:
-        pid, code = _reap_next_worker(running)
-        if asked_to_stop:
+    def reap() -> None:
+        while running:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                running.clear()
+                break
+            if pid == 0:
+                break
+            running.discard(pid)
+            _worker_ended(pid, os.waitstatus_to_exitcode(wait_status))
+        if not running:
+            all_ended.set()
+
+    def _worker_ended(pid: int, code: int) -> None:
+        if state["asked_to_stop"]:
             log.log(logging.WARNING if code else logging.INFO, "worker %d ended: %s", pid, _exit_status(code))
-            status = status or _service_status(code)
-            continue
+            state["status"] = state["status"] or _service_status(code)
+            return
         log.error("worker %d ended before the service was asked to stop (%s): stopping the other %d",
                   pid, _exit_status(code), len(running))
-        status = _service_status(code)
-        relay(signal.SIGTERM, None)
-    return status
+        state["status"] = _service_status(code)
+        relay(signal.SIGTERM)
+
+    loop.add_signal_handler(signal.SIGCHLD, reap)
+    reap()  # a worker that ended before the handler was in place
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, relay, sig)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    service = await _start_service_admin(settings, peers, started_ns, lambda: state["asked_to_stop"])
+    if service is None:  # said why; the workers stop
+        state["status"] = 1
+        relay(signal.SIGTERM)
+    await all_ended.wait()
+    if service is not None:
+        await service.stop()
+    return state["status"]
 
 
-def _reap_next_worker(running: set[int]) -> tuple[int, int]:
-    """Wait for a worker to end; take it out of ``running`` before reaping it, and
-    return its PID and exit code. Until reaped its PID is still its own (a zombie's),
-    so a relay that runs in between never signals a new process given that PID."""
-    if hasattr(os, "waitid"):  # not on macOS before Python 3.13
-        pid = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid
-        running.discard(pid)
-        _, wait_status = os.waitpid(pid, 0)
-    else:
-        pid, wait_status = os.wait()
-        running.discard(pid)
-    return pid, os.waitstatus_to_exitcode(wait_status)
+class _ServiceAdminSide:
+    """What the parent runs for the service: the links, the engine scraper, the admin listener."""
+
+    def __init__(self, links, engines, runner) -> None:
+        self.links, self.engines, self.runner = links, engines, runner
+
+    async def stop(self) -> None:
+        if self.engines is not None:
+            await self.engines.stop()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        self.links.close()
+
+
+async def _start_service_admin(settings: Settings, peers, started_ns: int, stopping) -> _ServiceAdminSide | None:
+    from .workers import WorkerLinks
+
+    links = WorkerLinks(peers)
+    # As with one process, /healthz answering means the proxy port is open: the
+    # admin listener starts once every worker serves it.
+    if not await links.start():
+        return _ServiceAdminSide(links, None, None)
+    engines = None
+    if settings.engines.metrics_urls:
+        from .observe.engines import EngineScraper
+
+        config = settings.engines
+        engines = EngineScraper(config.metrics_urls, links.count_at_engines, interval=config.scrape_interval,
+                                timeout=config.scrape_timeout, orphan_after=config.orphan_after)
+        engines.on_readings.append(links.tell_readings)
+        engines.start()
+    runner = None
+    if settings.admin is not None:
+        admin = ServiceAdmin(links, settings, started_ns, engines, stopping)
+        try:
+            runner, port = await start_admin_listener(admin, settings.admin)
+        except OSError as exc:
+            log.error("traceproxy: %s; stopping the workers", exc)
+            await _ServiceAdminSide(links, engines, None).stop()
+            return None
+        log.info("traceproxy service of %d workers: admin %s (pid %d)", len(peers),
+                 admin_url(HostPort(settings.admin.host, port)), os.getpid())
+    return _ServiceAdminSide(links, engines, runner)
 
 
 def _exit_status(code: int) -> str:
@@ -462,11 +563,11 @@ def _stop_when_orphaned(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _worker_main(settings: Settings) -> int:
+def _worker_main(settings: Settings, link) -> int:
     """A forked worker's whole life; its exit status, never an exception (the child
     must not unwind into the parent's code)."""
     try:
-        _run_one(settings)
+        _run_one(settings, link)
         return 0
     # One write per message: workers failing together must not interleave their lines.
     except ConfigError as exc:

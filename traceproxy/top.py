@@ -1,7 +1,9 @@
 """``traceproxy top``: a live terminal view of the requests in flight and whose turn it is.
 
-Polls the admin listener (``GET /debug/inflight`` for the table, ``GET /healthz``
-for the header line) and redraws one frame per interval. Stalled requests are
+Polls the admin listener and redraws one frame per interval. One frame is one
+answer: ``GET /debug/inflight`` holds the table and, as ``health``, the header
+line's numbers gathered from every worker at the same time as the entries (an
+admin listener that does not send ``health`` is asked ``GET /healthz`` too). Stalled requests are
 red and marked ``STALL``; requests past half their stall threshold are yellow and
 marked ``slow``. The marker column is there with or without colour, so
 ``--no-color`` output (and anything piped through grep) says the same thing.
@@ -157,6 +159,8 @@ def fetch_snapshot(base_url: str, timeout: float = FETCH_TIMEOUT_S) -> Snapshot:
     inflight = fetch_json(f"{base_url}/debug/inflight", timeout)
     if not isinstance(inflight.get("requests"), list):
         raise AdminUnreachable(f"{base_url}/debug/inflight", "the answer has no list of requests")
+    if isinstance(inflight.get("health"), dict):  # the same moment as the entries, from every worker
+        return Snapshot(inflight, inflight["health"])
     try:
         return Snapshot(inflight, fetch_json(f"{base_url}/healthz", timeout))
     except AdminUnreachable as exc:
@@ -352,7 +356,19 @@ def health_fields(snapshot: Snapshot) -> list[str]:
         f"in flight {health.get('requests_in_flight', '?')}",
         f"upstream conns {health.get('upstream_connections_open', '?')} open"
         f"/{health.get('upstream_connections_idle', '?')} idle",
+        *_workers_field(health),
     ]
+
+
+def _workers_field(health: dict) -> list[str]:
+    """``workers 3``, or ``workers 2 of 3 answering`` when some did not answer in time."""
+    workers = health.get("workers")
+    if not isinstance(workers, list):
+        return []
+    answering = health.get("workers_answering", len(workers))
+    if answering == len(workers):
+        return [f"workers {len(workers)}"]
+    return [f"workers {answering} of {len(workers)} answering (the rest left out)"]
 
 
 def _gauge_label(name: str) -> str:

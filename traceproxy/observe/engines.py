@@ -16,9 +16,19 @@ endpoint costs at most one timeout per interval in this task; it is counted (its
 and logged once when it starts failing and once when it recovers. The scraper is
 only built when ``[engines] metrics_urls`` is not empty.
 
-``in_flight`` (a callable returning the in-flight records) is passed in by the
-composition root: this module imports ``lifecycle`` and the exposition parser
-of ``metrics`` (which itself imports ``lifecycle`` only).
+One scraper per service. With several workers it runs in the service's parent
+(the engines hold every worker's requests, so the orphan rule needs the service's
+count, not one worker's): ``count_at_engines`` is an awaitable that asks every
+worker, and answers None when one did not answer in time, and then the orphan rule
+waits for the next scrape rather than judge a partial count (which would read as
+engine work nobody explains). After each scrape the readings a worker needs for its
+own requests (``EngineReadings``: the engines' work, streaming work, when they were
+read and the summary for log lines and stall spans) go to ``on_readings``
+listeners; each worker keeps them in an ``EngineReadings`` of its own.
+
+``count_at_engines`` is passed in by the composition root: this module imports
+``lifecycle`` and the exposition parser of ``metrics`` (which itself imports
+``lifecycle`` only).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -66,20 +76,54 @@ def proxy_upstream_count(records: Iterable[RequestRecord]) -> int:
     return sum(1 for r in records if phase_of(r) in correlation.UPSTREAM_PHASES)  # finished ones are DONE
 
 
-class EngineScraper:
-    def __init__(self, urls: Iterable[str], in_flight: Callable[[], Iterable[RequestRecord]], *,
-                 interval: float, timeout: float, orphan_after: float) -> None:
-        self.endpoints = {url: Endpoint(url) for url in urls}
-        self.in_flight = in_flight
-        self.interval, self.timeout = interval, timeout
-        self.orphan_after_ns = int(orphan_after * 1e9)
-        self.orphan = correlation.OrphanState()
-        self.orphans_total = 0  # orphan episodes reported
-        # Derived from the endpoints that have answered, once per scrape (_derive).
+class EngineReadings:
+    """What correlates one waiting request with the engines, read as attributes: set by
+    the scraper once per scrape, or, in a worker of several, from the service's scraper
+    (``update`` with what ``message`` gave there)."""
+
+    FIELDS = ("work", "streaming", "oldest_scrape_ns", "summary")
+
+    def __init__(self) -> None:
         self.work: float | None = None  # the engines' requests in flight; None before any answer
         self.streaming = 0.0
         self.oldest_scrape_ns: int | None = None
         self.summary = "no data"  # "running=1 queued=0 prefill_inflight=1", for log lines and stall spans
+
+    def message(self) -> dict:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    def update(self, message: dict) -> None:
+        for name in self.FIELDS:
+            setattr(self, name, message[name])
+
+    def correlate(self, phase, waiting_since_ns: int) -> "correlation.Outcome | None":
+        if self.work is None:
+            return None
+        return correlation.correlate(phase, waiting_since_ns, self.work, self.streaming, self.oldest_scrape_ns)
+
+
+def counting(in_flight: Callable[[], Iterable[RequestRecord]]) -> Callable[[], Awaitable[int]]:
+    """``count_at_engines`` for a scraper beside the records themselves (one process)."""
+
+    async def count() -> int:
+        return proxy_upstream_count(in_flight())
+
+    return count
+
+
+class EngineScraper(EngineReadings):
+    def __init__(self, urls: Iterable[str], count_at_engines: Callable[[], Awaitable[int | None]], *,
+                 interval: float, timeout: float, orphan_after: float) -> None:
+        super().__init__()
+        self.endpoints = {url: Endpoint(url) for url in urls}
+        self.count_at_engines = count_at_engines
+        self.interval, self.timeout = interval, timeout
+        self.orphan_after_ns = int(orphan_after * 1e9)
+        self.orphan = correlation.OrphanState()
+        self.orphans_total = 0  # orphan episodes reported
+        self.proxy_at_engines: int | None = None  # the count the orphan rule last compared with
+        self.checks_skipped = 0  # orphan checks left for the next scrape: a worker did not give its count
+        self.on_readings: list[Callable[[dict], None]] = []
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -109,7 +153,11 @@ class EngineScraper:
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(ep) for ep in self.endpoints.values()))
         self._derive()
-        self._check_orphans(time.monotonic_ns())
+        if self.work is not None:
+            self._check_orphans(await self.count_at_engines(), time.monotonic_ns())
+        message = self.message()
+        for listener in self.on_readings:
+            listener(message)
 
     def _derive(self) -> None:
         answered = [ep for ep in self.endpoints.values() if ep.scraped_ns is not None]
@@ -156,12 +204,13 @@ class EngineScraper:
         ep.error = error
 
     # -- the orphan rule -------------------------------------------------------------
-    def _check_orphans(self, now: int) -> None:
+    def _check_orphans(self, proxy: int | None, now: int) -> None:
         work = self.work
-        if work is None:
+        if proxy is None:  # a worker's count is missing: a partial count would read as orphans
+            self.checks_skipped += 1
             return
         prev = self.orphan
-        proxy = proxy_upstream_count(self.in_flight())
+        self.proxy_at_engines = proxy
         self.orphan = correlation.check_orphans(prev, work, proxy, now, self.orphan_after_ns)
         if self.orphan.reported and not prev.reported:
             self.orphans_total += 1
@@ -184,17 +233,13 @@ class EngineScraper:
             for url, ep in self.endpoints.items()
         }
 
-    def correlate(self, phase, waiting_since_ns: int) -> "correlation.Outcome | None":
-        if self.work is None:
-            return None
-        return correlation.correlate(phase, waiting_since_ns, self.work, self.streaming, self.oldest_scrape_ns)
-
-    def top_level(self) -> dict:
-        """The top-level ``correlation`` object of ``/debug/inflight``."""
+    def top_level(self, proxy_at_engines: int | None) -> dict:
+        """The top-level ``correlation`` object of ``/debug/inflight``; ``proxy_at_engines``
+        as counted with the entries it goes with."""
         o = self.orphan
         return {
             "engine_in_flight": self.work,
-            "proxy_at_engines": proxy_upstream_count(self.in_flight()),
+            "proxy_at_engines": proxy_at_engines,
             "orphan": {"outcome": correlation.ORPHAN.code, "name": correlation.ORPHAN.name,
                        "blame": correlation.ORPHAN.blame.value, "unexplained": o.excess,
                        "reported": o.reported, "orphaned": self.orphaned(), "episodes": self.orphans_total},

@@ -8,14 +8,14 @@ With the engine scraper on (``[engines] metrics_urls``), each entry also gets a
 ``correlation`` (the engines' side of its wait: ``ESL`` engine slow, ``LST`` lost
 before the engine, or None) and the view gets ``engines`` (latest gauges per URL)
 and a top-level ``correlation`` (engine vs proxy counts, the orphan state). Both
-read the scraper's last values; nothing here waits for an engine. The watchdog's
-verdicts are not changed by any of this.
+read the scraper's last values (in a worker of several, the readings the service's
+scraper sent it); nothing here waits for an engine. The watchdog's verdicts are not
+changed by any of this.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 
 from ..lifecycle.machine import in_flight_phase
 from ..lifecycle.marks import Mark
@@ -87,20 +87,12 @@ def _correlation(engines, found) -> dict | None:
             "engine_in_flight": engines.work}
 
 
-def inflight_view(records: Iterable[RequestRecord], now: int, thresholds: StallThresholds,
-                  engines=None, prober=None) -> list[dict]:
-    """``engines``: an ``EngineScraper`` (``observe.engines``) or None; ``prober``: a
-    ``StallProber`` (``observe.probe``) or None."""
-    entries = [inflight_entry(r, now, thresholds, engines, prober) for r in records if not r.finished]
-    entries.sort(key=lambda e: -(e["age_s"] or 0))
-    return entries
-
-
-def engines_view(engines, now: int, entries: list[dict]) -> dict:
-    """The top-level ``engines`` and ``correlation`` keys; empty when the scraper is off."""
+def engines_view(engines, now: int, entries: list[dict], proxy_at_engines: int | None) -> dict:
+    """The top-level ``engines`` and ``correlation`` keys; empty when the scraper is off.
+    ``proxy_at_engines``: the service's requests at the engines as the entries were made."""
     if engines is None:
         return {}
-    top = engines.top_level()
+    top = engines.top_level(proxy_at_engines)
     verdicts = [e["correlation"]["outcome"] for e in entries if e["correlation"]]
     top["requests"] = dict(sorted(Counter(verdicts).items()))
     return {"engines": engines.snapshot(now), "correlation": top}

@@ -14,10 +14,12 @@ process (see ``spans``); here we only copy the record into a tuple.
 Shedding, tail-biased too, for two reasons (``SHED_REASONS``), both counted:
 
 * ``rate``: healthy traces beyond ``healthy_max_per_second`` (a token bucket, bursts
-  of up to one second's worth). This is what bounds tracing's CPU: the exporter's
-  work per trace is several times the proxy's own per request, so on a saturated
-  machine an unbounded exporter takes the cores proxying needs even when niced.
-  The default ceiling sits far above LLM request rates, where every trace is kept.
+  of up to one second's worth), for the whole service: with several workers they
+  share one bucket (``SharedRateCeiling``). This is what bounds tracing's CPU: the
+  exporter's work per trace is several times the proxy's own per request, so on a
+  saturated machine an unbounded exporter takes the cores proxying needs even when
+  niced. The default ceiling sits far above LLM request rates, where every trace is
+  kept.
 * ``backlog``: the exporter process is behind (its queue past the shedding mark,
   ``SpanExportPipe.backlogged``): a slow collector or a lower ceiling's worth of CPU
   missing.
@@ -31,6 +33,9 @@ on, a shed request still sends its summary, marked spans-not-wanted.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import multiprocessing
 import os
 import time
 from typing import Protocol
@@ -57,7 +62,7 @@ class TracingObserver:
 
     def __init__(self, sink: SummarySink, server: tuple[str, int], upstream: tuple[str, int],
                  healthy_sample_ratio: float, spans: bool = True, access_log: bool = False,
-                 healthy_max_per_second: int = 0) -> None:
+                 healthy_max_per_second: int = 0, healthy_ceiling: "RateCeiling | None" = None) -> None:
         self.sink = sink
         self.spans = spans  # tracing is on
         # GenAI attributes read the end of long request bodies too (see Fanout).
@@ -69,7 +74,8 @@ class TracingObserver:
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         self.sampled_out = 0
         self.shed = dict.fromkeys(SHED_REASONS, 0)  # healthy requests whose spans were shed, by reason
-        self.healthy_ceiling = RateCeiling(healthy_max_per_second)
+        # The service's shared ceiling when given (several workers), else this process's own.
+        self.healthy_ceiling = healthy_ceiling or RateCeiling(healthy_max_per_second)
 
     @staticmethod
     def failed(record: RequestRecord) -> bool:
@@ -134,6 +140,48 @@ class RateCeiling:
             return False
         self._full_at_ns = (full_at if full_at > now_ns else now_ns) + self._interval_ns
         return True
+
+
+class SharedRateCeiling(RateCeiling):
+    """``RateCeiling`` for every worker of a service at once: made in the parent before
+    the workers are forked, its one time (when the bucket is full again) lives in
+    shared memory and is moved under a lock shared by the workers.
+
+    The hot path never waits: a take that the bucket would refuse is refused on one
+    read, with no lock (an aligned 8-byte word is read whole); a take that would
+    succeed tries the lock a few times (another worker holds it for well under a
+    microsecond) and is refused if it still cannot have it, counted as shed by rate.
+    So a worker that died holding the lock (the service stops then anyway) can only
+    make takes fail, never hang a worker's loop. A take costs about 0.3 us."""
+
+    LOCK_TRIES = 4
+
+    def __init__(self, per_second: int) -> None:
+        super().__init__(per_second)
+        self._memory = mmap.mmap(-1, ctypes.sizeof(ctypes.c_int64))
+        self._full_at = ctypes.c_int64.from_buffer(self._memory)
+        self._full_at.value = -(1 << 62)  # long ago: the bucket starts full
+        self._lock = multiprocessing.get_context("fork").Lock()
+
+    def take(self, now_ns: int) -> bool:
+        if not self.per_second:
+            return True
+        if self._full_at.value - self._burst_ns > now_ns:
+            return False
+        lock = self._lock
+        for _ in range(self.LOCK_TRIES):
+            if lock.acquire(False):
+                break
+        else:
+            return False
+        try:
+            full_at = self._full_at.value
+            if full_at - self._burst_ns > now_ns:
+                return False
+            self._full_at.value = (full_at if full_at > now_ns else now_ns) + self._interval_ns
+            return True
+        finally:
+            lock.release()
 
 
 def healthy_ratio_from_environment(configured: float | None, environ=os.environ) -> float:
