@@ -76,9 +76,16 @@ class SeenRequest(NamedTuple):
     room: int | None
     faults: tuple[str, ...]
     received_at: float  # time.monotonic()
+    peer: str = ""  # HOST:PORT of the connection's far end: the same on a reused keep-alive connection
 
 
 _server_log = quiet_logger("traceproxy.sim.aiohttp")
+
+
+def _peer(request: web.Request) -> str:
+    transport = request.transport
+    peername = transport.get_extra_info("peername") if transport is not None else None
+    return f"{peername[0]}:{peername[1]}" if peername else ""
 
 
 def trace_id_of(traceparent: str) -> str:
@@ -362,7 +369,7 @@ class SimWorker:
         self._records.append(SeenRequest(
             job.path, headers, job.body, job.reply.rid, headers.get("x-request-id", ""),
             trace_id_of(headers.get("traceparent", "")), job.room, tuple(str(f) for f in job.faults.values()),
-            received))
+            received, _peer(job.request)))
 
     def _log_line(self, job: Job, received: float) -> None:
         headers = job.request.headers
