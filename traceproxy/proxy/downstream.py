@@ -10,17 +10,11 @@ Hazards
   a second request can arrive while the first is being answered. It is queued (its
   body held, reading paused) and started when the first response has ended; a
   malformed request behind good ones is answered with its 400 only after them.
-* Unbounded heads: httptools concatenates a header value until it ends, so a
-  client streaming one endless header would grow memory; bytes fed while the head
-  is incomplete are counted here and cut off at ``limits.max_header_bytes``. Only
-  bytes known to be the head's count: a read that began it at its first byte, or
-  one wholly inside it. A head that began behind a pipelined request's body in
-  the same read is counted from the next read on (at most one read uncounted),
-  so that body is never taken for head bytes. A head that ends in the read it
-  began in is sized only when that read is longer than the limit.
-* Unbounded trailers: the same concatenation happens in a chunked body's trailer
-  section, after the head was checked; bytes of a chunked body that carry no body
-  data (size lines, extensions, trailers) are held to the same limit.
+* Unbounded heads and trailers: httptools concatenates a header value until it
+  ends, so a client streaming one endless header (or trailer) would grow memory.
+  The bytes of heads and of a chunked body's framing and trailers are counted from
+  the reads (llhttp gives no offsets) and cut off at ``limits.max_header_bytes``:
+  see ``head_meter.HeadMeter``, told here where reads, heads and bodies begin.
 * Paused reading: while reading is paused (a pipelined request waits its turn,
   the upstream does not take the body fast enough, a refusal waits for the
   responses before it) the loop does not watch the socket, so a client hanging
@@ -45,7 +39,6 @@ import asyncio
 import collections
 import functools
 import logging
-import re
 import time
 
 import httptools
@@ -58,6 +51,7 @@ from . import sockets
 from .context import ServerContext
 from .endings import Ending
 from .forward import Exchange
+from .head_meter import HeadMeter
 from .linger import LINGER_MAX_BYTES, LINGER_SECONDS
 from .local_reply import body_size, error_response
 from .request_head import RequestHead
@@ -81,8 +75,6 @@ HALF_CLOSE_TAKEN_AS_LEAVING = ("client half-closed the connection (FIN) after it
                                "taken as leaving (limits.client_half_close = abort)")
 # The usual methods as str, so that a request does not decode its method.
 _METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
-# RFC 9110 section 5.6.2: a method is a token (bounded here: it is quoted back).
-_METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
 
 
 class _BegunAfterClose(Exception):
@@ -92,11 +84,6 @@ class _BegunAfterClose(Exception):
 
 class _PipelineFull(Exception):
     """Raised inside llhttp's callback to stop it at a request past MAX_PIPELINED."""
-
-
-def _field_lines_size(fields: H.Headers) -> int:
-    """``name: value`` lines as llhttp read them, CRLF-ended (without the whitespace it strips)."""
-    return sum(len(name) + len(value) + 4 for name, value in fields)
 
 
 def _unsupported_version(version: str) -> str:
@@ -118,24 +105,10 @@ class ClientConnection(asyncio.Protocol):
         self.parsing_exchange: Exchange | None = None
         self._url = b""
         self._headers: H.Headers = []
-        self._head_bytes = 0  # bytes of the current head counted so far (see _head_too_long)
-        self._data = b""  # the read being fed
-        self._at_request_start = False  # the read being fed began at a request's first byte
-        self._continues_head = False  # ... or inside a head begun in an earlier read
-        self._head_tail = b""  # the last bytes of the last read counted into the head
-        self._line = b""  # the request line's bytes from earlier reads, when it spans reads
-        # Where the current head began in the read it began in; None: not known (see
-        # _where_head_begins).
-        self._head_start: int | None = 0
-        self._begun = 0  # requests begun during the read being fed
-        self._chunked_body = False  # a chunked request body is being parsed
-        self._body_in_read = False  # the read being fed carried body bytes
-        self._framing_bytes = 0  # chunk framing and trailer bytes since the last body bytes
-        self._head_fields = 0  # header lines of the head being parsed (see _check_trailers)
+        self._meter = HeadMeter(ctx.limits.max_header_bytes, ctx.limits.max_target_bytes)  # see head_meter.py
         self._upgrade_offer_ignored = False  # see _ignore_upgrade_offer
         self._max_head_bytes = ctx.limits.max_header_bytes
         self._max_target_bytes = ctx.limits.max_target_bytes
-        self._in_head = False  # between a request's first byte and its complete head
         # A head began during this read: arm the head timer after it, unless the head
         # also ended in it (the usual case, so most requests never touch the timer).
         self._head_timer_pending = False
@@ -413,9 +386,8 @@ class ClientConnection(asyncio.Protocol):
         """Parse one read; returns the bytes llhttp left after an ignored h2c offer."""
         if self.closing or self.rejection is not None or self.reading_stopped:
             return None
-        continues_head = self._continues_head = self.parsing is not None and self._in_head
-        self._at_request_start = self.parsing is None
-        self._data, self._begun, self._body_in_read = data, 0, False
+        meter = self._meter
+        meter.read_begins(data, self.parsing is not None)
         rest = b""
         self.feeding = True
         try:
@@ -444,7 +416,7 @@ class ClientConnection(asyncio.Protocol):
             self._upgrade_offer_ignored = False
             rest = data[upgrade.args[0]:]
         except httptools.HttpParserInvalidMethodError as exc:
-            unknown = self._unknown_method()
+            unknown = meter.unknown_method()
             if unknown is not None:
                 # RFC 9110 section 9.1: a method the proxy cannot carry is not implemented here.
                 self.reject(501, Flag.DPE, f"request method {unknown!r} is not supported")
@@ -465,19 +437,19 @@ class ClientConnection(asyncio.Protocol):
         if rest:
             return rest
         if self.parsing is not None:
-            if self._in_head:
-                if self._head_too_long(data, continues_head):
+            if meter.in_head:
+                if meter.head_too_long():
                     self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
                     return
-                if self._line_without_version():
+                if meter.line_without_version():
                     self.reject(505, Flag.DPE, _unsupported_version("0.9"))
                     return
-            elif self._chunked_body:
-                if not self._body_in_read:
+            elif meter.chunked:
+                if not meter.body_seen:
                     # Chunk-size lines, extensions or trailers only: the client is still
                     # sending, and the body timeout runs between reads, as nginx's does.
                     self.parsing.last_downstream_rx_ns = time.monotonic_ns()
-                if self._framing_too_long(len(data)):
+                if meter.framing_too_long():
                     self.reject(431, Flag.DPE, f"request chunk framing or trailers exceed {self._max_head_bytes} bytes")
                     return
         if self._head_timer_pending:
@@ -493,50 +465,6 @@ class ClientConnection(asyncio.Protocol):
         self.reading_stopped = True
         self.pause_reading("pipeline full")
 
-    def _unknown_method(self) -> str | None:
-        """The method of a request llhttp does not know, when it is a well-formed token
-        at the read's first byte (not garbage, not behind other requests in the read)."""
-        if not (self._at_request_start and self._begun == 1):
-            return None
-        method = self._data.partition(b" ")[0]
-        return method.decode("ascii") if _METHOD_TOKEN.fullmatch(method) else None
-
-    def _head_too_long(self, data: bytes, continues_head: bool) -> bool:
-        """Counts the bytes of a head still incomplete at the end of a read (and keeps
-        its request line's bytes, for the protocol check when the head is complete)."""
-        line_room = self._max_target_bytes + 64
-        if continues_head and not self._begun:
-            self._head_bytes += len(data)  # the whole read belongs to the head begun earlier
-            if self._line and b"\n" not in self._line:
-                self._line += data[:line_room]
-        elif self._begun and self._head_start is not None:
-            start = self._past_empty_lines(self._head_start)
-            self._head_bytes = len(data) - start  # it began in this read
-            self._line = data[start:start + line_room]
-        else:
-            return False  # it began behind other requests' bytes: counted from the next read on
-        self._head_tail = data[-3:]  # the empty line that ends the head may straddle reads
-        return self._head_bytes > self._max_head_bytes
-
-    def _line_without_version(self) -> bool:
-        """The request line of a head still incomplete ended without a version: HTTP/0.9's,
-        which has no header section. llhttp reads on for headers, so the header timeout
-        would answer it 30 s later; it is refused where the line ends. Decided only on
-        a whole line (a read may end anywhere in ``GET / HTTP/1.1``), and only for a
-        head whose start is known (see _head_too_long; else the header timeout answers)."""
-        line, ended, _ = self._line.partition(b"\n")
-        # llhttp refused any other shape: METHOD SP target, then SP protocol or the end.
-        return bool(ended) and b" " not in line.partition(b" ")[2]
-
-    def _framing_too_long(self, size: int) -> bool:
-        """Counts chunked-body bytes that carry no body: chunk-size lines, extensions
-        and the trailer section, whose field values httptools gathers until they end."""
-        if self._body_in_read:
-            self._framing_bytes = 0  # what follows the body in this read: at most one read
-            return False
-        self._framing_bytes += size
-        return self._framing_bytes > self._max_head_bytes
-
     def on_message_begin(self) -> None:
         if self.closing:
             # Closed while llhttp went on through this read (a lingering request's body
@@ -546,7 +474,6 @@ class ClientConnection(asyncio.Protocol):
         if len(self.queue) >= MAX_PIPELINED:
             raise _PipelineFull
         now = time.monotonic_ns()
-        self._begun += 1
         self._head_timer.clear()  # the keep-alive idle timeout stands down
         self.ctx.connection_busy(self)
         record = self.record.begin_request(now)
@@ -555,27 +482,10 @@ class ClientConnection(asyncio.Protocol):
         # (it stops at a queued one): until its turn, its silence is not the client's.
         record.waiting_turn = self.active is not None
         self.parsing, self.parsing_exchange = record, None
-        self._url, self._headers, self._head_bytes, self._line = b"", [], 0, b""
-        # At the read's first byte, or found behind the request before it.
-        self._head_start = 0 if self._at_request_start and self._begun == 1 else self._where_head_begins(
-            self._head_start)
-        self._in_head = True
+        self._url, self._headers = b"", []
+        self._meter.head_begins(self.queue[-1] if self.queue else self.active, record.sequence)
         self.ctx.start_request(record)
         self._head_timer_pending = self.active is None
-
-    def _where_head_begins(self, previous_start: int | None) -> int | None:
-        """Where in the read a head begun behind another request starts: right after the
-        request before it, when that one began in this read at a known place (the read's
-        first byte, or found the same way) and had no chunked body; else not known
-        (llhttp gives no offsets). That request began and ended in this read: its body
-        is all here."""
-        if self._begun < 2 or previous_start is None:
-            return None
-        before = self.queue[-1] if self.queue else self.active
-        if before is None or before.record.sequence != self.parsing.sequence - 1 or before.head.framing.chunked:
-            return None  # refused, or answered already; or chunk framing of unknown size
-        end = self._data.find(b"\r\n\r\n", self._past_empty_lines(previous_start))
-        return end + 4 + before.record.downstream_rx_body_bytes if end >= 0 else None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -589,7 +499,8 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         record = self.parsing
-        self._in_head = self._head_timer_pending = False
+        meter = self._meter
+        meter.in_head = self._head_timer_pending = False
         self._head_timer.clear()  # the head timeout stands down
         method = self.parser.get_method()
         record.method = _METHODS.get(method) or method.decode("ascii", "replace")
@@ -600,18 +511,14 @@ class ClientConnection(asyncio.Protocol):
         record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
         if self.ctx.fanout.mark_observers:
             self.ctx.fanout.mark(record, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE)
-        # The reads counted can exceed the limit only if the head could; a head begun behind
-        # other bytes of a read was not counted in that read, so it is always sized.
-        if ((self._head_start is None or self._head_bytes + len(self._data) > self._max_head_bytes)
-                and self._head_size() > self._max_head_bytes):
+        if meter.head_exceeds(record.method, self._url, self._headers):
             raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
         if version != "1.1" and version != "1.0":
             # llhttp reads a request line without a version as HTTP/0.9.
             raise H.BadRequest(505, _unsupported_version(version))
         # The usual head, at the read's first byte, is checked here at once.
-        if not (self._head_start == 0 and self._begun
-                and self._data.startswith(b"HTTP/", len(method) + len(self._url) + 2)):
-            protocol = self._unexpected_protocol(method)
+        if not meter.starts_with_http(method, self._url):
+            protocol = meter.unexpected_protocol(method, self._url)
             if protocol is not None:
                 raise H.BadRequest(400, f"not an HTTP request line: protocol {protocol.decode('latin-1')!r}")
         upgrade = self.parser.should_upgrade()
@@ -631,9 +538,7 @@ class ClientConnection(asyncio.Protocol):
                 host, target = absolute
                 parts = H.with_host(parts, host)
                 record.target = target.decode("latin-1")  # what goes upstream: the origin form
-        self._chunked_body, self._framing_bytes = parts.framing.chunked, 0
-        if self._chunked_body:
-            self._head_fields = len(self._headers)  # what llhttp hands over after these are trailers
+        meter.body_begins(parts.framing.chunked, len(self._headers))
         generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         http11 = record.http_version == "1.1"
         # RFC 9110 section 10.1.1: Expect in an HTTP/1.0 request is ignored (and 1xx
@@ -666,71 +571,8 @@ class ClientConnection(asyncio.Protocol):
                                     "send it without Upgrade")
         self._upgrade_offer_ignored = True
 
-    def _unexpected_protocol(self, method: bytes) -> bytes | None:
-        """What ends the request line when it is not ``HTTP/`` (llhttp also reads RTSP and
-        ICE request lines), else None. The line is ``METHOD SP target SP protocol``, found
-        from where the head began. For a head begun at an unknown place in this read (behind
-        a chunked body), the read's ``METHOD target`` lines: refused only when none of them
-        goes on with ``HTTP/``, since a body before it may hold the same words. Not checked:
-        a head begun at an unknown place in an earlier read."""
-        data, line_start = self._data, method + b" " + self._url + b" "
-        if self._begun and self._head_start is not None:
-            start = self._past_empty_lines(self._head_start)
-            return self._protocol_unless_http(data, start + len(line_start))
-        if not self._begun and self._line:
-            line = self._line + data[:len(line_start) + 16]  # the line may end in this read
-            return self._protocol_unless_http(line, len(line_start))
-        first_found, at = None, data.find(line_start) if self._begun else -1
-        while at >= 0:
-            found = self._protocol_unless_http(data, at + len(line_start))
-            if found is None:
-                return None
-            first_found = first_found or found
-            at = data.find(line_start, at + len(line_start))
-        return first_found
-
-    @staticmethod
-    def _protocol_unless_http(data: bytes, at: int) -> bytes | None:
-        if data.startswith(b"HTTP/", at) or len(data) < at + 5:  # too short to tell: not refused
-            return None
-        return data[at:at + 16].partition(b"\r")[0]
-
-    def _head_size(self) -> int:
-        """The head's size: exact when its start is known (see _where_head_begins) and it
-        ends in this read, or it began in earlier reads all counted whole (it ends at the
-        first empty line). Otherwise its start is not known: it is at least its request
-        line and header lines as llhttp read them (only optional whitespace around values,
-        which llhttp strips, goes uncounted), and at least what later reads held of it."""
-        start = self._head_start
-        if self._begun and start is not None:
-            start = self._past_empty_lines(start)
-            end = self._data.find(b"\r\n\r\n", start)
-            if end >= 0:
-                return end + 4 - start
-        elif self._continues_head and not self._begun and self._head_bytes:
-            # Begun in earlier reads, counted (whole, or from the read after its first): it
-            # ends at the first empty line here.
-            joined = self._head_tail + self._data
-            end = joined.find(b"\r\n\r\n")
-            if end >= 0:
-                counted = self._head_bytes - len(self._head_tail) + end + 4
-                if self._head_start is not None:
-                    return counted
-                return max(counted, self._head_lines_size())
-        return self._head_lines_size()
-
-    def _past_empty_lines(self, offset: int) -> int:
-        """Where a request line begins: llhttp skips the empty lines before one (RFC 9112
-        section 2.2); they are not head, and their CRLFs are not its end."""
-        return H.EMPTY_LINES.match(self._data, offset).end()
-
-    def _head_lines_size(self) -> int:
-        """``METHOD target HTTP/1.x`` and ``name: value`` lines, CRLF-ended, and the empty line."""
-        method = self.parsing.method if self.parsing is not None else ""
-        return len(method) + len(self._url) + 12 + _field_lines_size(self._headers) + 2
-
     def on_body(self, body: bytes) -> None:
-        self._body_in_read = True
+        self._meter.body_seen = True
         exchange = self.parsing_exchange
         if exchange.finished:  # answered before its body ended: thrown away (see linger.py)
             self._body_discarded(len(body))
@@ -738,19 +580,15 @@ class ClientConnection(asyncio.Protocol):
             exchange.request_body(body)
 
     def on_message_complete(self) -> None:
-        if self._chunked_body and len(self._headers) > self._head_fields:
-            self._check_trailers()
+        meter = self._meter
+        if meter.trailers_exceed(self._headers):
+            raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
+        meter.message_complete()
         exchange = self.parsing_exchange
-        self.parsing, self.parsing_exchange, self._chunked_body = None, None, False
+        self.parsing, self.parsing_exchange = None, None
         exchange.request_done()
         if self._lingering == _DRAINING and exchange is self.active:
             self._drain_ended(body_complete=True)
-
-    def _check_trailers(self) -> None:
-        """A trailer section that came whole in one read is not seen by the per-read
-        count (see _framing_too_long): llhttp hands its fields over as header lines."""
-        if _field_lines_size(self._headers[self._head_fields:]) > self._max_head_bytes:
-            raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
 
     # ---------------------------------------------------------------------------
     # Answering in order
