@@ -612,6 +612,28 @@ def test_a_router_that_cannot_run_is_a_one_line_error_before_anything_starts(cap
     assert capsys.readouterr().err == message
 
 
+@pytest.mark.parametrize("argv, router, level", [
+    ([], True, "warning"),  # SimDeployment takes True for the first router installed
+    (["--router", "smg", "--router-log-level", "info"], "smg", "info"),
+    (["--no-router"], False, "warning"),
+])
+def test_the_sim_command_starts_the_router_asked_for(monkeypatch, argv, router, level):
+    monkeypatch.setattr(RouterKind, "installed", property(lambda kind: True))
+    started = {}
+
+    class Recorded:
+        def __init__(self, **options) -> None:
+            started.update(options)
+
+    async def run_deployment(deployment) -> int:
+        return 0
+
+    monkeypatch.setattr(launch, "SimDeployment", Recorded)
+    monkeypatch.setattr(launch, "run_deployment", run_deployment)
+    assert _exit_status(["sim", *argv]) == 0
+    assert (started["router"], started["router_log_level"]) == (router, level)
+
+
 def test_an_unknown_router_is_a_usage_error(capsys):
     assert _exit_status(["sim", "--router", "nginx"]) == 2
     err = capsys.readouterr().err
@@ -1045,6 +1067,7 @@ def test_traceproxy_blames_the_faulty_proxys_hang_as_a_first_byte_stall(pd, star
     # an empty label: the resolver would refuse it only when binding, as an encoding error
     (["--no-router", "--host", "127.0.0..1"], "expected a host name or IP address"),
     (["--no-router", "--startup-timeout", "0"], "expected a number of seconds above 0"),
+    (["--router-log-level", "warn"], "argument --router-log-level: invalid choice: 'warn'"),
     (["--no-router", "--startup-timeout", "nan"], "expected a number of seconds above 0"),
     (["--no-router", "--faulty-proxy-upstream", "127.0.0.1:8000"], "expected http://HOST:PORT (no path)"),
     (["--no-router", "--faulty-proxy-upstream", "https://127.0.0.1:8000"], "expected http://HOST:PORT (no path)"),

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from ..hostnames import is_hostname
 from .faults import FaultError, fault_table, parse_faults
-from .routers import ROUTER_NAMES
+from .routers import LOG_LEVELS, ROUTER_NAMES
 
 DESCRIPTION = """\
 Run a simulated prefill/decode deployment on loopback: a prefill and a decode worker
@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=seconds_argument, default=60.0, metavar="SECONDS",
                         help="how long the router may take to answer a warm-up request through both workers "
                         "(default 60)")
+    parser.add_argument("--router-log-level", default="warning", choices=list(LOG_LEVELS),
+                        help="the router's log level, in each router's own spelling (default: warning; smg makes "
+                        "its --enable-trace spans at info)")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for the router (repeatable, e.g. --router-arg=--policy"
                         " --router-arg=random)")
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_port=args.prefill_port, decode_port=args.decode_port, router_port=args.router_port,
         bootstrap_port=args.bootstrap_port, hang_after=hang_after, seed=args.seed, model=args.model,
         prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
-        otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg),
+        otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg), router_log_level=args.router_log_level,
         startup_timeout=args.startup_timeout, faulty_proxy_upstream=args.faulty_proxy_upstream)
     given = {"prefill": ("--prefill-port", args.prefill_port), "decode": ("--decode-port", args.decode_port),
              "bootstrap": ("--bootstrap-port", args.bootstrap_port), "router": ("--router-port", args.router_port)}
