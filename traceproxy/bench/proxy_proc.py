@@ -4,6 +4,11 @@
 [--set KEY=VALUE ...]`` writes the port to F and serves until SIGTERM, then shuts down
 with a 1 s grace (and then stops its span exporter, which exports what it still holds).
 
+``--workers N --listen-port P [--admin-port A]`` (N > 1) serves as ``traceproxy serve
+--workers N`` does, this process the service's parent: the workers share a fixed port,
+so the bench picks it and waits for it (and for the admin listener, which the parent
+starts once every worker serves) instead of reading a port file.
+
 The bench's in-tree targets differ only in their observability keys, laid over
 ``default_settings()`` (``--set`` items come after, so they win):
 
@@ -64,18 +69,34 @@ async def serve(settings, port_file: str, admin_port_file: str | None = None) ->
     await server.shutdown(grace=1)
 
 
+def serve_workers(settings, workers: int, listen_port: int, admin_port: int | None) -> int:
+    from ..app import run
+
+    addresses = {"workers": str(workers), "listen": f"127.0.0.1:{listen_port}",
+                 "admin": f"127.0.0.1:{admin_port}" if admin_port else "off"}
+    return run(settings.replace_from(addresses, "the bench"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="traceproxy.bench.proxy_proc")
     parser.add_argument("--upstream", required=True)
-    parser.add_argument("--port-file", required=True)
+    parser.add_argument("--port-file", help="where to write the port (one process)")
     parser.add_argument("--admin-port-file", help="where to write the admin port, when the admin listener is on")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes; above 1, --listen-port is needed")
+    parser.add_argument("--listen-port", type=int, help="the port the workers share")
+    parser.add_argument("--admin-port", type=int, help="the service's admin port (workers > 1)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a settings override, e.g. pool.max_connections=2048")
     args = parser.parse_args(argv)
+    if args.workers > 1 and not args.listen_port or args.workers <= 1 and not args.port_file:
+        parser.error("--port-file with one worker, --listen-port with several")
     logging.basicConfig(level=logging.WARNING)
     raise_fd_limit()
     try:
-        uvloop.run(serve(build_settings(args.upstream, args.set), args.port_file, args.admin_port_file))
+        settings = build_settings(args.upstream, args.set)
+        if args.workers > 1:
+            return serve_workers(settings, args.workers, args.listen_port, args.admin_port)
+        uvloop.run(serve(settings, args.port_file, args.admin_port_file))
     except ConfigError as exc:  # found at startup (a log path it cannot write): said, not a traceback
         sys.stderr.write(f"configuration error: {exc}\n")
         return 2

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load-procs", type=int, default=1, metavar="N", help="load generator processes (default 1)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the one unrecorded request per connection that warms the proxy's upstream pool")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="serve each in-tree proxy target with N worker processes, as serve --workers N "
+                             "(default 1)")
+    parser.add_argument("--scrape-every", type=float, default=0.0, metavar="SECONDS",
+                        help="read each in-tree proxy's /metrics this often during every measured run, as "
+                             "Prometheus would (default 0: not scraped)")
     parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON")
     parser.add_argument("--proxy-cmd", metavar="TEMPLATE",
                         help="benchmark this command as the 'proxy' target instead of traceproxy; {port} and "
@@ -73,6 +79,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
     factor = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
     if not (math.isfinite(factor) and 0 < factor <= MAX_SCALE) or args.reps < 1 or args.load_procs < 1:
         parser.error(f"--scale must be a number > 0 and at most {MAX_SCALE:g}, --reps and --load-procs >= 1")
+    if not 1 <= args.workers <= 64:
+        parser.error(f"--workers must be from 1 to 64, got {args.workers}")
+    if not (math.isfinite(args.scrape_every) and 0 <= args.scrape_every <= 3600):
+        parser.error(f"--scrape-every must be seconds from 0 (off) to 3600, got {args.scrape_every:g}")
     args.factor = factor
     try:
         args.targets = parse_targets(args.targets)
@@ -183,9 +193,12 @@ def run_scenarios(session: Session, scenarios: list[Scenario], reps: int,
                 started = time.monotonic()
                 result = session.measure(scenario, target)
                 runs[scenario.name][target].append(result)
+                scraped = result.get("scrapes")
+                scrapes = f", /metrics read {scraped['count']} times (p50 {scraped['p50_ms']} ms, max " \
+                          f"{scraped['max_ms']} ms, {scraped['failed']} failed)" if scraped else ""
                 _log(f"{scenario.name} {target} rep {rep + 1}: ok {result['ok']}, "
                      f"errors {sum(result['errors'].values())}, hangs {_hangs(result)} "
-                     f"({time.monotonic() - started:.1f} s)")
+                     f"({time.monotonic() - started:.1f} s){scrapes}")
     return runs, problems
 
 
@@ -238,6 +251,7 @@ def _section(title: str, lines: list[str]) -> None:
 def _meta(args: argparse.Namespace, scenarios: list[Scenario]) -> dict:
     return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "scale": args.factor, "reps": args.reps, "warmup": not args.no_warmup, "load_procs": args.load_procs,
+            "workers": args.workers, "scrape_every_s": args.scrape_every,
             "targets": list(args.targets),
             "proxy": args.proxy_cmd or "traceproxy (in-tree, bench.proxy_proc; tracing and access log off)",
             "proxy-traced": "traceproxy (in-tree; OTLP http/protobuf to the bench's sink, access log off)",
@@ -253,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="traceproxy-bench-"))
     try:
         with _terminate_as_exit(), Children(workdir) as children:
-            session = Session(children, workdir, args.load_procs, warmup=not args.no_warmup)
+            session = Session(children, workdir, args.load_procs, warmup=not args.no_warmup, workers=args.workers,
+                              scrape_every=args.scrape_every)
             session.start_upstream()
             for target in args.targets:
                 if target != "direct":
@@ -279,8 +294,11 @@ def _output(args, scenarios, runs, problems, end, settle_waits) -> int:
     meta = _meta(args, scenarios)
     memory, tracing, access_log = end["memory"], end["tracing"], end["access_log"]
     targets = args.targets
+    served = f"; {args.workers} workers per proxy" if args.workers > 1 else ""
+    scraped = f"; /metrics read every {args.scrape_every:g} s" if args.scrape_every else ""
     print(f"traceproxy bench: targets {', '.join(targets)}; proxy = {meta['proxy']}; {meta['cpus']} CPUs, "
-          f"Python {meta['python']}, scale {args.factor:g}, reps {args.reps}, load processes {args.load_procs}\n")
+          f"Python {meta['python']}, scale {args.factor:g}, reps {args.reps}, load processes {args.load_procs}"
+          f"{served}{scraped}\n")
     print(report.markdown(table_rows(scenarios, summary, memory, targets), targets))
     caveat = " (--proxy-cmd: 'proxy' is another program, so this is not the feature alone)" if args.proxy_cmd else ""
     _section(f"Tracing cost (spans over OTLP to the sink), proxy-traced against proxy{caveat}:",

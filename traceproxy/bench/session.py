@@ -9,6 +9,12 @@ interleaved.
 
 The session owns its children through ``procs.Children``; leaving the ``with``
 block (normally, on an exception or on Ctrl-C) stops each by its process group.
+With ``workers`` above 1 every in-tree target is a service of that many workers
+(``traceproxy serve --workers N``). With ``scrape_every`` its admin listener is on and
+``/metrics`` is read that often during each measured run, as Prometheus would, so the
+run measures what being scraped costs; each run's result says how many scrapes there
+were and how long they took.
+
 ``finish`` reads memory and the counters, and stops ``proxy-traced`` and
 ``proxy-logged`` in order (the leader first, so its exporter process drains into the
 sink or the log file) before the sink reports.
@@ -22,6 +28,7 @@ import select
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -53,8 +60,11 @@ class ProxyProcess:
 
 
 class Session:
-    def __init__(self, children: Children, workdir: Path, load_procs: int = 1, warmup: bool = True) -> None:
+    def __init__(self, children: Children, workdir: Path, load_procs: int = 1, warmup: bool = True,
+                 workers: int = 1, scrape_every: float = 0.0) -> None:
         self.children = children
+        self.workers = workers
+        self.scrape_every = scrape_every
         self.warmup = warmup
         self.workdir = workdir
         self.load_procs = max(1, load_procs)
@@ -103,20 +113,46 @@ class Session:
                 keys = logged_overrides(str(self.access_log_path))
             else:
                 raise ValueError(f"not a proxy target: {target}")
-            port_file, admin_file = self.workdir / f"{target}.port", self.workdir / f"{target}.admin-port"
-            args = ["--upstream", f"http://127.0.0.1:{upstream_port}", "--port-file", str(port_file),
-                    "--admin-port-file", str(admin_file)]
-            for item in [*keys, *(overrides or [])]:
-                args += ["--set", item]
-            child = self.children.start(target, python_module("traceproxy.bench.proxy_proc", *args),
-                                        env=_proxy_environment())
-            port = wait_port_file(child, port_file)
-            if admin_file.exists():
-                admin_port = int(admin_file.read_text().strip())
+            if self.scrape_every:
+                keys = [*keys, "admin=127.0.0.1:0"]
+            if self.workers > 1:
+                port, admin_port, child = self._start_workers(target, keys, overrides)
+            else:
+                port, admin_port, child = self._start_one(target, keys, overrides)
         self.proxies[target] = ProxyProcess(target, child, port, RssSampler(child.pid).start(), admin_port,
                                             command if target == "proxy" else None)
         self.ports[target] = port
         return port
+
+    def _start_one(self, target: str, keys: list[str], overrides: list[str] | None) -> tuple[int, int | None, Child]:
+        port_file, admin_file = self.workdir / f"{target}.port", self.workdir / f"{target}.admin-port"
+        args = ["--upstream", f"http://127.0.0.1:{self.ports['direct']}", "--port-file", str(port_file),
+                "--admin-port-file", str(admin_file)]
+        for item in [*keys, *(overrides or [])]:
+            args += ["--set", item]
+        child = self.children.start(target, python_module("traceproxy.bench.proxy_proc", *args),
+                                    env=_proxy_environment())
+        port = wait_port_file(child, port_file)
+        admin_port = int(admin_file.read_text().strip()) if admin_file.exists() else None
+        return port, admin_port, child
+
+    def _start_workers(self, target: str, keys: list[str], overrides: list[str] | None) -> tuple[int, int | None, Child]:
+        """A service of ``workers`` workers: the bench picks its ports (they must be fixed) and
+        waits for the admin listener, which the service opens once every worker serves."""
+        port = free_port()
+        wants_admin = any(key.startswith("admin=") and key != "admin=off" for key in keys)
+        admin_port = free_port() if wants_admin else None
+        args = ["--upstream", f"http://127.0.0.1:{self.ports['direct']}", "--workers", str(self.workers),
+                "--listen-port", str(port)]
+        if admin_port:
+            args += ["--admin-port", str(admin_port)]
+        for item in [*keys, *(overrides or [])]:
+            if not item.startswith("admin="):
+                args += ["--set", item]
+        child = self.children.start(target, python_module("traceproxy.bench.proxy_proc", *args),
+                                    env=_proxy_environment())
+        wait_listening(child, admin_port or port, timeout=30.0)
+        return port, admin_port, child
 
     @property
     def access_log_path(self) -> Path:
@@ -158,18 +194,25 @@ class Session:
             singles = {}
             if proxy is not None:
                 trees["proxy"] = proxy.child.pid
-                if proxy.command is None:  # traceproxy: its only child process is the span exporter
+                if proxy.command is None and self.workers == 1:  # its only child process is the span exporter
                     singles["proxy_main"] = proxy.child.pid
             if target == "proxy-traced" and self.sink is not None:
                 trees["sink"] = self.sink.pid
             cpu = CpuWindow(trees, singles)
             if proxy is not None:
                 proxy.rss.take_window()
+            scraper = _Scraper(proxy.admin_port, self.scrape_every) if proxy and proxy.admin_port and \
+                self.scrape_every else None
             cpu.start()
             for child, _ in loads:
                 child.proc.stdin.write(b"go\n")
                 child.proc.stdin.flush()
-            parts = [_wait_result(child, out, scenario.budget + EXIT_SLACK) for child, out in loads]
+            if scraper is not None:
+                scraper.start()
+            try:
+                parts = [_wait_result(child, out, scenario.budget + EXIT_SLACK) for child, out in loads]
+            finally:
+                scrapes = scraper.stop() if scraper is not None else None
             usage = cpu.stop()
         finally:
             for child, _ in loads:
@@ -180,6 +223,8 @@ class Session:
             usage["exporter"] = None if main is None or tree is None else round(max(0.0, tree - main), 1)
         merged["cpu"] = usage
         merged["settle_s"] = round(settled, 3)
+        if scrapes is not None:
+            merged["scrapes"] = scrapes
         if proxy is not None:
             merged["proxy_rss_peak"] = proxy.rss.take_window()
         return merged
@@ -251,6 +296,38 @@ class Session:
             return json.loads(stats_file.read_text())
         except (OSError, ValueError):
             return last or {}
+
+
+class _Scraper:
+    """GET /metrics every ``every`` seconds in a thread, as a Prometheus server would."""
+
+    def __init__(self, admin_port: int, every: float) -> None:
+        self.url, self.every = f"http://127.0.0.1:{admin_port}/metrics", every
+        self.took: list[float] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            started = time.monotonic()
+            try:
+                _http_get(self.url)
+            except OSError:
+                self.failed += 1
+                continue
+            self.took.append(time.monotonic() - started)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(HTTP_TIMEOUT + 1)
+        took = sorted(self.took)
+        return {"count": len(took), "failed": self.failed,
+                "p50_ms": round(1000 * took[len(took) // 2], 2) if took else None,
+                "max_ms": round(1000 * took[-1], 2) if took else None}
 
 
 def _proxy_environment() -> dict[str, str]:
