@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import functools
 import logging
 import re
@@ -87,15 +88,48 @@ log = logging.getLogger("traceproxy.upstream")
 SPARE_CLOSED_AT_ONCE_NS = 100_000_000
 # The status line of an interim (1xx) response, which the proxy consumes.
 _INTERIM_STATUS_LINE = re.compile(rb"HTTP/1\.[01] 1[0-9][0-9][ \r]")
+# How far the current response is, in order (plain ints: compared on every read and
+# in every parser callback). The final head is awaited until it is parsed, also
+# across interim (1xx) messages, which the proxy consumes.
+_AWAITING_HEAD, _IN_INTERIM, _IN_BODY, _COMPLETE = range(4)
+
+
+class Phase(enum.Enum):
+    """Where an upstream connection is in its life. What else it has (how it was opened,
+    whether the pool closed it, its write pause, its current response) is independent."""
+
+    CONNECTING = "connecting"  # for a request (opening_for) or ahead of demand (opened_ahead)
+    GIVEN_UP = "given up"  # the connect was cancelled (the request left, shutdown): aborted if it connects
+    TIMED_OUT = "timed out"  # the connect outran timeouts.connect: a failure; aborted if it connects
+    OPEN = "open"  # connected: idle in the pool, or carrying a request (user)
+    CLOSED = "closed"  # connection_lost ran, or the connect ended without a connection
+
+
+class Origin(enum.Enum):
+    """Why an upstream connection was opened."""
+
+    REQUEST = "for a request"
+    AHEAD = "ahead of demand"  # keep_warm: idle once connected, handed out as reused
+    RENEWAL = "ahead, in place of a due idle one"  # retires the oldest due idle one once connected
+
+
+_NOT_CONNECTED_YET = (Phase.CONNECTING, Phase.GIVEN_UP, Phase.TIMED_OUT)
 
 
 class UpstreamConnection(asyncio.Protocol):
+    """One pooled connection to the upstream. Its state, by lifetime: the connection's
+    ``phase`` (one at a time) and what is independent of it (its ``origin``, whether
+    the pool closed it, whether its slot was given back, its write pause); while
+    connecting, who it is for and the connect timeout; and the current response's
+    progress and facts, reset for each response (``_reset_response``)."""
+
     def __init__(self, pool: "UpstreamPool") -> None:
         self.pool = pool
         self.record = UpstreamConnectionRecord(opened_ns=time.monotonic_ns())
         self.transport: asyncio.Transport | None = None
         self.user: UpstreamUser | None = None
-        self.closed = False
+        self.phase = Phase.CONNECTING
+        self.origin = Origin.REQUEST
         self.discarded_by_pool = False  # closed by us, not by the upstream
         self.counted_closed = False  # its slot in open_count was given back
         self._parser: httptools.HttpResponseParser | None = None  # the current response's
@@ -108,19 +142,32 @@ class UpstreamConnection(asyncio.Protocol):
         self._known_head: KnownHead | None = None  # the head the current response repeats
         self._first_read: bytes | None = None  # of a response parsed in full, until its head is
         self._reset_response(head_only=False)
-        # While connecting: the request this connection is being opened for, and the
-        # connect timeout. The connection is handed over from connection_made.
+        # While connecting: who it is being opened for, and the connect timeout. The
+        # connection is handed over from connection_made.
         self.opening_for: ConnectionWaiter | None = None
-        self.spare = False  # being opened ahead of demand (keep_warm): goes idle when connected
-        self.opened_ahead = False  # it was (the flag above is cleared once connected)
-        self.renewing = False  # opened ahead in place of an idle one that is due
-        self.abandoned = False  # its connect was cancelled: whatever connects is aborted
         self.connect_timer = Timer()
-        self.timed_out = False
         # The transport's own flow-control state: it outlives a request (uvloop says
         # pause once, at the crossing), so the next request on this connection must
         # start paused too, or its body would be buffered without bound.
         self.write_paused = False
+
+    @property
+    def closed(self) -> bool:
+        return self.phase is Phase.CLOSED
+
+    @property
+    def opened_ahead(self) -> bool:
+        return self.origin is not Origin.REQUEST
+
+    @property
+    def spare(self) -> bool:
+        """Opened ahead of demand and not connected yet: it goes idle once connected."""
+        return self.origin is not Origin.REQUEST and self.phase in _NOT_CONNECTED_YET
+
+    @property
+    def abandoned(self) -> bool:
+        """Its connect was given up: whatever connects is aborted."""
+        return self.phase is Phase.GIVEN_UP or self.phase is Phase.TIMED_OUT
 
     # -- asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -144,7 +191,7 @@ class UpstreamConnection(asyncio.Protocol):
         parser = self._parser
         if parser is None:  # the response's first read
             parser = self._parser = self._parser_for(data)
-        awaiting_head = self._awaiting_head
+        awaiting_head = self._progress <= _IN_INTERIM
         if awaiting_head and self._head_so_far + len(data) > self.pool.max_head_bytes:
             if self._walk_heads(data)[0]:
                 user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
@@ -156,14 +203,14 @@ class UpstreamConnection(asyncio.Protocol):
             user.upstream_protocol_error("upstream switched protocols, which the proxy does not support")
             return
         except httptools.HttpParserError as exc:
-            if self.user is user and not self._complete:
+            if self.user is user and self._progress != _COMPLETE:
                 user.upstream_protocol_error(_parser_reason(exc))
                 return
             self._extra_message = True  # garbage after a complete response: never reuse
-        if self._complete and self.user is user:
+        if self._progress == _COMPLETE and self.user is user:
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
-            if self._awaiting_head:
+            if self._progress <= _IN_INTERIM:
                 # The head still incomplete: what of it came so far (1xx heads before it
                 # are not counted), and its last bytes, for its empty line may straddle reads.
                 _, self._head_so_far, self._head_prefix = self._walk_heads(data)
@@ -181,8 +228,14 @@ class UpstreamConnection(asyncio.Protocol):
             user.flush_client()
 
     def connect_timed_out(self, task: asyncio.Task) -> None:
-        self.timed_out = self.abandoned = True
+        self.phase = Phase.TIMED_OUT
         task.cancel()
+
+    def give_up_connect(self) -> None:
+        """Nobody wants it any more (the request left, shutdown): a connect that timed out
+        stays a timed-out connect, a failure."""
+        if self.phase is Phase.CONNECTING:
+            self.phase = Phase.GIVEN_UP
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -196,7 +249,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser = self._full_parser = self._known_head_parser = None
 
     def _closed(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.phase = Phase.CLOSED
         self.record.closed_ns = time.monotonic_ns()
         user = self.user
         if user is None:
@@ -219,11 +272,11 @@ class UpstreamConnection(asyncio.Protocol):
         # The request hears first, the pool second: a resend then waits at the head of
         # the queue (see acquire), and the slot this connection frees is its own.
         try:
-            if self._complete:
+            if self._progress == _COMPLETE:
                 return
             if self._close_delimited and exc is None:
                 # No Content-Length, not chunked: the body ends at a clean EOF.
-                self._complete = True
+                self._progress = _COMPLETE
                 user.upstream_response_complete(reusable=False)
                 return
             user.upstream_lost(exc, self.bytes_received)
@@ -276,10 +329,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._head_only = head_only
-        self._in_interim = False
-        self._saw_interim = False
-        self._awaiting_head = True  # until the final (non-1xx) head is parsed
-        self._complete = False
+        self._progress = _AWAITING_HEAD
+        self._saw_interim = False  # a 1xx came before the final head: that head is not learnt
         self._extra_message = False
         self._close_delimited = False
         self._keep_alive = False
@@ -322,14 +373,14 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- httptools callbacks (called from inside feed_data) ----------------------
     def on_message_begin(self) -> None:
-        if self._complete:
+        if self._progress == _COMPLETE:
             self._extra_message = True  # bytes after the response: never reuse
 
     def on_status(self, reason: bytes) -> None:
         self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._awaiting_head:  # not trailers: they are not forwarded, so not kept
+        if self._progress <= _IN_INTERIM:  # not trailers: they are not forwarded, so not kept
             self._headers.append((name, value))
             # Keep-Alive is hop-by-hop (dropped towards the client); the length test
             # keeps this to one comparison for every other header.
@@ -337,13 +388,13 @@ class UpstreamConnection(asyncio.Protocol):
                 self.pool.keepalive.saw_header(value)
 
     def on_headers_complete(self) -> None:
-        if self._complete:
+        if self._progress == _COMPLETE:
             return
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             # Interim responses (100 Continue, 103 Early Hints) are consumed here:
             # the proxy answered the client's Expect itself.
-            self._in_interim = self._saw_interim = True
+            self._progress, self._saw_interim = _IN_INTERIM, True
             self._headers = []
             self._reason = b""
             return
@@ -358,39 +409,40 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_known_headers_complete(self) -> None:
         """The head repeats ``_known_head`` byte for byte (its parser has no header callbacks)."""
-        if not self._complete:
+        if self._progress != _COMPLETE:
             known = self._known_head
             self._head_parsed(known.status, known.reason, known.parts)
 
     def _head_parsed(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
-        self._awaiting_head = False
+        self._progress = _IN_BODY
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
         self.user.upstream_response_head(status, reason, parts)
         # Read keep-alive now: llhttp resets its flags once the message completes.
         self._keep_alive = self._parser.should_keep_alive()
         if no_body:
-            self._complete = True
+            self._progress = _COMPLETE
 
     def on_body(self, body: bytes) -> None:
-        if not self._complete and not self._in_interim:
+        progress = self._progress
+        if progress == _IN_BODY:
             self._body_seen = True
             self.user.upstream_response_body(body)
-        elif self._complete:
+        elif progress == _COMPLETE:
             # A body after the head of a response to HEAD (llhttp does not know the
             # request was HEAD): the rest of it may still come, so never reuse.
             self._extra_message = True
 
     def on_message_complete(self) -> None:
-        if self._in_interim:
-            self._in_interim = False
+        if self._progress == _IN_INTERIM:
+            self._progress = _AWAITING_HEAD  # the final head is still to come
             return
-        if not self._complete:  # not when it ended early (HEAD, 204, 304): llhttp still waits for a body
+        if self._progress != _COMPLETE:  # not when it ended early (HEAD, 204, 304): llhttp still waits for a body
             if self._known_head is not None:
                 self._known_head_parser = self._parser
             else:
                 self._full_parser = self._parser
-        self._complete = True
+        self._progress = _COMPLETE
 
 
 def _parser_reason(exc: Exception) -> str:
@@ -654,8 +706,7 @@ class UpstreamPool:
         if self.max_connections and self.open_count >= self.max_connections:
             return False
         conn = UpstreamConnection(self)
-        conn.spare = conn.opened_ahead = True
-        conn.renewing = renewing
+        conn.origin = Origin.RENEWAL if renewing else Origin.AHEAD
         self.spares_connecting += 1
         self._start_connect(conn)
         return True
@@ -677,19 +728,20 @@ class UpstreamPool:
         underneath, with no connection_lost: the next request would be given a dead one."""
         conn = self.connecting.get(task)
         if conn is not None and conn.opening_for is not None:
-            conn.abandoned = True
+            conn.give_up_connect()
         task.cancel()
 
     def _connected(self, conn: UpstreamConnection) -> None:
         """Hand a new connection to the request it was opened for, or (opened ahead) to the pool."""
         conn.connect_timer.cancel()
         self.stats["opened"] += 1
-        if conn.spare:
-            conn.spare = False
+        spare = conn.spare
+        conn.phase = Phase.OPEN
+        if spare:
             self.spares_connecting -= 1
             self.stats["opened_ahead"] += 1
             self.release(conn)  # to a waiter, or idle
-            if conn.renewing:
+            if conn.origin is Origin.RENEWAL:
                 self._retire_oldest_due()
         else:
             waiter, conn.opening_for = conn.opening_for, None
@@ -709,11 +761,12 @@ class UpstreamPool:
             self._connected(conn)  # connected without a connection_made call: hand over now
             return
         conn.connect_timer.cancel()
-        failed = not task.cancelled() or conn.timed_out  # else: the request gave up, or shutdown
+        failed = not task.cancelled() or conn.phase is Phase.TIMED_OUT  # else: the request gave up, or shutdown
         if failed:
             self.stats["connect_failed"] += 1
-        if conn.spare:
-            conn.spare = False
+        spare = conn.spare
+        conn.phase = Phase.CLOSED  # never connected, or aborted as it connected (see connection_made)
+        if spare:
             self.spares_connecting -= 1
             self._connection_gone()
             if failed:
@@ -900,7 +953,7 @@ class UpstreamPool:
         self._spare_timer.cancel()
         for task, conn in list(self.connecting.items()):
             if conn.opening_for is not None or conn.spare:  # handed-over connections are in use
-                conn.abandoned = True
+                conn.give_up_connect()
                 task.cancel()
         for conn in list(self.idle):
             self.discard(conn, "shutdown")
