@@ -136,6 +136,32 @@ def test_header_has_health_and_a_stall_summary_by_blame():
     assert "http://127.0.0.1:9464" in frame[1]
 
 
+def test_the_header_says_how_many_workers_answered():
+    health = {"status": "ok", "pid": 1, "requests_in_flight": 4, "workers_answering": 2,
+              "workers": [{"pid": 2, "answered": True}, {"pid": 3, "answered": True}, {"pid": 4, "answered": False}]}
+    frame = top.render_frame(top.Snapshot({"requests": ENTRIES}, health), "http://a:1", 200, "12:00:00",
+                             use_color=False)
+    assert "workers 2 of 3 answering (the rest left out)" in frame[0]
+    health.update(workers_answering=3, workers=[{"pid": 2}, {"pid": 3}, {"pid": 4}])
+    assert "workers 3" in top.render_frame(top.Snapshot({"requests": ENTRIES}, health), "http://a:1", 200,
+                                           "12:00:00", use_color=False)[0]
+
+
+def test_one_frame_is_one_answer_when_the_in_flight_view_carries_its_health(monkeypatch):
+    # The header's numbers and the table come from the same gathering of the workers:
+    # no second request whose answer could describe another moment.
+    health = {"status": "ok", "pid": 1, "requests_in_flight": 4}
+    asked = []
+
+    def fetch(url, timeout=top.FETCH_TIMEOUT_S):
+        asked.append(url)
+        return {"requests": ENTRIES, "health": health}
+
+    monkeypatch.setattr(top, "fetch_json", fetch)
+    snapshot = top.fetch_snapshot("http://a:1")
+    assert asked == ["http://a:1/debug/inflight"] and snapshot.health is health
+
+
 def test_a_short_terminal_says_how_many_rows_are_hidden():
     snapshot = top.Snapshot({"pid": 1, "count": 4, "requests": ENTRIES}, None)
     frame = top.render_frame(snapshot, "http://a:1", 100, "12:00:00", use_color=False, height=7)

@@ -23,9 +23,11 @@ its decode worker at the same time (decode preallocates while prefill runs), so
 summing every endpoint would double-count every request in flight and make a busy
 healthy deployment look orphaned. The engines' count is therefore the largest
 per-endpoint total: a lower bound that never double-counts. Hazard: with several
-workers of one role, an orphan on one worker can be hidden by load on another;
-and with ``workers > 1`` (or clients that bypass the proxy) the proxy sees only
-part of the traffic, so orphans are over-reported. Both are documented limits.
+workers of one role, an orphan on one worker can be hidden by load on another; and
+clients that bypass the proxy put work at the engines that no proxied request
+explains, so orphans are over-reported. Both are documented limits. The proxy's
+side is the whole service's: with ``--workers N`` the count is every worker's
+(``observe.engines``), never one worker's share of the traffic.
 
 The gauges and the proxy's count are not sampled at the same instant, which is
 why an orphan must persist for ``orphan_after`` and a request must have waited

@@ -176,8 +176,9 @@ class Watchdog:
 class StallLog:
     """One WARN line per stall and one INFO line when it resolves.
 
-    ``engines`` (an ``EngineScraper``, set by the composition root when scraping is
-    on) appends the engines' latest gauges to the stall line.
+    ``engines`` (the ``EngineScraper``, or in a worker of several the ``EngineReadings``
+    the service's scraper sends; set by the composition root when scraping is on)
+    appends the engines' latest gauges to the stall line.
     """
 
     engines = None
