@@ -1,8 +1,19 @@
 """The client side: one ``ClientConnection`` per accepted keep-alive connection.
 
-It parses requests strictly (httptools/llhttp plus the rules in ``headers``), turns
-each into an ``Exchange``, answers pipelined requests strictly in order, and owns the
-connection's timers: the request-head timeout and the keep-alive idle timeout.
+Theory of operation
+-------------------
+A connection reads requests and answers them in order. Reading is its
+``reader.RequestReader``'s: llhttp, the strict head rules, an ``Exchange`` per request
+whose head passed. The connection owns what outlives a request: the turn (the
+exchange being answered, the pipelined ones behind it, a refusal waiting for them),
+the transport's flow control both ways, lingering and closing (``linger.py``), and
+its timers (``timer.Timer``): the request-head or keep-alive timeout, the active
+exchange's deadlines, the hang-up check of paused reading, and a close's end. An
+exchange sees it only as ``sides.ClientSide``.
+
+State by lifetime: the connection's (transport, record, closing, flow control,
+half-close, lingering, timers), the turn's (active, queue, rejection), and the
+request being read (the reader's).
 
 Hazards
 -------
@@ -14,7 +25,7 @@ Hazards
   ends, so a client streaming one endless header (or trailer) would grow memory.
   The bytes of heads and of a chunked body's framing and trailers are counted from
   the reads (llhttp gives no offsets) and cut off at ``limits.max_header_bytes``:
-  see ``head_meter.HeadMeter``, told here where reads, heads and bodies begin.
+  see ``head_meter.HeadMeter``, told by the reader where reads, heads and bodies begin.
 * Paused reading: while reading is paused (a pipelined request waits its turn,
   the upstream does not take the body fast enough, a refusal waits for the
   responses before it) the loop does not watch the socket, so a client hanging
@@ -41,20 +52,16 @@ import functools
 import logging
 import time
 
-import httptools
-
 from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord
-from . import headers as H
 from . import sockets
 from .context import ServerContext
 from .endings import Ending
 from .forward import Exchange
-from .head_meter import HeadMeter
 from .linger import LINGER_MAX_BYTES, LINGER_SECONDS
 from .local_reply import body_size, error_response
-from .request_head import RequestHead
+from .reader import MAX_PIPELINED, RequestReader  # noqa: F401  (MAX_PIPELINED: the connection's limit, named here too)
 from .timer import Timer
 
 log = logging.getLogger("traceproxy.downstream")
@@ -63,74 +70,45 @@ CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 # How often a connection whose reading is paused is checked for a hang-up: well
 # within the second in which the engine must see an abandoned request's connection close.
 PEER_CHECK_INTERVAL = 0.25
-# Pipelined requests queued behind the one being answered, at most: past this the
-# connection closes after the last one queued (each costs a record and an exchange,
-# and a 1 MiB read of minimal GETs would queue 38,000).
-MAX_PIPELINED = 32
 # The stages of lingering (see linger.py): the rest of a body answered early, then
 # what comes after the proxy's FIN.
 _DRAINING, _CLOSING = 1, 2
 # How a FIN after a whole request, taken as leaving, is recorded (see eof_received).
 HALF_CLOSE_TAKEN_AS_LEAVING = ("client half-closed the connection (FIN) after its whole request, before {what}: "
                                "taken as leaving (limits.client_half_close = abort)")
-# The usual methods as str, so that a request does not decode its method.
-_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
-
-
-class _BegunAfterClose(Exception):
-    """Raised inside llhttp's callback to stop it at a request begun after the
-    connection was closed within the same read."""
-
-
-class _PipelineFull(Exception):
-    """Raised inside llhttp's callback to stop it at a request past MAX_PIPELINED."""
-
-
-def _unsupported_version(version: str) -> str:
-    return f"HTTP/{version} is not supported: send HTTP/1.1 (or HTTP/1.0)"
 
 
 class ClientConnection(asyncio.Protocol):
     def __init__(self, ctx: ServerContext) -> None:
+        # The connection.
         self.ctx = ctx
         self.transport: asyncio.Transport | None = None
         self.record: ClientConnectionRecord | None = None
-        self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.closing = False
-        self.feeding = False  # inside parser.feed_data: upstream writes are batched
+        self.feeding = False  # inside a read being parsed: upstream writes are batched
         self.write_paused = False
         self.reading_paused_for: set[str] = set()
-        # The request whose head/body is being parsed now.
-        self.parsing: RequestRecord | None = None
-        self.parsing_exchange: Exchange | None = None
-        self._url = b""
-        self._headers: H.Headers = []
-        self._meter = HeadMeter(ctx.limits.max_header_bytes, ctx.limits.max_target_bytes)  # see head_meter.py
-        self._upgrade_offer_ignored = False  # see _ignore_upgrade_offer
-        self._max_head_bytes = ctx.limits.max_header_bytes
-        self._max_target_bytes = ctx.limits.max_target_bytes
-        # A head began during this read: arm the head timer after it, unless the head
-        # also ended in it (the usual case, so most requests never touch the timer).
-        self._head_timer_pending = False
-        # The exchange being answered, and pipelined ones waiting their turn.
-        self.active: Exchange | None = None
-        self.queue: collections.deque[Exchange] = collections.deque()
-        self.rejection: tuple[int, Outcome, str] | None = None
-        # The connection's timers (see timer.Timer): the request-head or keep-alive
-        # timeout; the active exchange's deadlines (kept across requests, so that
-        # keep-alive requests do not each create and cancel one); the hang-up check of
-        # paused reading (see Hazards); and a lingering stage's end or a close's flush.
-        self._head_timer = Timer()
-        self._exchange_timer = Timer()
-        self._peer_check = Timer()
-        self._close_timer = Timer()
-        self._lingering = 0  # _DRAINING or _CLOSING (see linger.py)
-        self._lingered_bytes = 0  # of a body drained after its answer
-        self.reading_stopped = False  # too many requests pipelined: nothing more is parsed
         # The client's FIN came after whole requests, which are still answered (see
         # Hazards: Half-close); and its FIN after a whole request was taken as leaving.
         self.half_closed = False
         self._left_after_request = False
+        self._lingering = 0  # _DRAINING or _CLOSING (see linger.py)
+        self._lingered_bytes = 0  # of a body drained after its answer
+        # Its timers: the request-head or keep-alive timeout; the active exchange's
+        # deadlines (kept across requests, so that keep-alive requests do not each
+        # create and cancel one); the hang-up check of paused reading (see Hazards);
+        # and a lingering stage's end or a close's flush.
+        self.head_timer = Timer()
+        self._exchange_timer = Timer()
+        self._peer_check = Timer()
+        self._close_timer = Timer()
+        # The turn: the exchange being answered, pipelined ones waiting, and a refusal
+        # waiting for the responses before it.
+        self.active: Exchange | None = None
+        self.queue: collections.deque[Exchange] = collections.deque()
+        self.rejection: tuple[int, Outcome, str] | None = None
+        # The request being read now, and the parser.
+        self.reader = RequestReader(self, ctx)
 
     # ---------------------------------------------------------------------------
     # Connection lifetime
@@ -149,11 +127,12 @@ class ClientConnection(asyncio.Protocol):
             self._send_rejection()
             return
         self.ctx.connection_idle(self)  # evictable until its first byte arrives
-        self._head_timer.set_in(self.ctx.timeouts.client_headers, self._on_idle_timeout)
+        self.head_timer.set_in(self.ctx.timeouts.client_headers, self._on_idle_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        parsing = self.reader.parsing
         self.closing = True
-        for timer in (self._head_timer, self._exchange_timer, self._peer_check, self._close_timer):
+        for timer in (self.head_timer, self._exchange_timer, self._peer_check, self._close_timer):
             timer.cancel()
         closed = self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
@@ -169,9 +148,9 @@ class ClientConnection(asyncio.Protocol):
             self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
             if self.active is not None:
                 self.active.end(Ending.CLIENT_LEFT, Flag.DC, "client closed the connection")
-        if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
-            self.ctx.stamp_once(self.parsing, closed, MARK.DOWNSTREAM_CLOSED)
-            self.ctx.end_request(self.parsing, Flag.DC, "client closed the connection while sending the request head")
+        if parsing is not None and not parsing.finished and self.reader.parsing_exchange is None:
+            self.ctx.stamp_once(parsing, closed, MARK.DOWNSTREAM_CLOSED)
+            self.ctx.end_request(parsing, Flag.DC, "client closed the connection while sending the request head")
         self._let_go_of_self()
 
     def _let_go_of_self(self) -> None:
@@ -181,8 +160,8 @@ class ClientConnection(asyncio.Protocol):
         callbacks, an exchange still here (a body arriving, a reply lingering) its
         connection (the timers let go of theirs when cancelled). None is used after
         the close: ``_feed`` and ``exchange_finished`` stop at ``closing``."""
-        self.parser = None
-        self.active = self.parsing_exchange = None
+        self.reader.close()
+        self.active = None
 
     def eof_received(self) -> bool:
         """A FIN from the client. With a request in progress it is a disconnect, as
@@ -194,7 +173,8 @@ class ClientConnection(asyncio.Protocol):
         Half-close), unless the client had all of its stream already (data: [DONE])."""
         if self.half_closed:
             return True
-        if not (self.active is not None or self.queue or (self.parsing is not None and not self.parsing.finished)):
+        parsing = self.reader.parsing
+        if not (self.active is not None or self.queue or (parsing is not None and not parsing.finished)):
             return False
         owed = self._fin_after_whole_requests()
         if owed and self.ctx.answer_half_close and not self.closing:
@@ -210,7 +190,7 @@ class ClientConnection(asyncio.Protocol):
         read to its end and is still owed its response. Not when the client had its
         whole stream (data: [DONE]; the active exchange judges that, once, now)."""
         had_its_stream = self.active is not None and self.active.client_sent_fin()
-        return (not had_its_stream and self.parsing is None and self.rejection is None
+        return (not had_its_stream and self.reader.parsing is None and self.rejection is None
                 and self.active is not None and self.active.request_complete and not self.active.finished)
 
     def _answer_then_close(self) -> None:
@@ -253,7 +233,7 @@ class ClientConnection(asyncio.Protocol):
         self.resume_reading("upstream")
         self._close_timer.set_in(LINGER_SECONDS, self._linger_expired)
 
-    def _body_discarded(self, size: int) -> None:
+    def body_discarded(self, size: int) -> None:
         self._lingered_bytes += size
         if self._lingering == _DRAINING and self._lingered_bytes > LINGER_MAX_BYTES:
             self._drain_ended(body_complete=False)
@@ -302,14 +282,15 @@ class ClientConnection(asyncio.Protocol):
         if self.active is not None:
             self.active.keep_client_alive = False
             self.active.end(Ending.FAILED, Flag.LR, reason)
-        if self.parsing is not None and not self.parsing.finished and self.parsing_exchange is None:
+        parsing = self.reader.parsing
+        if parsing is not None and not parsing.finished and self.reader.parsing_exchange is None:
             if self.rejection is not None:
                 # Refused already (its 4xx waits behind the response before it): the
                 # refusal is its outcome, though the connection closes before it is sent.
                 _, refused, why = self.rejection
-                self.ctx.end_request(self.parsing, refused, why)
+                self.ctx.end_request(parsing, refused, why)
             else:
-                self.ctx.end_request(self.parsing, Flag.LR, reason)
+                self.ctx.end_request(parsing, Flag.LR, reason)
         self.close()
 
     def reset(self) -> None:
@@ -375,218 +356,39 @@ class ClientConnection(asyncio.Protocol):
         self._peer_check.set_in(PEER_CHECK_INTERVAL, self._check_peer)
 
     # ---------------------------------------------------------------------------
-    # Parsing
+    # Reading (see reader.RequestReader)
     # ---------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        rest = self._feed(data)
-        while rest:  # what followed requests that offered h2c (see _ignore_upgrade_offer)
-            rest = self._feed(rest)
+        reader = self.reader
+        # Past an ignored h2c offer llhttp stops; the rest of the read is fed again.
+        while data and not (self.closing or self.rejection is not None or reader.stopped):
+            data = reader.feed(data)
 
-    def _feed(self, data: bytes) -> bytes | None:
-        """Parse one read; returns the bytes llhttp left after an ignored h2c offer."""
-        if self.closing or self.rejection is not None or self.reading_stopped:
-            return None
-        meter = self._meter
-        meter.read_begins(data, self.parsing is not None)
-        rest = b""
-        self.feeding = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            refusal = (cause.status, cause.reason) if isinstance(cause, H.BadRequest) else None
-            pipeline_full = isinstance(cause, _PipelineFull)
-            begun_after_close = isinstance(cause, _BegunAfterClose)
-            # Its traceback holds this frame, which would hold it: a cycle that would
-            # keep the refused connection (and its last read) for the collector.
-            del cause
-            if refusal is not None:
-                self.reject(refusal[0], Flag.DPE, refusal[1])
-            elif pipeline_full:
-                self._read_no_more()
-            elif not begun_after_close:
-                raise
-            return
-        except httptools.HttpParserUpgrade as upgrade:
-            if not self._upgrade_offer_ignored:
-                self.reject(501, Flag.DPE, "protocol upgrade (Upgrade or CONNECT) is not supported")
-                return
-            # llhttp stopped after the request that offered h2c (done: it has no body)
-            # and resumed; what follows in this read is the next request.
-            self._upgrade_offer_ignored = False
-            rest = data[upgrade.args[0]:]
-        except httptools.HttpParserInvalidMethodError as exc:
-            unknown = meter.unknown_method()
-            if unknown is not None:
-                # RFC 9110 section 9.1: a method the proxy cannot carry is not implemented here.
-                self.reject(501, Flag.DPE, f"request method {unknown!r} is not supported")
-            else:
-                self.reject(400, Flag.DPE, f"malformed request: {exc}")
-            return
-        except httptools.HttpParserError as exc:
-            if self._url == b"*" and self.parser.get_http_version() == "2.0":
-                # llhttp pauses at HTTP/2's connection preface (PRI * HTTP/2.0).
-                self.reject(505, Flag.DPE, _unsupported_version("2.0"))
-            else:
-                self.reject(400, Flag.DPE, f"malformed request: {exc}")
-            return
-        finally:
-            self.feeding = False
-            if self.active is not None:
-                self.active.flush_upstream()
-        if rest:
-            return rest
-        if self.parsing is not None:
-            if meter.in_head:
-                if meter.head_too_long():
-                    self.reject(431, Flag.DPE, f"request head exceeds {self._max_head_bytes} bytes")
-                    return
-                if meter.line_without_version():
-                    self.reject(505, Flag.DPE, _unsupported_version("0.9"))
-                    return
-            elif meter.chunked:
-                if not meter.body_seen:
-                    # Chunk-size lines, extensions or trailers only: the client is still
-                    # sending, and the body timeout runs between reads, as nginx's does.
-                    self.parsing.last_downstream_rx_ns = time.monotonic_ns()
-                if meter.framing_too_long():
-                    self.reject(431, Flag.DPE, f"request chunk framing or trailers exceed {self._max_head_bytes} bytes")
-                    return
-        if self._head_timer_pending:
-            self._head_timer_pending = False
-            self._head_timer.set_in(self.ctx.timeouts.client_headers, self._on_header_timeout)
-
-    def _read_no_more(self) -> None:
-        """MAX_PIPELINED requests wait: the connection closes after the last of them
-        (its response says so), and what the client sent after it is never read: the
-        client resends those requests on a new connection (RFC 9112 section 9.3.2)."""
-        last = self.queue[-1]
-        last.head.keep_alive = last.keep_client_alive = False
-        self.reading_stopped = True
-        self.pause_reading("pipeline full")
-
-    def on_message_begin(self) -> None:
-        if self.closing:
-            # Closed while llhttp went on through this read (a lingering request's body
-            # ended, a shutdown): this request can never be answered, and its client
-            # resends it on a new connection, so it is never started (run twice else).
-            raise _BegunAfterClose
-        if len(self.queue) >= MAX_PIPELINED:
-            raise _PipelineFull
-        now = time.monotonic_ns()
-        self._head_timer.clear()  # the keep-alive idle timeout stands down
+    def request_begins(self) -> RequestRecord:
+        """A request's first byte came: its record, which this connection owns until its head is read."""
+        self.head_timer.clear()  # the keep-alive idle timeout stands down
         self.ctx.connection_busy(self)
-        record = self.record.begin_request(now)
+        record = self.record.begin_request(time.monotonic_ns())
         record.owner = self  # until its exchange exists
         # Behind a request in progress, its head is read only as the proxy reads on
         # (it stops at a queued one): until its turn, its silence is not the client's.
         record.waiting_turn = self.active is not None
-        self.parsing, self.parsing_exchange = record, None
-        self._url, self._headers = b"", []
-        self._meter.head_begins(self.queue[-1] if self.queue else self.active, record.sequence)
-        self.ctx.start_request(record)
-        self._head_timer_pending = self.active is None
+        return record
 
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-        if len(self._url) > self._max_target_bytes:
-            raise H.BadRequest(414, f"request target exceeds {self._max_target_bytes} bytes")
+    def arm_head_timer(self) -> None:
+        self.head_timer.set_in(self.ctx.timeouts.client_headers, self._on_header_timeout)
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # Called for every header of every request: the size limit is checked once
-        # the head is complete (see Hazards: Unbounded heads).
-        self._headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        record = self.parsing
-        meter = self._meter
-        meter.in_head = self._head_timer_pending = False
-        self._head_timer.clear()  # the head timeout stands down
-        method = self.parser.get_method()
-        record.method = _METHODS.get(method) or method.decode("ascii", "replace")
-        target = self._url  # named now, so that a refusal below still names it
-        origin_form = target.startswith(b"/")
-        record.target = target.decode("latin-1") if origin_form else H.shown_target(target)
-        version = record.http_version = self.parser.get_http_version()
-        record.mark(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE, time.monotonic_ns())
-        if self.ctx.fanout.mark_observers:
-            self.ctx.fanout.mark(record, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE)
-        if meter.head_exceeds(record.method, self._url, self._headers):
-            raise H.BadRequest(431, f"request head exceeds {self._max_head_bytes} bytes")
-        if version != "1.1" and version != "1.0":
-            # llhttp reads a request line without a version as HTTP/0.9.
-            raise H.BadRequest(505, _unsupported_version(version))
-        # The usual head, at the read's first byte, is checked here at once.
-        if not meter.starts_with_http(method, self._url):
-            protocol = meter.unexpected_protocol(method, self._url)
-            if protocol is not None:
-                raise H.BadRequest(400, f"not an HTTP request line: protocol {protocol.decode('latin-1')!r}")
-        upgrade = self.parser.should_upgrade()
-        if upgrade and record.method == "CONNECT":
-            raise H.BadRequest(501, "CONNECT is not supported: this is a reverse proxy")
-        parts = H.parse_request_headers(self._headers, version, self.ctx.request_id_names)
-        if upgrade:
-            self._ignore_upgrade_offer(parts)
-        if not origin_form:
-            if target == b"*":
-                if record.method != "OPTIONS":  # RFC 9112 section 3.2.4
-                    raise H.BadRequest(400, "the asterisk-form target * is only for OPTIONS")
-            else:
-                absolute = H.split_absolute_form(target)
-                if absolute is None:
-                    raise H.BadRequest(400, "unsupported request target: expected /path or an http(s):// URL")
-                host, target = absolute
-                parts = H.with_host(parts, host)
-                record.target = target.decode("latin-1")  # what goes upstream: the origin form
-        meter.body_begins(parts.framing.chunked, len(self._headers))
-        generated_id = self.ctx.identify(record, parts)  # before any refusal, so errors carry the ids
-        http11 = record.http_version == "1.1"
-        # RFC 9110 section 10.1.1: Expect in an HTTP/1.0 request is ignored (and 1xx
-        # responses are never sent to an HTTP/1.0 client); the proxy strips it upstream.
-        expect = parts.expect if http11 else None
-        if expect is not None and expect.strip().lower() != b"100-continue":
-            raise H.BadRequest(417, "unsupported Expect value: only 100-continue is understood")
-        head = RequestHead(
-            record.method, target, parts, http11,
-            self.parser.should_keep_alive() and not self.ctx.shutting_down,
-            expect is not None and parts.framing.has_body,
-            generated_id,
-        )
-        exchange = Exchange(self.ctx, self, record, head)
-        self.parsing_exchange = exchange
+    def request_ready(self, exchange: Exchange) -> None:
+        """Its head passed: it is answered now, or after the ones before it."""
         if self.active is None:
             self._begin(exchange)
         else:
-            record.waiting_turn = True
+            exchange.record.waiting_turn = True
             self.queue.append(exchange)
             self.pause_reading("pipeline")
 
-    def _ignore_upgrade_offer(self, parts: H.RequestParts) -> None:
-        """An offer of h2c on a request without a body is answered over HTTP/1.1, as
-        RFC 9113 allows (``curl --http2`` sends one); any other upgrade gets 501."""
-        if not H.only_offers_h2c(self._headers):
-            raise H.BadRequest(501, "protocol upgrade (Upgrade) is not supported: only HTTP/1.1 is proxied")
-        if parts.framing.has_body:
-            raise H.BadRequest(501, "an Upgrade: h2c offer on a request with a body is not supported: "
-                                    "send it without Upgrade")
-        self._upgrade_offer_ignored = True
-
-    def on_body(self, body: bytes) -> None:
-        self._meter.body_seen = True
-        exchange = self.parsing_exchange
-        if exchange.finished:  # answered before its body ended: thrown away (see linger.py)
-            self._body_discarded(len(body))
-        else:
-            exchange.request_body(body)
-
-    def on_message_complete(self) -> None:
-        meter = self._meter
-        if meter.trailers_exceed(self._headers):
-            raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
-        meter.message_complete()
-        exchange = self.parsing_exchange
-        self.parsing, self.parsing_exchange = None, None
-        exchange.request_done()
+    def request_read(self, exchange: Exchange) -> None:
+        """Its body ended (the request was read whole)."""
         if self._lingering == _DRAINING and exchange is self.active:
             self._drain_ended(body_complete=True)
 
@@ -623,7 +425,7 @@ class ClientConnection(asyncio.Protocol):
             # Answered before its body ended, or with requests behind it: the client
             # may still be sending (not after its FIN).
             still_sending = not self.half_closed and (not exchange.request_complete or self.queue
-                                                      or self.parsing is not None or self.reading_stopped)
+                                                      or self.reader.parsing is not None or self.reader.stopped)
             self._drop_queue(Flag.LR, "the connection closed before this pipelined request's turn")
             if still_sending:
                 self.close_lingering()
@@ -643,15 +445,15 @@ class ClientConnection(asyncio.Protocol):
             self._send_rejection()
         elif self.ctx.shutting_down:
             self.close()
-        elif self.parsing is None:
+        elif self.reader.parsing is None:
             self.ctx.connection_idle(self)
-            self._head_timer.set_in(self.ctx.timeouts.client_keepalive, self._on_idle_timeout)
+            self.head_timer.set_in(self.ctx.timeouts.client_keepalive, self._on_idle_timeout)
         else:
             # The head begun behind the requests before it: its turn starts now, and
             # its time to complete (the stall verdict, the header timeout) with it.
-            self.parsing.waiting_turn = False
-            self.parsing.turn_began_ns = time.monotonic_ns()
-            self._head_timer.set_in(self.ctx.timeouts.client_headers, self._on_header_timeout)
+            self.reader.parsing.waiting_turn = False
+            self.reader.parsing.turn_began_ns = time.monotonic_ns()
+            self.arm_head_timer()
 
     def _drop_queue(self, outcome: Outcome, why: str) -> None:
         while self.queue:
@@ -661,29 +463,31 @@ class ClientConnection(asyncio.Protocol):
     # Refusals
     # ---------------------------------------------------------------------------
     def reject(self, status: int, outcome: Outcome, reason: str) -> None:
-        """Refuse the request being parsed; nothing of it has been forwarded."""
+        """Refuse the request being read; nothing of it has been forwarded."""
+        reader = self.reader
         self.rejection = (status, outcome, reason)
         self.pause_reading("rejected")
-        if self.parsing is not None and (self.active is not None or self.queue):
-            self.parsing.waiting_turn = True  # its refusal goes out after the responses before it
-        broken = self.parsing_exchange
+        if reader.parsing is not None and (self.active is not None or self.queue):
+            reader.parsing.waiting_turn = True  # its refusal goes out after the responses before it
+        broken = reader.parsing_exchange
         if broken is not None and broken is self.active:
             # The bad bytes are inside the body of the active request (e.g. a bad
             # chunk size): that request cannot complete, so it is the one that fails.
-            self.parsing = None
+            reader.parsing = None
             self.active.end(Ending.FAILED, outcome, reason, status)
             return
         if broken is not None and broken in self.queue:
             # A pipelined request with a broken body never starts; its 400 goes
             # out in its turn, after the responses before it.
             self.queue.remove(broken)
-            self.parsing_exchange = None
+            reader.parsing_exchange = None
         if self.active is None and not self.queue:
             self._send_rejection()
 
     def abort(self, outcome: Outcome, message: str) -> None:
         """The watchdog's abort of a request whose head is not complete."""
-        if self.parsing is not None and not self.parsing.finished and self.rejection is None:
+        parsing = self.reader.parsing
+        if parsing is not None and not parsing.finished and self.rejection is None:
             self.rejection = (outcome.local_status or 408, outcome, message)
             self.pause_reading("rejected")
             if self.active is None:
@@ -691,23 +495,16 @@ class ClientConnection(asyncio.Protocol):
 
     def _send_rejection(self) -> None:
         status, outcome, reason = self.rejection
-        record = self.parsing
-        # The header lines read before the refusal are this request's, whoever refused
-        # it (our checks, or llhttp's, e.g. duplicate lengths): the refusal carries the
-        # client's trace context and request id from them, so it can be found by them.
-        parts = H.ids_only(self._headers, self.ctx.request_id_names) if record is not None else None
+        record = self.reader.parsing
         if record is None or record.finished:
             parts = None
-            now = time.monotonic_ns()
-            record = self.record.begin_request(now)
+            record = self.record.begin_request(time.monotonic_ns())
             self.ctx.start_request(record)
-        elif not record.method and self._url:
-            # Refused after its method (llhttp, or a target too long): the refusal names it.
-            method = self.parser.get_method()
-            record.method = _METHODS.get(method) or method.decode("ascii", "replace")
-            if len(self._url) <= self._max_target_bytes:
-                record.target = H.shown_target(self._url)
-        self.parsing = None
+        else:
+            # The refusal carries the client's trace context and request id from the
+            # header lines read before it, so it can be found by them.
+            parts = self.reader.refused_parts(record)
+        self.reader.parsing = None
         record.status = status
         if not record.trace_id:
             self.ctx.identify(record, parts)
@@ -745,13 +542,14 @@ class ClientConnection(asyncio.Protocol):
             self.active.timer_fired()
 
     def _on_idle_timeout(self) -> None:
-        if self.active is None and self.parsing is None:
+        if self.active is None and self.reader.parsing is None:
             self.close()
 
     def _on_header_timeout(self) -> None:
         if self.closing:
             return
-        if self.parsing is not None and not self.parsing.has(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE):
+        parsing = self.reader.parsing
+        if parsing is not None and not parsing.has(MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE):
             waited = self.ctx.timeouts.client_headers
             self.rejection = (408, Flag.DHT, f"request head not complete after {waited:g} s")
             if self.active is None:
