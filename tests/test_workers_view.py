@@ -234,6 +234,8 @@ def test_counters_under_load_never_go_down_and_end_at_the_requests_sent(upstream
         requests, observed = zip(*readings)
         assert list(requests) == sorted(requests) and list(observed) == sorted(observed), readings
         assert requests[-1] > requests[0], "the scrapes were not under load"
+        # Every worker answering (on a loaded machine one may miss a scrape's deadline).
+        assert wait_until(lambda: service.totals()["traceproxy_workers_answering"] == workers, timeout=10)
         final = service.totals()
         assert final["traceproxy_requests_total"] == sum(sent)
         assert final["traceproxy_request_duration_seconds_count"] == sum(sent)
@@ -258,8 +260,14 @@ def test_every_held_stream_appears_once_with_its_worker_and_the_service_count(up
     with serving(upstream_process, workers) as service:
         clients = _hold_streams(service.port, held)
         try:
-            assert wait_until(lambda: service.json("/debug/inflight")["count"] == held, timeout=10)
-            view = service.json("/debug/inflight")
+            views = []
+
+            def all_held():
+                views.append(service.json("/debug/inflight"))
+                return views[-1]["count"] == held and views[-1]["workers_answering"] == workers
+
+            assert wait_until(all_held, timeout=10)
+            view = views[-1]
             pids = service.worker_pids()
             ids = [entry["request_id"] for entry in view["requests"]]
             assert sorted(ids) == sorted(f"held-{i}" for i in range(held))  # each once
@@ -290,7 +298,10 @@ def test_a_stopped_worker_makes_answers_late_and_partial_never_wrong(upstream_pr
     with serving(upstream_process, 2) as service:
         for _ in range(20):
             assert RawClient(service.port).roundtrip("GET", "/health").status == 200
-        before = service.totals()
+        befores = []
+        assert wait_until(lambda: befores.append(service.totals()) or
+                          befores[-1]["traceproxy_workers_answering"] == 2, timeout=10)
+        before = befores[-1]
         stopped = min(service.worker_pids())
         os.kill(stopped, signal.SIGSTOP)
         try:
