@@ -130,6 +130,18 @@ def test_the_shared_ceiling_is_one_bucket_for_every_process_that_takes_from_it()
     assert ceiling.take(1_000 * S + S // 10)  # and a tenth of a second later, one more
 
 
+def test_without_a_shared_lock_each_worker_keeps_its_share_of_the_ceiling(monkeypatch, caplog):
+    import multiprocessing.context
+
+    def no_semaphores(self):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(multiprocessing.context.BaseContext, "Lock", no_semaphores)
+    ceiling = SharedRateCeiling.for_service(10, 3)
+    assert not isinstance(ceiling, SharedRateCeiling) and ceiling.per_second == 3  # 3 workers stay under 10
+    assert "split between the 3 workers (3 each)" in caplog.text
+
+
 # ----------------------------------------------------------------------------------
 # A real multi-worker service
 # ----------------------------------------------------------------------------------

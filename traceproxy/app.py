@@ -404,7 +404,7 @@ def _run_workers(settings: Settings) -> int:
     from .observe.tracing import SharedRateCeiling
     from .workers import WorkerLink, WorkerPeer
 
-    healthy_ceiling = SharedRateCeiling(settings.tracing.healthy_max_per_second)
+    healthy_ceiling = SharedRateCeiling.for_service(settings.tracing.healthy_max_per_second, settings.workers)
     pairs = [socket.socketpair() for _ in range(settings.workers)]
     peers: list[WorkerPeer] = []
     parent = os.getpid()

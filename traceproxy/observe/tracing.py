@@ -34,6 +34,7 @@ on, a shed request still sends its summary, marked spans-not-wanted.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import multiprocessing
 import os
@@ -45,6 +46,7 @@ from ..lifecycle.ids import new_span_id
 from ..lifecycle.timeline import RequestRecord
 from .spans import RequestSummary, stall_span, summarize
 
+log = logging.getLogger("traceproxy.tracing")
 _RATIO_BOUND = 1 << 64
 SHED_REASONS = ("rate", "backlog")
 
@@ -155,6 +157,21 @@ class SharedRateCeiling(RateCeiling):
     make takes fail, never hang a worker's loop. A take costs about 0.3 us."""
 
     LOCK_TRIES = 4
+
+    @classmethod
+    def for_service(cls, per_second: int, workers: int) -> RateCeiling:
+        """The ceiling the workers about to be forked share; where a lock shared by
+        processes cannot be made (no POSIX semaphores), each worker keeps its own
+        ceiling with a 1/``workers`` share, so the service still stays under it."""
+        if not per_second:
+            return RateCeiling(0)
+        try:
+            return cls(per_second)
+        except OSError as exc:
+            log.warning("tracing.healthy_max_per_second = %d is split between the %d workers (%d each): a lock "
+                        "they could share cannot be made here (%s)", per_second, workers,
+                        max(1, per_second // workers), exc.strerror or exc)
+            return RateCeiling(max(1, per_second // workers))
 
     def __init__(self, per_second: int) -> None:
         super().__init__(per_second)
