@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import time
 
@@ -59,10 +58,10 @@ from . import sockets
 from .context import ServerContext
 from .endings import Ending
 from .forward import Exchange
-from .linger import LINGER_MAX_BYTES, LINGER_SECONDS
+from .linger import LINGER_SECONDS, Lingering  # noqa: F401  (LINGER_SECONDS: the connection's, named here too)
 from .local_reply import body_size, error_response
 from .reader import MAX_PIPELINED, RequestReader  # noqa: F401  (MAX_PIPELINED: the connection's limit, named here too)
-from .timer import Timer
+from .timer import ExchangeTimer, Timer
 
 log = logging.getLogger("traceproxy.downstream")
 
@@ -70,9 +69,6 @@ CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 # How often a connection whose reading is paused is checked for a hang-up: well
 # within the second in which the engine must see an abandoned request's connection close.
 PEER_CHECK_INTERVAL = 0.25
-# The stages of lingering (see linger.py): the rest of a body answered early, then
-# what comes after the proxy's FIN.
-_DRAINING, _CLOSING = 1, 2
 # How a FIN after a whole request, taken as leaving, is recorded (see eof_received).
 HALF_CLOSE_TAKEN_AS_LEAVING = ("client half-closed the connection (FIN) after its whole request, before {what}: "
                                "taken as leaving (limits.client_half_close = abort)")
@@ -92,16 +88,12 @@ class ClientConnection(asyncio.Protocol):
         # Hazards: Half-close); and its FIN after a whole request was taken as leaving.
         self.half_closed = False
         self._left_after_request = False
-        self._lingering = 0  # _DRAINING or _CLOSING (see linger.py)
-        self._lingered_bytes = 0  # of a body drained after its answer
+        self.lingering = Lingering(self)  # and the waits of a close (see linger.py)
         # Its timers: the request-head or keep-alive timeout; the active exchange's
-        # deadlines (kept across requests, so that keep-alive requests do not each
-        # create and cancel one); the hang-up check of paused reading (see Hazards);
-        # and a lingering stage's end or a close's flush.
+        # deadlines; the hang-up check of paused reading (see Hazards).
         self.head_timer = Timer()
-        self._exchange_timer = Timer()
+        self.exchange_timer = ExchangeTimer(self._exchange_timer_fired)
         self._peer_check = Timer()
-        self._close_timer = Timer()
         # The turn: the exchange being answered, pipelined ones waiting, and a refusal
         # waiting for the responses before it.
         self.active: Exchange | None = None
@@ -110,9 +102,7 @@ class ClientConnection(asyncio.Protocol):
         # The request being read now, and the parser.
         self.reader = RequestReader(self, ctx)
 
-    # ---------------------------------------------------------------------------
-    # Connection lifetime
-    # ---------------------------------------------------------------------------
+    # -- connection lifetime -------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
@@ -130,9 +120,8 @@ class ClientConnection(asyncio.Protocol):
         self.head_timer.set_in(self.ctx.timeouts.client_headers, self._on_idle_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        parsing = self.reader.parsing
         self.closing = True
-        for timer in (self.head_timer, self._exchange_timer, self._peer_check, self._close_timer):
+        for timer in (self.head_timer, self.exchange_timer, self._peer_check, self.lingering):
             timer.cancel()
         closed = self.record.closed_ns = time.monotonic_ns()
         self.ctx.forget(self)
@@ -148,18 +137,16 @@ class ClientConnection(asyncio.Protocol):
             self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
             if self.active is not None:
                 self.active.end(Ending.CLIENT_LEFT, Flag.DC, "client closed the connection")
+        parsing = self.reader.parsing
         if parsing is not None and not parsing.finished and self.reader.parsing_exchange is None:
             self.ctx.stamp_once(parsing, closed, MARK.DOWNSTREAM_CLOSED)
             self.ctx.end_request(parsing, Flag.DC, "client closed the connection while sending the request head")
-        self._let_go_of_self()
-
-    def _let_go_of_self(self) -> None:
-        """Drop what refers back to this connection, so that it is freed by reference
-        counting as soon as nothing else holds it, not by the cycle collector, which
-        runs rarely (see app.YOUNG_COLLECTION_THRESHOLD): the parser holds its
-        callbacks, an exchange still here (a body arriving, a reply lingering) its
-        connection (the timers let go of theirs when cancelled). None is used after
-        the close: ``_feed`` and ``exchange_finished`` stop at ``closing``."""
+        # Drop what refers back to this connection, so that reference counting frees it
+        # as soon as nothing else holds it, not the cycle collector, which runs rarely
+        # (see app.YOUNG_COLLECTION_THRESHOLD): the reader and its parser's callbacks, an
+        # exchange still here (a body arriving, a reply lingering); the timers let go of
+        # theirs when cancelled. Nothing uses them after the close: reading and
+        # exchange_finished stop at ``closing``.
         self.reader.close()
         self.active = None
 
@@ -210,67 +197,21 @@ class ClientConnection(asyncio.Protocol):
             if self.ctx.timeouts.client_send and self.transport.get_write_buffer_size():
                 # The close waits for the client to take what is written, which a
                 # client that stopped reading never does: not past the send timeout.
-                self._arm_flush_deadline(sockets.unsent(self.transport))
+                self.lingering.wait_for_flush(self.ctx.timeouts.client_send)
 
-    def _arm_flush_deadline(self, unsent: int | None) -> None:
-        self._close_timer.set_in(self.ctx.timeouts.client_send, functools.partial(self._flush_deadline_passed, unsent))
+    def close_lingering(self) -> None:
+        """Close a connection the client may still be sending on (a response before the
+        end of its request body, a refusal mid-head): see linger.py, stage 2."""
+        if not self.closing:
+            self.closing = True  # from here every read is dropped unparsed (see data_received)
+            self.lingering.close()
 
-    def _flush_deadline_passed(self, unsent_before: int | None) -> None:
-        unsent = sockets.unsent(self.transport)
-        if unsent is not None and unsent_before is not None and unsent < unsent_before:
-            self._arm_flush_deadline(unsent)  # it took some since: a slow reader, still reading
-        else:
-            # A reset, not a close: with the rest unsent, a FIN would make a
-            # close-delimited response look complete.
-            sockets.reset(self.transport)
-
-    # -- lingering (see linger.py): one mechanism, two stages -----------------------
-    def _drain_body(self) -> None:
-        """Stage 1: the active exchange answered before its body ended, and keeps the
-        turn while the rest is read and thrown away (see on_body)."""
-        self._lingering, self._lingered_bytes = _DRAINING, 0
-        self.resume_reading("pending")
-        self.resume_reading("upstream")
-        self._close_timer.set_in(LINGER_SECONDS, self._linger_expired)
-
-    def body_discarded(self, size: int) -> None:
-        self._lingered_bytes += size
-        if self._lingering == _DRAINING and self._lingered_bytes > LINGER_MAX_BYTES:
-            self._drain_ended(body_complete=False)
-
-    def _drain_ended(self, body_complete: bool) -> None:
-        """The drained body ended (the connection is kept if its answer said so), or
-        ran out of time or bytes: stage 2 follows (see exchange_finished)."""
-        self._lingering = 0
-        self._close_timer.clear()
+    def body_drained(self, body_complete: bool) -> None:
+        """The body of the active exchange, answered early, was drained (see linger.py):
+        to its end (the connection is kept if the answer said so), or not in time."""
         self.record.body_drained(time.monotonic_ns())
         exchange = self.active
         self.exchange_finished(exchange, body_complete and exchange.keep_client_alive)
-
-    def close_lingering(self) -> None:
-        """Stage 2: close a connection the client may still be sending on (a response
-        before the end of its request body, a refusal mid-head): a FIN after the reply,
-        then what still arrives is read and thrown away, until the client's FIN or
-        LINGER_SECONDS."""
-        if self.closing:
-            return
-        self.closing = True  # from here every read is dropped unparsed (see _feed)
-        if not self.transport.can_write_eof():
-            self.transport.close()
-            return
-        self._lingering = _CLOSING
-        self.transport.write_eof()
-        self.reading_paused_for.clear()
-        self.transport.resume_reading()
-        self._close_timer.set_in(LINGER_SECONDS, self._linger_expired)
-
-    def _linger_expired(self) -> None:
-        if self._lingering == _DRAINING:
-            self._drain_ended(body_complete=False)
-        elif sockets.unsent(self.transport):
-            sockets.reset(self.transport)  # the reply is not all taken: the client must see it cut
-        else:
-            self.transport.close()
 
     def shut_down(self, reason: str) -> None:
         """The shutdown grace ran out: every request on this connection ends LR (the
@@ -300,15 +241,13 @@ class ClientConnection(asyncio.Protocol):
         sockets.reset(self.transport)
 
     def write(self, data: bytes) -> None:
-        if not self.transport.is_closing() and self._lingering != _CLOSING:  # nothing after our FIN
+        if not self.transport.is_closing() and self.lingering.stage != Lingering.CLOSING:  # nothing after our FIN
             self.transport.write(data)
 
     def unsent(self) -> int | None:
         return sockets.unsent(self.transport)
 
-    # ---------------------------------------------------------------------------
-    # Flow control
-    # ---------------------------------------------------------------------------
+    # -- flow control --------------------------------------------------------------
     def pause_writing(self) -> None:
         self.write_paused = True
         if self.active is not None:
@@ -355,9 +294,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._peer_check.set_in(PEER_CHECK_INTERVAL, self._check_peer)
 
-    # ---------------------------------------------------------------------------
-    # Reading (see reader.RequestReader)
-    # ---------------------------------------------------------------------------
+    # -- reading (see reader.RequestReader) ----------------------------------------
     def data_received(self, data: bytes) -> None:
         reader = self.reader
         # Past an ignored h2c offer llhttp stops; the rest of the read is fed again.
@@ -389,12 +326,10 @@ class ClientConnection(asyncio.Protocol):
 
     def request_read(self, exchange: Exchange) -> None:
         """Its body ended (the request was read whole)."""
-        if self._lingering == _DRAINING and exchange is self.active:
-            self._drain_ended(body_complete=True)
+        if exchange is self.active:
+            self.lingering.body_ended()
 
-    # ---------------------------------------------------------------------------
-    # Answering in order
-    # ---------------------------------------------------------------------------
+    # -- answering in order --------------------------------------------------------
     def _begin(self, exchange: Exchange) -> None:
         self.active = exchange
         exchange.record.waiting_turn = False
@@ -413,7 +348,7 @@ class ClientConnection(asyncio.Protocol):
 
     def exchange_finished(self, exchange: Exchange, keep_alive: bool, drain: bool = False) -> None:
         if drain:
-            self._drain_body()  # it keeps its turn until the rest of its body is read
+            self.lingering.drain()  # it keeps its turn until the rest of its body is read
             return
         self.active = None
         if self.reading_paused_for:
@@ -459,9 +394,7 @@ class ClientConnection(asyncio.Protocol):
         while self.queue:
             self.queue.popleft().end(Ending.NOT_STARTED, outcome, why)
 
-    # ---------------------------------------------------------------------------
-    # Refusals
-    # ---------------------------------------------------------------------------
+    # -- refusals ------------------------------------------------------------------
     def reject(self, status: int, outcome: Outcome, reason: str) -> None:
         """Refuse the request being read; nothing of it has been forwarded."""
         reader = self.reader
@@ -519,24 +452,7 @@ class ClientConnection(asyncio.Protocol):
         else:
             self.close_lingering()  # refused while the client may still be sending
 
-    # ---------------------------------------------------------------------------
-    # Connection timers (see timer.Timer: a later deadline costs nothing, so none is
-    # reset per request)
-    # ---------------------------------------------------------------------------
-    def aim_exchange_timer(self, due_ns: int, now_ns: int) -> None:
-        """Make the exchange timer call the active exchange back no later than ``due_ns``
-        (monotonic ns). Due sooner already, it is left alone: the active exchange re-aims
-        it when it fires, so its deadlines may move later without a call here."""
-        timer = self._exchange_timer
-        due = timer.now() + (due_ns - now_ns) / 1e9
-        if not timer.due_by(due):
-            timer.set(due, self._exchange_timer_fired)
-
-    def exchange_timer_due_within(self, delay_ns: int) -> bool:
-        """True when the exchange timer calls the active exchange back within ``delay_ns`` anyway."""
-        timer = self._exchange_timer
-        return timer.due_by(timer.now() + delay_ns / 1e9)
-
+    # -- connection timers (timer.Timer: a later deadline costs nothing) ----------
     def _exchange_timer_fired(self) -> None:
         if self.active is not None:
             self.active.timer_fired()

@@ -101,7 +101,7 @@ class Exchange:
         self._started_ns = now = time.monotonic_ns()
         # On a keep-alive connection the timer is usually armed already, due before
         # any deadline of this request can be: it re-aims when it fires.
-        if not self.client.exchange_timer_due_within(self.ctx.first_request_deadline_ns):
+        if not self.client.exchange_timer.due_within(self.ctx.first_request_deadline_ns):
             self._aim_timer(now)
         if self.upload.rewrite is None or self.request_complete:
             self._acquire(fresh=False)
@@ -193,7 +193,7 @@ class Exchange:
         the longer, the timer fires first and re-aims itself.)"""
         upstream_headers_ns = self.ctx.upstream_headers_ns
         if (self.ctx.header_timeout_shorter and self._expects_body and not self.response_started
-                and not self.finished and not self.client.exchange_timer_due_within(upstream_headers_ns)):
+                and not self.finished and not self.client.exchange_timer.due_within(upstream_headers_ns)):
             self._aim_timer(now)
 
     def _send_rewritten_body(self) -> None:
@@ -264,7 +264,7 @@ class Exchange:
         self.response_started = True
         record.last_upstream_rx_ns = now
         upstream_read_ns = self.ctx.upstream_read_ns
-        if upstream_read_ns and not self.client.exchange_timer_due_within(upstream_read_ns):
+        if upstream_read_ns and not self.client.exchange_timer.due_within(upstream_read_ns):
             self._aim_timer(now)
 
     # -- phase: the response body (upstream -> client) -------------------------
@@ -518,7 +518,7 @@ class Exchange:
     def _aim_timer(self, now: int) -> None:
         nearest = self._next_deadline(now)
         if nearest is not None:
-            self.client.aim_exchange_timer(nearest[0], now)
+            self.client.exchange_timer.aim(nearest[0], now)
 
     def timer_fired(self) -> None:
         """The client connection's exchange timer fired while this exchange is its active one."""
@@ -530,7 +530,7 @@ class Exchange:
             return
         due, expired = nearest
         if due > now:
-            self.client.aim_exchange_timer(due, now)
+            self.client.exchange_timer.aim(due, now)
             return
         if expired is Flag.DNR:
             taken = self._taken_by_client()

@@ -10,7 +10,7 @@ body bytes and the end of the body to it. What a request's turn means (answering
 order, refusals, pauses, closing) is the client connection's
 (``downstream.ClientConnection``), which it tells through a few calls: a request
 begins (``request_begins``), its head passed (``request_ready``), its body ended
-(``request_read``), a body answered early is thrown away (``body_discarded``), and
+(``request_read``), a body answered early is thrown away (``lingering.discarded``), and
 ``reject`` for whatever must be refused.
 
 Hazards
@@ -278,7 +278,7 @@ class RequestReader:
         self.meter.body_seen = True
         exchange = self.parsing_exchange
         if exchange.finished:  # answered before its body ended: thrown away (see linger.py)
-            self.conn.body_discarded(len(body))
+            self.conn.lingering.discarded(len(body))
         else:
             exchange.request_body(body)
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from ..lifecycle.timeline import UpstreamConnectionRecord
     from .headers import ForwardingContext, ResponseParts
+    from .timer import ExchangeTimer
 
 
 class ClientSide(Protocol):
@@ -41,6 +42,7 @@ class ClientSide(Protocol):
     feeding: bool  # inside a client read: upstream writes wait for the read's end (one write per read)
     closing: bool  # the connection is closing: no response goes out keep-alive
     write_paused: bool  # the client's transport is full
+    exchange_timer: ExchangeTimer  # the connection's, aimed by the exchange it is answering
 
     @property
     def reading_paused(self) -> bool: ...
@@ -56,12 +58,6 @@ class ClientSide(Protocol):
     def pause_reading(self, reason: str) -> None: ...
 
     def resume_reading(self, reason: str) -> None: ...
-
-    def aim_exchange_timer(self, due_ns: int, now_ns: int) -> None:
-        """Make the connection's exchange timer call the active exchange back no later than ``due_ns``."""
-
-    def exchange_timer_due_within(self, delay_ns: int) -> bool:
-        """True when the exchange timer calls back within ``delay_ns`` from now anyway."""
 
     def exchange_finished(self, exchange: object, keep_alive: bool, drain: bool = False) -> None:
         """The exchange ended: the connection is the next request's, or closes. With

@@ -92,3 +92,31 @@ class Timer:
             return
         self._callback = None
         callback()
+
+
+class ExchangeTimer(Timer):
+    """A client connection's timer for the deadlines of the exchange it is answering,
+    on monotonic nanoseconds (the clock of the request's marks). It is the connection's
+    and outlives an exchange, so that keep-alive requests do not each create and cancel
+    one; when it fires it calls ``on_due``, which asks the active exchange."""
+
+    __slots__ = ("_on_due",)
+
+    def __init__(self, on_due: Callable[[], object]) -> None:
+        super().__init__()
+        self._on_due: Callable[[], object] | None = on_due
+
+    def aim(self, due_ns: int, now_ns: int) -> None:
+        """Call back no later than ``due_ns``. Due sooner already, it is left alone: the
+        exchange re-aims it when it fires, so its deadlines may move later meanwhile."""
+        due = self.now() + (due_ns - now_ns) / 1e9
+        if not self.due_by(due):
+            self.set(due, self._on_due)
+
+    def due_within(self, delay_ns: int) -> bool:
+        """It calls back within ``delay_ns`` from now anyway."""
+        return self.due_by(self.now() + delay_ns / 1e9)
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._on_due = None  # a bound method of the connection: a reference cycle else
