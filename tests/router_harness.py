@@ -23,51 +23,26 @@ tests: no faults, nothing held, default pacing, empty records. Starting one take
 about half a second per router, so fixtures share it per module; pytest groups a
 module's tests by the router param, so each router starts once per module.
 
-Where the routers differ, the tests assert what each one does; ``ROUTER_FACTS`` holds
-those facts in one place, checked against the installed versions.
+Where the routers differ, the tests assert what each one does: ``harness.behaviour``
+(``traceproxy.sim.routers.RouterBehaviour``, the one table of those facts, which the
+docs and the demo read too) and ``harness.kind.decode_waits_for_prefill``.
 """
 
 from __future__ import annotations
 
 import http.client
 import time
-from typing import NamedTuple
-
 import pytest
 
 from traceproxy.sim.engine import SeenRequest, SimWorker
 from traceproxy.sim.launch import SimDeployment
-from traceproxy.sim.routers import ROUTERS, VLLM_PROTOCOL, RouterKind, router_kind
+from traceproxy.sim.routers import ROUTERS, VLLM_PROTOCOL, RouterBehaviour, RouterKind, router_kind
 from traceproxy.sim.startup import SimStartError
 
 STARTUP_TIMEOUT = 60.0  # router start + worker registration, bounded
 STEP_TIMEOUT = 10.0  # any single blocking step (one HTTP exchange, one loop call)
 SERVED_MODEL_NAME = "sim-llama"
 PREFILL_TOKENS_PER_S = 8000.0
-
-
-class RouterFacts(NamedTuple):
-    """What a router does to a request on its way to the engines, as observed."""
-
-    keeps_rid_on_chat: bool  # the body's rid reaches the engines on /v1/chat/completions
-    engines_get_client_request_id: bool  # the client's x-request-id reaches the engines unchanged
-    forwards_baggage: bool
-    keeps_authorization: bool  # the client's Authorization reaches the engines unchanged
-    cancels_silent_decode_on_disconnect: bool  # a decode that sends nothing is dropped when the client leaves
-    decode_waits_for_prefill_answer: bool  # decode is called only after prefill answered (vLLM's protocol)
-
-
-ROUTER_FACTS = {
-    "sglang-router": RouterFacts(keeps_rid_on_chat=False, engines_get_client_request_id=True, forwards_baggage=False,
-                                 keeps_authorization=True, cancels_silent_decode_on_disconnect=False,
-                                 decode_waits_for_prefill_answer=False),
-    "smg": RouterFacts(keeps_rid_on_chat=True, engines_get_client_request_id=True, forwards_baggage=False,
-                       keeps_authorization=True, cancels_silent_decode_on_disconnect=False,
-                       decode_waits_for_prefill_answer=False),
-    "vllm-router": RouterFacts(keeps_rid_on_chat=True, engines_get_client_request_id=False, forwards_baggage=True,
-                               keeps_authorization=False, cancels_silent_decode_on_disconnect=True,
-                               decode_waits_for_prefill_answer=True),
-}
 
 
 def _param(kind: RouterKind):
@@ -86,8 +61,8 @@ def router_param(name: str):
 class RouterHarness:
     """A simulated PD deployment behind the real router ``router`` (a name), on ``loop``.
 
-    Attributes once started: ``kind`` (``RouterKind``), ``name``, ``facts``
-    (``RouterFacts``), ``deployment`` (``SimDeployment``), ``prefill`` and ``decode``
+    Attributes once started: ``kind`` (``RouterKind``), ``name``, ``behaviour``
+    (``RouterBehaviour``), ``deployment`` (``SimDeployment``), ``prefill`` and ``decode``
     (``SimWorker``), ``router_url``, ``router_port``, ``bootstrap_port``,
     ``startup_seconds``. ``deployment_options`` go to ``SimDeployment``.
     """
@@ -105,8 +80,8 @@ class RouterHarness:
         return self.kind.name
 
     @property
-    def facts(self) -> RouterFacts:
-        return ROUTER_FACTS[self.name]
+    def behaviour(self) -> RouterBehaviour:
+        return self.kind.behaviour
 
     @property
     def speaks_vllm(self) -> bool:

@@ -3,7 +3,7 @@
 Part 1 talks to the router directly and pins down what each one does on the way to
 prefill and decode: which headers it forwards, rewrites or drops, what it does to the
 JSON body, and in which order it calls the two workers. The routers differ, so the
-tests assert each router's own behaviour (``router_harness.ROUTER_FACTS``): a change
+tests assert each router's own behaviour (``traceproxy.sim.routers.RouterBehaviour``): a change
 in any of them fails here. Part 2 puts traceproxy in front and checks what it must
 guarantee behind every router: one trace id at the client and at both engines (the
 join key), and the request id wherever the router lets it through.
@@ -103,7 +103,7 @@ PATHS = ["/generate", "/v1/chat/completions", "/v1/completions"]
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("path", PATHS)
 def test_what_each_router_forwards_and_rewrites_on_the_way_to_prefill_and_decode(pd_router, path, stream):
-    facts = pd_router.facts
+    behaviour = pd_router.behaviour
     rid = f"client-rid-{path.strip('/').replace('/', '-')}-{int(stream)}"
     status, headers, data = post_json(pd_router.router_port, path, request_body(path, stream, rid), {
         "traceparent": CLIENT_TRACEPARENT,
@@ -122,15 +122,15 @@ def test_what_each_router_forwards_and_rewrites_on_the_way_to_prefill_and_decode
         assert side.headers["traceparent"] == CLIENT_TRACEPARENT
         assert side.headers["tracestate"] == CLIENT_TRACESTATE
         assert "x-custom" not in side.headers  # each forwards an allow-list of headers
-        if facts.forwards_baggage:
+        if behaviour.forwards_baggage:
             assert side.headers["baggage"] == CLIENT_BAGGAGE
         else:
             assert "baggage" not in side.headers
-        if facts.keeps_authorization:
+        if behaviour.keeps_authorization:
             assert side.headers["authorization"] == "Bearer sk-client"
         else:  # vllm-router sends its own (empty) key to the engines
             assert side.headers["authorization"] == "Bearer"
-        if facts.engines_get_client_request_id:
+        if behaviour.engines_get_client_request_id:
             assert side.headers["x-request-id"] == "req-trace-1"
         else:  # vllm-router replaces it with its own, the same for prefill and decode
             assert_vllm_request_id(side.headers["x-request-id"], pd_router)
@@ -142,7 +142,7 @@ def test_what_each_router_forwards_and_rewrites_on_the_way_to_prefill_and_decode
         assert_sglang_bodies(pd_router, stream, pre, dec)
 
     # The client's rid is the engines' own request id (SGLang takes it from the body).
-    if path == "/v1/chat/completions" and not facts.keeps_rid_on_chat:
+    if path == "/v1/chat/completions" and not behaviour.keeps_rid_on_chat:
         # sglang-router 0.3.2 parses chat into a typed struct without rid: neither engine sees it.
         assert "rid" not in pre.body and "rid" not in dec.body
     else:
@@ -183,7 +183,7 @@ def test_without_ids_the_router_makes_one_up_for_the_client(pd_router):
     assert status == 200, data
     assert headers.get("x-request-id"), headers
     pre, dec = one_request_each(pd_router, "/generate")
-    if pd_router.facts.engines_get_client_request_id:
+    if pd_router.behaviour.engines_get_client_request_id:
         # sglang-router and smg send the engines no x-request-id at all: a proxy in front
         # must send one for the engines' logs to carry it.
         assert "x-request-id" not in pre.headers and "x-request-id" not in dec.headers
@@ -201,7 +201,7 @@ def test_the_order_in_which_each_router_calls_prefill_and_decode(pd_router):
     elapsed = time.monotonic() - t0
     assert status == 200, data
     pre, dec = one_request_each(pd_router, "/generate")
-    if pd_router.facts.decode_waits_for_prefill_answer:
+    if pd_router.kind.decode_waits_for_prefill:
         # vLLM's protocol: decode is called once prefill has answered.
         assert dec.received_at - pre.received_at >= 0.45
     else:
@@ -235,7 +235,7 @@ def test_the_proxys_trace_id_is_the_join_key_at_both_engines(pd_router, proxy_to
 
     request_id = headers.get("x-request-id")
     assert request_id, headers
-    if pd_router.facts.engines_get_client_request_id:
+    if pd_router.behaviour.engines_get_client_request_id:
         assert pre.request_id == dec.request_id == request_id
     else:
         # Behind vllm-router the engines never see the proxy's request id: only the trace id joins.

@@ -86,7 +86,7 @@ def test_inject_rid_reaches_both_engines_through_every_router(pd, start_proxy):
     # behind vllm-router too, whose x-request-id is its own.
     assert pre.rid == dec.rid == request_id
     assert json.loads(resp.body)["meta_info"]["id"] == request_id
-    assert (pre.request_id == request_id) is pd.facts.engines_get_client_request_id
+    assert (pre.request_id == request_id) is pd.behaviour.engines_get_client_request_id
 
 
 def test_keep_alive_holds_across_turns_on_every_hop(pd, start_proxy):

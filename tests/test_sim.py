@@ -825,7 +825,7 @@ def test_healthy_streaming_chat_completes_and_the_trace_reaches_both_workers(pd,
     # The trace id joins the client's view and both engines' records, behind every router.
     assert pre.trace_id == dec.trace_id == trace_id
     assert pre.request_id == dec.request_id
-    assert (pre.request_id == resp.headers["x-request-id"]) is pd.facts.engines_get_client_request_id
+    assert (pre.request_id == resp.headers["x-request-id"]) is pd.behaviour.engines_get_client_request_id
     assert pre.room is not None and pre.room == dec.room  # paired, whichever PD protocol
     for role in ("prefill", "decode"):
         assert any(r.name == f"traceproxy.sim.{role}" and f"trace_id={trace_id}" in r.getMessage()
@@ -880,7 +880,7 @@ def test_prefill_stall_is_a_first_byte_stall_blamed_on_the_engine(pd, traced):
     # Meanwhile, in the engines: prefill is running; decode waits for the KV cache, or
     # (vLLM's protocol: decode only after prefill) has not been called.
     assert gauge(pd.prefill, "sglang:num_running_reqs") == 1
-    if pd.facts.decode_waits_for_prefill_answer:
+    if pd.kind.decode_waits_for_prefill:
         assert pd.decode.requests == []
     else:
         assert gauge(pd.decode, "sglang:num_decode_transfer_queue_reqs") == 1
@@ -906,7 +906,7 @@ def test_decode_stall_is_a_mid_stream_stall_blamed_on_the_engine(pd, traced):
     assert gauge(pd.decode, "sglang:num_running_reqs") == 1
     client.close()
     assert [s.code for s in done.one().stalls] == ["MSS"]
-    if pd.facts.cancels_silent_decode_on_disconnect:
+    if pd.behaviour.cancels_silent_decode:
         # vllm-router drops the decode request as soon as its client has gone.
         assert wait_until(lambda: gauge(pd.decode, "sglang:num_running_reqs") == 0, timeout=2)
     else:
@@ -924,7 +924,7 @@ def test_reset_mid_stream_reaches_the_client_as_each_router_passes_it_on(pd, tra
     # An RST may discard the last token in the router's receive buffer before it was read.
     assert 1 <= token_events(resp.body) <= 3
     record = done.one()
-    if pd.name == "smg":
+    if pd.behaviour.reports_stream_errors_in_band:
         # smg turns the engine's reset into an in-band error event and ends its stream
         # cleanly; what traceproxy must make of that is
         # test_routers.py::test_smg_in_band_stream_error_is_an_engine_failure.
@@ -961,7 +961,7 @@ def test_malformed_chunk_is_cut_or_reported_in_band_by_the_router(pd, traced):
     resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat_body())
     assert resp.status == 200 and b'"finish_reason":"' not in resp.body
     record = done.one()
-    if pd.name == "smg":
+    if pd.behaviour.reports_stream_errors_in_band:
         # As with a reset: an in-band error event, then [DONE] and a clean end.
         assert resp.complete
         *_, error, last = sse_events(resp.body)
@@ -1008,6 +1008,25 @@ def test_pinned_request_leaves_the_inflight_gauge_at_one(pd, traced):
     time.sleep(0.3)
     assert gauge(pd.prefill, "sglang:num_prefill_inflight_queue_reqs") == 1
     assert gauge(pd.prefill, "sglang:num_running_reqs") == 0
+
+
+def test_an_engine_closing_idle_connections_costs_the_router_a_fresh_one_not_a_request(pd, traced):
+    proxy, done = traced
+    for worker in (pd.prefill, pd.decode):
+        worker.set_faults(["idle_close:0.2"])
+    client = RawClient(proxy.port)
+    first = client.roundtrip("POST", "/v1/chat/completions", JSON, chat_body(stream=False))
+    # Both engines close the router's connections once idle 0.2 s (as uvicorn does after 5 s)...
+    assert wait_until(lambda: pd.prefill.idle_closes >= 1 and pd.decode.idle_closes >= 1, timeout=5)
+    send_next(client, "POST", "/v1/chat/completions", JSON, chat_body(stream=False))
+    second = client.response()
+    # ... and the router notices: the next turn goes on new connections, and succeeds.
+    assert first.status == second.status == 200 and second.complete
+    assert wait_until(lambda: len(done.records) == 2, timeout=5)
+    assert [r.outcome.code for r in done.records] == ["OK", "OK"]
+    for worker in (pd.prefill, pd.decode):
+        first_peer, second_peer = (seen.peer for seen in worker.requests)
+        assert first_peer != second_peer, worker.role
 
 
 def test_request_faults_through_the_router_only_survive_in_the_body(pd, traced):

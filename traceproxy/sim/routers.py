@@ -21,6 +21,11 @@ script: sglang-router 0.3.2 installs an ``smg`` script too, so with both install
 ``smg`` is whichever was installed last.
 
 The default router is the first one installed, in the table's order.
+
+Each router's ``behaviour`` is what it does to a request on its way to the engines, as
+observed with the version named: the router tests assert it against the installed
+router, so a router that changes fails them, and the demo and the docs
+(docs/routers.md) read it from here.
 """
 
 from __future__ import annotations
@@ -28,10 +33,20 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
+from typing import NamedTuple
 
 SGLANG_PROTOCOL = "sglang"  # prefill and decode at once, paired by bootstrap_room
 VLLM_PROTOCOL = "vllm"  # prefill, then decode, paired by kv_transfer_params
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class RouterBehaviour(NamedTuple):
+    keeps_rid_on_chat: bool  # the body's rid reaches the engines on /v1/chat/completions
+    engines_get_client_request_id: bool  # the client's x-request-id reaches the engines unchanged
+    forwards_baggage: bool
+    keeps_authorization: bool  # the client's Authorization reaches the engines unchanged
+    cancels_silent_decode: bool  # a decode that sends nothing is dropped when the router's client leaves
+    reports_stream_errors_in_band: bool  # an engine failing mid-stream: an SSE error event, [DONE], a clean end
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,12 @@ class RouterKind:
     warning_level: str  # its --log-level spelling of "warning"
     takes_bootstrap_port: bool  # whether --prefill URL takes the bootstrap port after it
     has_shutdown_grace: bool  # whether it has --shutdown-grace-period-secs
+    behaviour: RouterBehaviour
+
+    @property
+    def decode_waits_for_prefill(self) -> bool:
+        """Whether decode is called only once prefill has answered (vLLM's protocol)."""
+        return self.protocol == VLLM_PROTOCOL
 
     @property
     def installed(self) -> bool:
@@ -85,11 +106,20 @@ class RouterKind:
 
 ROUTERS: tuple[RouterKind, ...] = (
     RouterKind("sglang-router", "sglang_router", ("sglang_router.launch_router",), "--pd-disaggregation",
-               SGLANG_PROTOCOL, "sglang::router", "warn", takes_bootstrap_port=True, has_shutdown_grace=True),
+               SGLANG_PROTOCOL, "sglang::router", "warn", takes_bootstrap_port=True, has_shutdown_grace=True,
+               behaviour=RouterBehaviour(  # 0.3.2
+                   keeps_rid_on_chat=False, engines_get_client_request_id=True, forwards_baggage=False,
+                   keeps_authorization=True, cancels_silent_decode=False, reports_stream_errors_in_band=False)),
     RouterKind("smg", "smg", ("smg", "launch"), "--pd-disaggregation",
-               SGLANG_PROTOCOL, "smg::router", "warn", takes_bootstrap_port=True, has_shutdown_grace=True),
+               SGLANG_PROTOCOL, "smg::router", "warn", takes_bootstrap_port=True, has_shutdown_grace=True,
+               behaviour=RouterBehaviour(  # 1.13
+                   keeps_rid_on_chat=True, engines_get_client_request_id=True, forwards_baggage=False,
+                   keeps_authorization=True, cancels_silent_decode=False, reports_stream_errors_in_band=True)),
     RouterKind("vllm-router", "vllm_router", ("vllm_router.launch_router",), "--vllm-pd-disaggregation",
-               VLLM_PROTOCOL, "vllm::router", "warning", takes_bootstrap_port=False, has_shutdown_grace=False),
+               VLLM_PROTOCOL, "vllm::router", "warning", takes_bootstrap_port=False, has_shutdown_grace=False,
+               behaviour=RouterBehaviour(  # 0.1.17
+                   keeps_rid_on_chat=True, engines_get_client_request_id=False, forwards_baggage=True,
+                   keeps_authorization=False, cancels_silent_decode=True, reports_stream_errors_in_band=False)),
 )
 ROUTER_NAMES = tuple(kind.name for kind in ROUTERS)
 
