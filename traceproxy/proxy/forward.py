@@ -1,10 +1,19 @@
 """One request through the proxy: the phases in the order a request lives them.
 
-Read top to bottom: start (pool), upstream ready (send head and body), the request
-body, the response head, the response body, what ends it, and the deadlines. Every
-way out goes through ``end``, with the reason as data (``endings.Ending``): it stamps
-the outcome once, tells the observers once (``on_done``) and hands the client
-connection back.
+Theory of operation
+-------------------
+An ``Exchange`` carries one request from its complete head to its one ending. Read top
+to bottom: start (it waits for the pool as a ``sides.ConnectionWaiter``), upstream ready
+(send head and body), the request body, what ends it, and the deadlines. What it owes
+the upstream is its ``upload.Upload``; its response is relayed to the client by its
+``relay.ResponseRelay``, the upstream connection's user. It sees its client connection
+only as ``sides.ClientSide`` and its upstream connection as ``sides.UpstreamSide``.
+
+Every way out goes through ``end``, with the reason as data (``endings.Ending``): it
+stamps the outcome once, tells the observers once (``on_done``) and hands the client
+connection back. State by lifetime: the request's (head, record, whether it was read
+whole, whether the client connection is kept), the upstream attempt's (connection,
+pool answer awaited, upload), the response's (the relay), and the tail wait's.
 
 Hazards
 -------
@@ -32,9 +41,10 @@ from ..lifecycle.timeline import RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
-from .endings import Ending, close_reason, judge_clean_ending, last_event_is_done, lost_connection, where
+from .endings import Ending, close_reason, judge_clean_ending, lost_connection, where
 from .linger import drainable
 from .local_reply import body_size, error_response
+from .relay import ResponseRelay
 from .request_head import RequestHead, upstream_head
 from .timer import Timer
 from .upload import Upload, keep_body_evidence
@@ -50,13 +60,9 @@ UPSTREAM_TAIL_SECONDS = 0.5  # the engine must see the close within a second of 
 
 class Exchange:
     # Slots: one Exchange is built per request, and every phase reads its fields.
-    __slots__ = (
-        "ctx", "client", "record", "head", "finished", "request_complete", "keep_client_alive", "_started_ns",
-        "_expects_body", "_mark_observers",
-        "upstream", "awaiting_connection", "upload", "_upstream_paused_by_client",
-        "response_started", "response_framing", "_declared_length", "_sse", "_client_out", "_awaiting_client_drain",
-        "_client_taken", "_client_taken_ns", "_client_gone", "_tail_timer",
-    )
+    __slots__ = ("ctx", "client", "record", "head", "finished", "request_complete", "keep_client_alive", "_started_ns",
+                 "_expects_body", "_mark_observers", "upstream", "awaiting_connection", "upload", "response",
+                 "_tail_timer")
 
     def __init__(self, ctx: "ServerContext", client: "ClientSide", record: RequestRecord, head: RequestHead):
         # The request: one per exchange.
@@ -79,21 +85,10 @@ class Exchange:
         self.awaiting_connection = False  # asked the pool, not answered yet (see sides.ConnectionWaiter)
         self.upload = Upload(ctx.retry_buffer_bytes,
                              ctx.inject_rid and wants_rid(head.method, head.target, head.framing.content_length))
-        self._upstream_paused_by_client = False
-        # The response, from its head on.
-        self.response_started = False
-        self.response_framing = H.ResponseFraming.NONE
-        self._declared_length: int | None = None  # Content-Length we promised the client
-        self._sse = False
-        self._client_out: list[bytes] = []  # what one upstream read produced for the client
-        self._awaiting_client_drain = False  # the response is complete; the client has not taken it all
-        # While the client's connection is full: how much of the response it had taken
-        # (acknowledged), and when that last grew (see timeouts.client_send).
-        self._client_taken = 0
-        self._client_taken_ns = 0
-        # The client left after the stream's end (see client_sent_fin), and the wait
-        # for the upstream's last bytes then.
-        self._client_gone = False
+        # The response: relayed to the client by its own half, the upstream connection's
+        # user (see relay.py); and, once the client left with its whole stream, the wait
+        # for the upstream's last bytes (see client_sent_fin).
+        self.response = ResponseRelay(self)
         self._tail_timer: Timer | None = None
 
     # -- phase: awaiting an upstream connection -----------------------------------
@@ -102,7 +97,7 @@ class Exchange:
         # On a keep-alive connection the timer is usually armed already, due before
         # any deadline of this request can be: it re-aims when it fires.
         if not self.client.exchange_timer.due_within(self.ctx.first_request_deadline_ns):
-            self._aim_timer(now)
+            self.aim_timer(now)
         if self.upload.rewrite is None or self.request_complete:
             self._acquire(fresh=False)
 
@@ -114,7 +109,7 @@ class Exchange:
         self.ctx.pool.acquire(self, fresh=fresh)
 
     def connection_queued(self) -> None:
-        self._stamp(time.monotonic_ns(), MARK.POOL_QUEUED)
+        self.stamp(time.monotonic_ns(), MARK.POOL_QUEUED)
 
     def connection_opening(self) -> None:
         self.record.attempt.connecting_since_ns = time.monotonic_ns()
@@ -127,9 +122,9 @@ class Exchange:
         now = time.monotonic_ns()
         attempt = self.record.attempts[-1]  # the one _acquire started
         attempt.attach(conn.record, reused, now)
-        self._stamp(now, MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE)
+        self.stamp(now, MARK.POOL_ACQUIRED, MARK.FIRST_UPSTREAM_TX_BYTE)
         self.upstream = conn
-        conn.begin_response(self, head_only=self.head.method == "HEAD")
+        conn.begin_response(self.response, head_only=self.head.method == "HEAD")
         upload = self.upload
         upload.out.append(upstream_head(self.ctx, self.head, self.record, attempt, self.client.forwarding))
         if upload.held:
@@ -137,7 +132,7 @@ class Exchange:
         elif not self.client.feeding:
             self.flush_upstream()
         if self.request_complete:
-            self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
+            self.stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         self.client.resume_reading("pending")
         if conn.write_paused:  # still full of the request before (a resend, an early answer)
             self.upstream_write_paused()
@@ -168,7 +163,7 @@ class Exchange:
             self.request_complete = True  # its body was read to throw it away (see linger.py)
             return
         now = time.monotonic_ns()
-        self._stamp(now, MARK.LAST_DOWNSTREAM_RX_BYTE)
+        self.stamp(now, MARK.LAST_DOWNSTREAM_RX_BYTE)
         # The last request byte may be framing after a pause (a chunked body's end):
         # the header timeout counts from it.
         self.record.last_downstream_rx_ns = now
@@ -182,7 +177,7 @@ class Exchange:
         if self.upstream is not None:
             if tail:
                 self._send_upstream(tail)
-            self._stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
+            self.stamp(now, MARK.LAST_UPSTREAM_TX_BYTE)
         elif tail:
             self._hold(tail)
 
@@ -192,9 +187,9 @@ class Exchange:
         may be due later than it, when the header timeout is the shorter. (When it is
         the longer, the timer fires first and re-aims itself.)"""
         upstream_headers_ns = self.ctx.upstream_headers_ns
-        if (self.ctx.header_timeout_shorter and self._expects_body and not self.response_started
+        if (self.ctx.header_timeout_shorter and self._expects_body and not self.response.started
                 and not self.finished and not self.client.exchange_timer.due_within(upstream_headers_ns)):
-            self._aim_timer(now)
+            self.aim_timer(now)
 
     def _send_rewritten_body(self) -> None:
         upload = self.upload
@@ -231,119 +226,19 @@ class Exchange:
         self.record.upstream_resumed_ns = time.monotonic_ns()
         self.client.resume_reading("upstream")
 
-    # -- phase: the response head ----------------------------------------------
-    def upstream_first_byte(self) -> None:
-        self._stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, time.monotonic_ns())
-        self.upload.answered()
-
-    def upstream_response_head(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
-        if self.finished:
-            return
-        now = time.monotonic_ns()
-        record = self.record
-        self._stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, now)
-        self._stamp(now, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE)
-        record.status = record.attempts[-1].status = status
-        self.upload.answered()
-        framing, length = H.response_framing(status, self.head.method, parts, self.head.http11)
-        self.response_framing = framing
-        if framing == H.ResponseFraming.LENGTH and length.isdigit():
-            self._declared_length = int(length)
-        self._sse = parts.event_stream
-        # Keep the client connection only if its request was read to the end and
-        # the response has a length the client can see.
-        self.keep_client_alive = (
-            self.head.keep_alive and self.request_complete and framing != H.ResponseFraming.CLOSE
-            and not self.client.closing and not self.ctx.shutting_down  # say so: it closes after this
-        )
-        head = H.client_response_head(
-            status, reason, parts.end_to_end_lines, framing, length, self.keep_client_alive, self.head.http11,
-            extra_lines=self.ctx.response_ids(record), keepalive_timeout=self.ctx.advertised_keepalive,
-        )
-        self._client_out.append(head)
-        self.response_started = True
-        record.last_upstream_rx_ns = now
-        upstream_read_ns = self.ctx.upstream_read_ns
-        if upstream_read_ns and not self.client.exchange_timer.due_within(upstream_read_ns):
-            self._aim_timer(now)
-
-    # -- phase: the response body (upstream -> client) -------------------------
-    def upstream_response_body(self, data: bytes) -> None:
-        if self.finished or self._client_gone:  # read to reuse the connection, not forwarded
-            return
-        now = time.monotonic_ns()
-        record = self.record
-        if record.upstream_rx_chunks == 0:
-            self._stamp(now, MARK.FIRST_UPSTREAM_RX_BODY_BYTE, MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE)
-        elif now - record.last_upstream_rx_ns > record.max_chunk_gap_ns:
-            record.max_chunk_gap_ns = now - record.last_upstream_rx_ns
-        tail = record.response_tail
-        record.response_tail = (tail[1], tail[2], data)
-        record.upstream_rx_chunks += 1
-        record.upstream_rx_body_bytes += len(data)
-        record.last_upstream_rx_ns = now
-        if self.response_framing == H.ResponseFraming.CHUNKED:
-            self._client_out.extend(H.chunk_pieces(data))  # flush_client joins once per read
-        else:
-            self._client_out.append(data)
-        record.downstream_tx_body_bytes += len(data)
-
-    def flush_client(self) -> None:
-        """Write everything gathered during one upstream read in one call."""
-        out = self._client_out
-        if out:
-            self._client_out = []
-            self.client.write(out[0] if len(out) == 1 else b"".join(out))
-            self.record.last_downstream_tx_ns = time.monotonic_ns()
-
+    # -- the response (see relay.ResponseRelay): the client's flow control -----------
     def client_write_paused(self) -> None:
-        self.record.downstream_paused_since_ns = now = time.monotonic_ns()
-        if self.upstream is not None and not self._upstream_paused_by_client:
-            self._upstream_paused_by_client = True
-            self.upstream.pause_reading()
-        if self.ctx.client_send_ns and not self.finished:
-            self._client_taken, self._client_taken_ns = self._taken_by_client(), now
-            self._aim_timer(now)  # the send deadline starts now
-
-    def _taken_by_client(self) -> int:
-        """Response bytes the client has acknowledged so far (grows while it reads)."""
-        unsent = self.client.unsent()
-        return -1 if unsent is None else self.record.downstream_tx_body_bytes - unsent
+        self.response.client_write_paused()
 
     def client_write_resumed(self) -> None:
-        self.record.downstream_paused_since_ns = None
-        if self._upstream_paused_by_client:
-            self._upstream_paused_by_client = False
-            if self.upstream is not None:
-                self.upstream.resume_reading()
-        if self._awaiting_client_drain:
-            self.end(Ending.COMPLETE)
+        self.response.client_write_resumed()
 
-    # -- the response complete -------------------------------------------------
-    def upstream_response_complete(self, reusable: bool) -> None:
-        if self.finished:
-            return
-        self._stamp(time.monotonic_ns(), MARK.LAST_UPSTREAM_RX_BYTE)
-        if self._client_gone:  # nothing more goes to the client: it had its whole stream
-            self._release_upstream(reusable and self.request_complete)
-            self.end(Ending.CLIENT_HAD_ITS_STREAM)
-            return
-        if self.response_framing == H.ResponseFraming.CHUNKED:
-            self._client_out.append(H.LAST_CHUNK)
-        self.flush_client()
-        self._release_upstream(reusable and self.request_complete)
-        if self.client.write_paused:
-            # The client is not reading the tail; the end waits for its transport to drain.
-            self._awaiting_client_drain = True
-        else:
-            self.end(Ending.COMPLETE)
-
-    def _release_upstream(self, reusable: bool) -> None:
+    def release_upstream(self, reusable: bool) -> None:
         conn, self.upstream = self.upstream, None
         if conn is None:
             return
-        if self._upstream_paused_by_client and conn.resume_reading():
-            self._upstream_paused_by_client = False
+        if self.response.upstream_paused and conn.resume_reading():
+            self.response.upstream_paused = False
         if reusable:
             self.ctx.pool.release(conn)
         else:
@@ -351,7 +246,7 @@ class Exchange:
 
     def _let_go(self, conn: "UpstreamSide", why: str, reset: bool = False) -> None:
         """Close this attempt's connection for good, and mark when."""
-        self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
+        self.stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         self.ctx.pool.discard(conn, why, reset=reset)
 
     # -- what ends it from either side -----------------------------------------
@@ -359,10 +254,10 @@ class Exchange:
         if self.finished:
             return
         self.upstream = None
-        if self._client_gone:  # its stream had ended, and nobody reads the rest
+        if self.response.client_gone:  # its stream had ended, and nobody reads the rest
             self.end(Ending.CLIENT_HAD_ITS_STREAM)
             return
-        self._stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
+        self.stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         attempt = self.record.attempt
         outcome, detail = lost_connection(
             attempt, bytes_received, self.upload.sent_log is not None, self.upload.sent_size, self.ctx.retry_buffer_bytes,
@@ -390,7 +285,7 @@ class Exchange:
     def client_closed(self, now: int) -> None:
         """Stamp the client connection's end on this request, if it was still open."""
         if not self.finished:
-            self._stamp_once(MARK.DOWNSTREAM_CLOSED, now)
+            self.stamp_once(MARK.DOWNSTREAM_CLOSED, now)
 
     def client_sent_fin(self) -> bool:
         """The client closed with a FIN: judged now, before anything more comes from the
@@ -398,11 +293,10 @@ class Exchange:
         once the upstream's last bytes (the chunked terminator after data: [DONE]) are
         read, so that its connection can be pooled; the openai SDK stops reading at
         [DONE]. They are not waited on for long."""
-        if (not self._sse or self.record.status != 200 or self.finished or not last_event_is_done(self.record)
-                or self.client.unsent() != 0):
+        if self.finished or not self.response.had_the_whole_stream():
             return False
         # From now: the upstream's bytes (in this very loop pass too) are past it.
-        self._client_gone = True
+        self.response.client_gone = True
         self._tail_timer = Timer()
         self._tail_timer.set_in(UPSTREAM_TAIL_SECONDS, self.end_without_tail)
         self.ctx.tail_waits.add(self)  # its client connection is gone: shutdown finds it here
@@ -427,24 +321,26 @@ class Exchange:
         started (else the outcome's own). A second call does nothing."""
         if self.finished:
             return
-        if self._client_gone:  # it had its whole stream: whatever ends it now is past that
+        response = self.response
+        if response.client_gone:  # it had its whole stream: whatever ends it now is past that
             if ending is Ending.CLIENT_LEFT:
                 return  # its close was judged already; the upstream's last bytes are still awaited
             ending, outcome, detail = Ending.CLIENT_HAD_ITS_STREAM, Flag.OK, None
         drain = False
         if ending is Ending.COMPLETE:
-            self._awaiting_client_drain = False
-            self._stamp(time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
-            outcome, detail = judge_clean_ending(self.record, self._declared_length, self._sse)
+            response.awaiting_client_drain = False
+            self.stamp(time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
+            outcome, detail = judge_clean_ending(self.record, response.declared_length, response.event_stream)
         elif ending is Ending.CLIENT_HAD_ITS_STREAM:
-            self._release_upstream(reusable=False)
+            self.release_upstream(reusable=False)
             # OK as judged when it left: what came after is nobody's response.
-            self._stamp_once(MARK.LAST_DOWNSTREAM_TX_BYTE, self.record.last_downstream_tx_ns or time.monotonic_ns())
+            self.stamp_once(MARK.LAST_DOWNSTREAM_TX_BYTE, self.record.last_downstream_tx_ns or time.monotonic_ns())
         elif ending.resets_upstream:
             self._give_up_upstream(outcome)
             if ending is Ending.FAILED:
                 drain = self._answer_failure(outcome, detail, status)
         self.finished = True
+        response.exchange = None  # see relay.py, Hazards: no cycle outlives the request
         if self._tail_timer is not None:
             self._tail_timer.cancel()
             self.ctx.tail_waits.discard(self)
@@ -466,15 +362,10 @@ class Exchange:
         """The client's side of a failure: an error reply while nothing of the response
         reached it, else the response cut short so that it can tell. True when the rest
         of the request body is to be drained (see linger.py)."""
-        self._client_out.clear()
-        if self.response_started and self.record.last_downstream_tx_ns is not None:
+        self.response.client_out.clear()
+        if self.response.started and self.record.last_downstream_tx_ns is not None:
             self.keep_client_alive = False
-            if self.response_framing == H.ResponseFraming.CLOSE or self.client.write_paused:
-                # Close-delimited: the body ends where the connection ends, and a clean
-                # close would read as a complete response. A client not reading: a
-                # clean close waits for it to drain what is buffered, which it may
-                # never do. Either way the connection is reset instead.
-                self.client.reset()
+            self.response.cut()
             return False
         # Nothing of the response reached the client yet (its head may have been
         # parsed in the very read that then failed): it can still get the error.
@@ -493,8 +384,8 @@ class Exchange:
         self.record.status = status
         self.record.downstream_tx_body_bytes += body_size(reply)
         now = time.monotonic_ns()
-        self._stamp_once(MARK.FIRST_DOWNSTREAM_TX_BYTE, now)
-        self._stamp(now, MARK.LAST_DOWNSTREAM_TX_BYTE)
+        self.stamp_once(MARK.FIRST_DOWNSTREAM_TX_BYTE, now)
+        self.stamp(now, MARK.LAST_DOWNSTREAM_TX_BYTE)
         return drain
 
     # -- deadlines ------------------------------------------------------------------
@@ -504,18 +395,18 @@ class Exchange:
     # old one fires first and this re-aims it), instead of creating and cancelling one.
     def _next_deadline(self, now: int) -> tuple[int, Outcome] | None:
         """(deadline ns, outcome) of the limit that expires first (see lifecycle.deadlines)."""
-        record = self.record
-        response_started = self.response_started
+        record, response = self.record, self.response
+        started = response.started
         return next_deadline(
             now, self.ctx, started_ns=self._started_ns, last_client_byte_ns=record.last_downstream_rx_ns,
             expects_body=self._expects_body, request_complete=self.request_complete,
-            reading_paused=self.client.reading_paused, response_started=response_started,
-            response_complete=response_started and record.has(MARK.LAST_UPSTREAM_RX_BYTE),
-            last_upstream_byte_ns=record.last_upstream_rx_ns, upstream_paused_by_client=self._upstream_paused_by_client,
-            client_paused=record.downstream_paused_since_ns is not None, client_taken_ns=self._client_taken_ns,
+            reading_paused=self.client.reading_paused, response_started=started,
+            response_complete=started and record.has(MARK.LAST_UPSTREAM_RX_BYTE),
+            last_upstream_byte_ns=record.last_upstream_rx_ns, upstream_paused_by_client=response.upstream_paused,
+            client_paused=record.downstream_paused_since_ns is not None, client_taken_ns=response.client_taken_ns,
         )
 
-    def _aim_timer(self, now: int) -> None:
+    def aim_timer(self, now: int) -> None:
         nearest = self._next_deadline(now)
         if nearest is not None:
             self.client.exchange_timer.aim(nearest[0], now)
@@ -533,10 +424,11 @@ class Exchange:
             self.client.exchange_timer.aim(due, now)
             return
         if expired is Flag.DNR:
-            taken = self._taken_by_client()
-            if client_took_more(taken, self._client_taken):
-                self._client_taken, self._client_taken_ns = taken, now
-                self._aim_timer(now)
+            response = self.response
+            taken = response.taken_by_client()
+            if client_took_more(taken, response.client_taken):
+                response.client_taken, response.client_taken_ns = taken, now
+                self.aim_timer(now)
                 return
         passed = expiry(expired, due, now, self.record, self.ctx, where(self.ctx.upstream_authority, self.record.attempt),
                         self.ctx.pool.max_connections)
@@ -545,7 +437,7 @@ class Exchange:
         self.end(Ending.FAILED, passed.outcome, passed.detail)
 
     # -- marks ----------------------------------------------------------------------
-    def _stamp(self, now: int, *marks: Mark) -> None:
+    def stamp(self, now: int, *marks: Mark) -> None:
         """Stamp one or more marks at ``now`` (edges crossed in the same moment go together)."""
         record = self.record
         for mark in marks:
@@ -554,6 +446,6 @@ class Exchange:
             for mark in marks:
                 self.ctx.fanout.mark(record, mark)
 
-    def _stamp_once(self, mark: Mark, now: int) -> None:
+    def stamp_once(self, mark: Mark, now: int) -> None:
         if self.record.mark_once(mark, now) and self._mark_observers:
             self.ctx.fanout.mark(self.record, mark)

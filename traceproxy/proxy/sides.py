@@ -11,7 +11,8 @@ declared here.
 
 * ``ClientSide``: what an exchange needs of its client connection.
 * ``UpstreamSide``: what an exchange needs of the upstream connection it was given.
-* ``UpstreamUser``: what an upstream connection reports to the request it carries.
+* ``UpstreamUser``: what an upstream connection reports to the request it carries
+  (the exchange's ``relay.ResponseRelay``).
 * ``ConnectionWaiter``: what the pool needs of whoever asks it for a connection. The
   pool calls back once, with a connection or with a failure, and knows nothing else
   of requests.
