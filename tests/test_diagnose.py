@@ -25,7 +25,8 @@ import pytest
 import traceproxy
 from traceproxy.app import ProxyServer
 from traceproxy.config import default_settings
-from traceproxy.diagnose import RequestSpans, Span, find_requests, jaeger_spans, request_lines, run, wall_clock
+from traceproxy.diagnose import (RequestSpans, Span, file_spans, find_requests, jaeger_spans, request_lines, run,
+                                 wall_clock)
 from traceproxy.lifecycle.hooks import Fanout
 from traceproxy.sim.fast import FastUpstream
 
@@ -540,3 +541,69 @@ def test_a_route_the_span_name_leaves_out_is_still_shown_by_its_path():
         "http.request.method": "GET", "url.path": "/internal/flush_cache", "http.response.status_code": 200,
         "traceproxy.outcome": "OK", "traceproxy.outcome.name": "ok", "traceproxy.blame": "-"})
     assert _outcome_lines(server)[0].startswith("  GET /internal/flush_cache -> HTTP 200   outcome OK")
+
+
+# ----------------------------------------------------------------------------------
+# Spans below the proxy, and the join key
+# ----------------------------------------------------------------------------------
+def _otlp_line(service: str, *spans: dict) -> str:
+    return json.dumps({"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
+        "scopeSpans": [{"spans": list(spans)}]}]})
+
+
+def _otlp_span(span_id: str, parent: str, name: str, kind: int, start_ms: int, end_ms: int, **attributes) -> dict:
+    return {"traceId": TRACE, "spanId": span_id, "parentSpanId": parent, "name": name, "kind": kind,
+            "startTimeUnixNano": str(T0 * 1000 + start_ms * 1_000_000),
+            "endTimeUnixNano": str(T0 * 1000 + end_ms * 1_000_000),
+            "attributes": [{"key": k, "value": {"stringValue": v}} for k, v in attributes.items()]}
+
+
+def test_spans_below_the_proxy_are_found_at_any_depth_under_a_router_span(tmp_path):
+    # smg with --enable-trace: its INTERNAL http_request span is the child of the proxy's
+    # CLIENT span, and the engines' spans are children of smg's (and have their own).
+    client_root, smg, prefill, decode, decode_step = ("c" * 16, "5" * 16, "6" * 16, "7" * 16, "8" * 16)
+    spans = tmp_path / "spans.jsonl"
+    spans.write_text("\n".join([
+        _otlp_line("harness", _otlp_span(client_root, "", "agent turn", 1, 0, 900)),
+        _otlp_line("traceproxy",
+                   _otlp_span(SERVER, client_root, "POST /v1/chat/completions", 2, 1, 800,
+                              **{"traceproxy.request_id": "req-smg", "traceproxy.outcome": "OK"}),
+                   _otlp_span(FIRST, SERVER, "POST /v1/chat/completions", 3, 2, 790)),
+        _otlp_line("smg", _otlp_span(smg, FIRST, "http_request", 1, 3, 780)),
+        _otlp_line("sglang-prefill", _otlp_span(prefill, smg, "prefill", 2, 4, 100)),
+        _otlp_line("sglang-decode", _otlp_span(decode, smg, "decode", 2, 5, 770),
+                   _otlp_span(decode_step, decode, "generate", 1, 110, 760)),
+    ]) + "\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert run("req-smg", str(spans), out=out, err=err) == 0, err.getvalue()
+    text = out.getvalue()
+    below = [line for line in text[text.index("spans below the proxy"):].splitlines()[1:]
+             if line.startswith("    ")]
+    # Each under its parent, one level deeper; the client's own span above the proxy is not below it.
+    assert below == ["    smg: http_request, 777.000 ms",
+                     "      sglang-prefill: prefill, 96.000 ms",
+                     "      sglang-decode: decode, 765.000 ms",
+                     "        sglang-decode: generate, 650.000 ms"], text
+    [found] = find_requests(file_spans(spans, "req-smg"), "req-smg")
+    assert [s.span_id for s in found.downstream] == [smg, prefill, decode, decode_step]
+
+
+def test_spans_whose_parents_loop_are_each_listed_once():
+    a, b = "a" * 16, "b" * 16
+    server = Span(TRACE, SERVER, "", "POST /generate", "server", 0, 10, {"traceproxy.request_id": "r"})
+    attempt = Span(TRACE, FIRST, SERVER, "POST /generate", "client", 1, 9)
+    # a under the attempt, b under a; a second record of a says its parent is b (a broken exporter).
+    looped = [Span(TRACE, a, FIRST, "x", "internal", 2, 8), Span(TRACE, b, a, "y", "internal", 3, 7),
+              Span(TRACE, a, b, "x", "internal", 2, 8)]
+    [found] = find_requests([server, attempt, *looped], "r")
+    assert [s.span_id for s in found.downstream] == [a, b]
+
+
+def test_the_trace_id_is_named_as_the_key_to_the_engines_logs():
+    server = Span(TRACE, SERVER, "", "POST /v1/chat/completions", "server", 0, 10,
+                  {"traceproxy.request_id": "req-7", "traceproxy.outcome": "OK"})
+    [found] = find_requests([server], "req-7")
+    text = "\n".join(request_lines(found))
+    [line] = [line for line in text.splitlines() if "engine logs" in line]
+    assert TRACE in line and "vllm-router" in line and "x-request-id" in line, line

@@ -5,7 +5,11 @@ returned or kept), find the request's spans and print its timeline: the lifecycl
 marks in order with the gap from the previous mark and from the start, the bytes,
 the keep-alive ledger (client connection and request sequence, idle gap; per
 upstream attempt: connection new or reused, idle age, request number), every
-upstream attempt (resends), the stalls, and the outcome with its blame and error.
+upstream attempt (resends), the stalls, and the outcome with its blame and error;
+then the spans of other services below the proxy's (a router's, the engines' under
+it, at any depth) where the source holds them, and the trace id to search the
+engines' logs by: the one key every router passes on to both engines (vllm-router
+replaces the request id they see with its own).
 
 Two sources, mapped to the same ``Span`` shape:
 
@@ -136,15 +140,17 @@ class Span:
 @dataclass
 class RequestSpans:
     """The spans of one request: its SERVER span (None while still in flight), its
-    CLIENT span per upstream attempt, its stall spans, and spans of other services
-    parented on the attempts (engines, routers; Jaeger only)."""
+    CLIENT span per upstream attempt, its stall spans, and the spans of other services
+    below the attempts at any depth (a router's, the engines' under it), where the
+    source holds them: Jaeger, or a span file a collector wrote for every service."""
 
     trace_id: str
     server_span_id: str
     server: Span | None = None
     attempts: list[Span] = field(default_factory=list)
     stalls: list[Span] = field(default_factory=list)
-    downstream: list[Span] = field(default_factory=list)
+    downstream: list[Span] = field(default_factory=list)  # depth first, each parent before its children
+    depth: dict[str, int] = field(default_factory=dict)  # span id -> 1 for an attempt's child, 2 below it, ...
 
     @property
     def start_ns(self) -> int:
@@ -427,9 +433,34 @@ def _attach_children(found: RequestSpans, spans: list[Span]) -> None:
     found.stalls.sort(key=lambda s: s.start_ns)
     found.attempts = sorted((s for s in same_trace if s.kind == "client" and s.parent_id == found.server_span_id),
                             key=_attempt_order)
-    attempt_ids = {a.span_id for a in found.attempts}
-    found.downstream = sorted((s for s in same_trace if s.parent_id in attempt_ids), key=lambda s: s.start_ns)
+    found.downstream, found.depth = _descendants(found.attempts, same_trace)
     found.stalls.sort(key=lambda s: s.end_ns)
+
+
+def _descendants(roots: list[Span], spans: list[Span]) -> tuple[list[Span], dict[str, int]]:
+    """Every span below ``roots`` at any depth, depth first (siblings by start), with its depth.
+
+    A router that traces (smg with --enable-trace) puts its own span between the proxy's
+    CLIENT span and the engines'. Each span id is taken once: a file may repeat a span,
+    and parent ids that loop must not loop here."""
+    children: dict[str, list[Span]] = {}
+    for span in spans:
+        children.setdefault(span.parent_id, []).append(span)
+    seen = {root.span_id for root in roots}
+    found: list[Span] = []
+    depth: dict[str, int] = {}
+    stack = [(1, span) for root in reversed(roots)
+             for span in sorted(children.get(root.span_id, ()), key=lambda s: s.start_ns, reverse=True)]
+    while stack:
+        level, span = stack.pop()
+        if span.span_id in seen:
+            continue
+        seen.add(span.span_id)
+        found.append(span)
+        depth[span.span_id] = level
+        stack += [(level + 1, child) for child in
+                  sorted(children.get(span.span_id, ()), key=lambda s: s.start_ns, reverse=True)]
+    return found, depth
 
 
 def _attempt_order(span: Span) -> tuple[int, int]:
@@ -467,6 +498,7 @@ def request_lines(found: RequestSpans) -> list[str]:
     lines += _timeline_lines(found)
     lines += _stall_lines(found)
     lines += _downstream_lines(found)
+    lines.append(_join_key_line(found))
     return lines
 
 
@@ -695,8 +727,16 @@ def _downstream_lines(found: RequestSpans) -> list[str]:
     if not found.downstream:
         return []
     return ["  spans below the proxy (router, engines):"] + [
-        f"    {s.service or '-'}: {s.name}, {duration(s.end_ns - s.start_ns)}"
+        f"  {'  ' * found.depth.get(s.span_id, 1)}{s.service or '-'}: {s.name}, {duration(s.end_ns - s.start_ns)}"
         + (f", status {s.status}" if s.status == "error" else "") for s in found.downstream]
+
+
+def _join_key_line(found: RequestSpans) -> str:
+    """Where to look next: the engines' logs, by trace id. Every router passes the trace
+    on to both engines; the request id does not always get through (vllm-router sends the
+    engines an x-request-id of its own)."""
+    return (f"  engine logs: search by trace id {found.trace_id}, the join key through every router (behind "
+            "vllm-router the engines' x-request-id is the router's own, not this request's)")
 
 
 def report_lines(requests: list[RequestSpans], ident: str, source: str) -> list[str]:
