@@ -217,12 +217,18 @@ def test_sigterm_grace_expired_cuts_the_stream_visibly(upstream_process):
 def test_workers_share_the_listen_port(upstream_process):
     proc, port, admin = _serve(upstream_process, "--workers", "2")
     try:
-        pids = set()
-        for _ in range(40):
-            resp = RawClient(port).roundtrip("GET", "/health")
-            assert resp.status == 200
-            pids.add(_healthz(admin)["pid"])
-        assert len(pids) == 2, "both workers should answer"
+        # 40 keep-alive clients held open: the kernel spreads them over both listeners
+        # (all on one has odds of 2**-39), and /healthz says which worker holds how many.
+        clients = [RawClient(port) for _ in range(40)]
+        for client in clients:
+            assert client.roundtrip("GET", "/health").status == 200
+        workers = _healthz(admin)["workers"]
+        pids = {worker["pid"] for worker in workers}
+        assert len(pids) == 2 and all(worker["answered"] for worker in workers), workers
+        assert all(worker["client_connections"] > 0 for worker in workers), "both workers should accept clients"
+        assert sum(worker["client_connections"] for worker in workers) == len(clients), workers
+        for client in clients:
+            client.close()
         assert _listening_pids(port) == pids, "each worker holds its own listening socket on the port"
     finally:
         _stop(proc)

@@ -90,6 +90,11 @@ class ServiceAdmin:
         answered = answers.answered
         pairs = [pair for answer in answered.values() for pair in answer["entries"]]
         pairs.sort(key=lambda pair: pair[0])  # oldest first: the earliest first byte, whichever worker
+        # Each worker measured its ages when it answered; measured again here from the
+        # first byte (the monotonic clock is the host's), the list reads as one moment.
+        now = time.monotonic_ns()
+        for start, entry in pairs:
+            entry["age_s"] = round((now - start) / 1e9, 3)
         requests = [entry for _, entry in pairs]
         health, _ = self._health({pid: answer["health"] for pid, answer in answered.items()}, answers.missing)
         at_engines = None if answers.missing else sum(answer["at_engines"] for answer in answered.values())

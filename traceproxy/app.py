@@ -501,7 +501,7 @@ class _ServiceAdminSide:
 async def _start_service_admin(settings: Settings, peers, started_ns: int, stopping) -> _ServiceAdminSide | None:
     from .workers import WorkerLinks
 
-    links = WorkerLinks(peers)
+    links = WorkerLinks(peers, timeout=settings.timeouts.admin_worker_answer)
     # As with one process, /healthz answering means the proxy port is open: the
     # admin listener starts once every worker serves it.
     if not await links.start():

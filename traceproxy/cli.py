@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="measure the proxy against a direct connection (see traceproxy bench --help)")
 
     top = sub.add_parser("top", help="watch the requests in flight, stalls and whose turn it is",
-                         description="A live view of GET /debug/inflight and /healthz from a running proxy's "
+                         description="A live view of GET /debug/inflight from a running proxy's "
                          "admin listener. Stalled requests are marked STALL (red), those past half their "
                          "stall threshold slow (yellow). Ctrl-C quits.")
     top.add_argument("--admin", metavar="HOST:PORT", default=None,

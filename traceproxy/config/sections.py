@@ -88,6 +88,11 @@ class Timeouts:
         seconds(zero="stop at once"), 30.0,
         "On SIGTERM or SIGINT, in-flight streams get this long to finish, and slow clients to "
         "take what was written to them; what is left then is cut with a reset.")
+    admin_worker_answer: float = setting(
+        seconds(), 1.0,
+        "With workers > 1: how long the admin side (/metrics, /debug/inflight, /healthz, the engine "
+        "orphan check) waits for each worker's answer before it goes on without it (counted in "
+        "traceproxy_worker_answers_late_total).")
 
 
 @_settings_class
@@ -189,8 +194,8 @@ class Tracing:
     # 0: no ceiling
     healthy_max_per_second: int = setting(
         integer(0, zero="no ceiling"), 250,
-        "At most this many healthy requests' traces kept per second (per worker), in bursts of up "
-        "to one second's worth; beyond it they are shed (counted). Bounds what tracing costs under a "
+        "At most this many healthy requests' traces kept per second (for the whole service, shared "
+        "by its workers), in bursts of up to one second's worth; beyond it they are shed (counted). Bounds what tracing costs under a "
         "flood; far above LLM request rates, where every trace is kept. Errored and stalled "
         "requests are always kept.")
     queue_spans: int = setting(
