@@ -212,9 +212,9 @@ def test_once_shows_the_stuck_request_as_an_engine_first_byte_stall(scripted_ups
     client = RawClient(proxy.port)
     client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "top-stuck-1")], body=b"{}")
     assert wait_until(lambda: any((e["verdict"] or {}).get("stalled") for e in _inflight(proxy)), timeout=5)
-    result = _top("--admin", f"127.0.0.1:{proxy.admin_port}", "--once", "--no-color")
+    result = _top("--admin", f"127.0.0.1:{proxy.admin_port}", "--once")
     assert result.returncode == 0, result.stderr
-    assert "\x1b" not in result.stdout
+    assert "\x1b" not in result.stdout  # written to a pipe: no colour, without --no-color
     row = _line_with(result.stdout.splitlines(), "top-stuck-1")
     assert row.startswith("STALL") and "FBS" in row and "engine" in row and "first-byte" in row
     assert "1 in flight, 1 stalled" in result.stdout and "in flight 1" in result.stdout

@@ -433,7 +433,9 @@ def _clock() -> str:
 
 
 def _wants_color(args: argparse.Namespace) -> bool:
-    return not args.no_color and "NO_COLOR" not in os.environ
+    # Colour for a terminal only, as ls and grep do: piped into a file or another
+    # command, escape codes are noise.
+    return not args.no_color and "NO_COLOR" not in os.environ and sys.stdout.isatty()
 
 
 def _frame(snapshot: Snapshot, base_url: str, width: int, use_color: bool, height: int | None = None) -> list[str]:
