@@ -4,6 +4,7 @@ explained, and the commands it prints work against the stack it leaves running."
 
 from __future__ import annotations
 
+import argparse
 import os
 import queue
 import shlex
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -21,6 +23,7 @@ import pytest
 from traceproxy.demo import (BY_KEY, NOT_REACHED_TEXT, SCENARIOS, Row, Said, Where, codes_shown, example_trace_id,
                              legend_lines, running_lines, stopped_lines)
 from traceproxy.lifecycle.flags import BY_CODE, Blame
+from traceproxy.sim.routers import ROUTER_NAMES, default_router, router_kind
 
 # The demo with SIGINT restored: a non-interactive parent may have it ignored, and the
 # demo's run before its table ends on the default Ctrl-C (--keep-running's wait takes
@@ -45,6 +48,9 @@ def test_demo_runs_and_its_table_matches_and_explains_every_code(tmp_path):
                             text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
+    kind = default_router()  # the first installed, named with its version
+    if kind is not None:
+        assert any(line.startswith("router:") and f"{kind.name} {kind.version}" in line for line in lines), lines
     for scenario in SCENARIOS:
         row = next(line for line in lines if line.startswith(scenario.title))
         assert f"  {scenario.expected_text}  " in row and "  yes  " in row, row
@@ -64,6 +70,54 @@ def test_demo_runs_and_its_table_matches_and_explains_every_code(tmp_path):
     looked_up = subprocess.run(_traceproxy(diagnose), cwd=elsewhere, capture_output=True, text=True, timeout=60)
     assert looked_up.returncode == 0, looked_up.stdout + looked_up.stderr
     assert shlex.split(diagnose)[2] in looked_up.stdout
+
+
+# Per router, the scenarios whose engine side each router changes (prefill_stall: decode
+# waiting in its transfer queue, or never called behind vllm-router; decode's reset: a
+# cut stream, or smg's in-band error event), the client leaving, and smg's routing by
+# model (the harness's turns). The whole demo runs behind the default router above.
+SCENARIOS_PER_ROUTER = ("healthy", "prefill-stall", "client-leaves")
+
+
+def _demo(cwd, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "traceproxy", "demo", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _table_row(stdout: str, title: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith(title))
+
+
+@pytest.mark.parametrize("name", ROUTER_NAMES)
+def test_the_demo_runs_behind_each_router_and_names_it(tmp_path, name):
+    kind = router_kind(name)
+    if not kind.installed:
+        pytest.skip(f"{name} is not installed")
+    keys = [arg for key in SCENARIOS_PER_ROUTER for arg in ("--scenario", key)]
+    result = _demo(tmp_path, "--router", name, *keys)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [router_line] = _printed(result.stdout, "router:")
+    assert f"{name} {kind.version} at http://127.0.0.1:" in router_line, router_line
+    [proxy_line] = _printed(result.stdout, "traceproxy:")
+    assert f"{name} {kind.version} (PD mode)" in proxy_line, proxy_line
+    for key in SCENARIOS_PER_ROUTER:
+        row = _table_row(result.stdout, BY_KEY[key].title)
+        assert f"  {BY_KEY[key].expected_text}  " in row and "  yes  " in row, row
+    # The run offered again is the same router's.
+    assert f"traceproxy demo --router {name} --scenario healthy" in result.stdout, result.stdout
+
+
+def test_a_router_that_is_not_installed_is_a_one_line_error_and_nothing_starts(monkeypatch, capsys):
+    from traceproxy.demo import add_arguments, run_demo
+    from traceproxy.sim.routers import RouterKind
+
+    monkeypatch.setattr(RouterKind, "installed", property(lambda kind: kind.name != "smg"))
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--router", "smg"])
+    assert run_demo(args) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "traceproxy demo: --router smg: not installed (pip install smg)", err
+    with pytest.raises(SystemExit):
+        add_arguments(argparse.ArgumentParser()).parse_args(["--router", "nginx"])
 
 
 class _Lines:
@@ -228,6 +282,8 @@ def test_after_a_run_of_some_scenarios_the_offer_to_keep_it_running_names_them(t
     assert some[-1].endswith("traceproxy demo --scenario pool-cap --keep-running"), some
     every = stopped_lines([_row(scenario.key, "OK", "a" * 32) for scenario in SCENARIOS], where)
     assert every[-1].endswith("traceproxy demo --keep-running"), every
+    behind_smg = stopped_lines([_row("pool-cap", "PWS proxy", "e" * 32)], replace(where, router="smg"))
+    assert behind_smg[-1].endswith("traceproxy demo --router smg --scenario pool-cap --keep-running"), behind_smg
 
 
 def test_the_running_commands_name_the_stacks_real_addresses_and_paths(tmp_path):
@@ -236,12 +292,13 @@ def test_the_running_commands_name_the_stacks_real_addresses_and_paths(tmp_path)
                   "http://127.0.0.1:41003", "http://127.0.0.1:41004", 2)
     lines = running_lines([_row("pool-cap", "PWS proxy", "e" * 32)], where)
     text = "\n".join(lines)
-    assert "traceproxy repro --url http://127.0.0.1:41001 --admin 127.0.0.1:41002" in text
+    # The simulated workers' model: smg routes by model and has no worker for another.
+    assert "traceproxy repro --url http://127.0.0.1:41001 --admin 127.0.0.1:41002 --model sim-llama" in text
     assert "traceproxy top --admin 127.0.0.1:41002" in text
     assert f"traceproxy diagnose {'e' * 32} --spans {shlex.quote(str(spans))}" in text
     assert "curl -sN http://127.0.0.1:41001/v1/chat/completions" in text
     assert "curl -s http://127.0.0.1:41003/admin/faults" in text
-    assert "traceproxy repro --url http://127.0.0.1:41004 --admin 127.0.0.1:41002" in text
+    assert "traceproxy repro --url http://127.0.0.1:41004 --admin 127.0.0.1:41002 --model sim-llama" in text
     assert "8000" not in text and "9464" not in text
 
 

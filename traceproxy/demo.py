@@ -1,7 +1,8 @@
 """``traceproxy demo``: the quick start, with nothing else running.
 
-Starts the simulated SGLang prefill and decode workers (behind the real SGLang router
-in PD mode when ``sglang-router`` is installed), traceproxy in front with spans to the
+Starts the simulated prefill and decode workers behind a real router in PD mode
+(``--router sglang-router|smg|vllm-router``; by default the first of these installed,
+and without any the decode worker alone), traceproxy in front with spans to the
 local file, and the repro harness; then runs one scenario at a time and prints each
 against the verdict traceproxy gave, with the trace ids, a legend for every outcome
 code shown, and where the spans and the access log are. The scenarios put the hang on
@@ -31,10 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .lifecycle.flags import BY_CODE, Blame, Flag, Outcome
+from .sim.routers import ROUTER_NAMES, router_kind
 
 DATA_DIR = "traceproxy-data"
 SIM_MODEL = "sim-llama"  # the model the simulated workers serve
 NOT_REACHED_TEXT = "never reached the proxy"
+USAGE_EXIT = 2
 INTERRUPTED_EXIT = 130
 TERMINATED_EXIT = 143  # 128 + SIGTERM, as a shell reports it
 
@@ -129,6 +132,7 @@ class Where:
     decode_url: str
     faulty_proxy_url: str | None = None  # only while the stack keeps running
     faulty_proxy_turns: int = 0  # answered turns per connection before it swallows one
+    router: str | None = None  # the --router the demo was given, to offer the same run again
 
 
 def data_paths(folder: Path | None = None) -> tuple[Path, Path]:
@@ -184,6 +188,11 @@ def fault_command(where: Where, faults: list[str]) -> str:
             f"-d {shlex.quote(json.dumps({'faults': faults}))}")
 
 
+def repro_command(where: Where, url: str | None = None) -> str:
+    # The model the workers serve: smg routes by model and answers 503 for another.
+    return f"traceproxy repro --url {url or where.proxy_url} --admin {where.admin} --model {SIM_MODEL}"
+
+
 def curl_command(where: Where) -> str:
     body = {"model": SIM_MODEL, "stream": True, "max_tokens": 8,
             "messages": [{"role": "user", "content": "Say hello."}]}
@@ -203,16 +212,17 @@ def stopped_lines(rows: list[Row], where: Where) -> list[str]:
         lines += ["look a request up (from any folder):", f"  {diagnose_command(trace_id, where)}"]
     # The same scenarios again, kept running: a run of some scenarios offers those.
     chosen = "" if len(rows) == len(SCENARIOS) else "".join(f" --scenario {row.scenario.key}" for row in rows)
+    if where.router is not None:
+        chosen = f" --router {where.router}{chosen}"
     return lines + ["the stack is stopped; to leave it up for curl, repro and top: "
                     f"traceproxy demo{chosen} --keep-running"]
 
 
 def running_lines(rows: list[Row], where: Where) -> list[str]:
     """While the stack keeps running: the commands that work against it, with its real addresses."""
-    proxy = f"--url {where.proxy_url} --admin {where.admin}"
     lines = ["the stack keeps running until Ctrl-C (or SIGTERM); from another terminal:",
              f"  {curl_command(where)}",
-             f"  traceproxy repro {proxy}",
+             f"  {repro_command(where)}",
              f"  traceproxy top --admin {where.admin}"]
     trace_id = example_trace_id(rows)
     if trace_id is not None:
@@ -220,12 +230,12 @@ def running_lines(rows: list[Row], where: Where) -> list[str]:
     lines += ["make decode stall after 3 tokens; repro then says where each turn is stuck, and top shows "
               "the stalls live while repro waits; then clear the fault:",
               f"  {fault_command(where, ['decode_stall:3'])}",
-              f"  traceproxy repro {proxy} --turn-timeout 5",
+              f"  {repro_command(where)} --turn-timeout 5",
               f"  {fault_command(where, [])}"]
     if where.faulty_proxy_url is not None:
         lines += [f"the original hang: a faulty keep-alive proxy in front of traceproxy swallows the request after "
                   f"{where.faulty_proxy_turns} turns on a reused connection (fresh connections work):",
-                  f"  traceproxy repro --url {where.faulty_proxy_url} --admin {where.admin} --turn-timeout 3"]
+                  f"  {repro_command(where, where.faulty_proxy_url)} --turn-timeout 3"]
     return lines
 
 
@@ -233,11 +243,12 @@ def running_lines(rows: list[Row], where: Where) -> list[str]:
 # The command
 # ----------------------------------------------------------------------------------
 DESCRIPTION = (
-    "The quick start: simulated SGLang prefill/decode workers behind the real SGLang router (PD mode, when "
-    "sglang-router is installed), traceproxy in front, and one scenario at a time, each hang placed on the "
+    "The quick start: simulated prefill/decode workers behind a real router in PD mode (sglang-router, smg or "
+    "vllm-router: --router), traceproxy in front, and one scenario at a time, each hang placed on the "
     "engine, the client, the proxy, or in front of traceproxy; a table shows each against the verdict "
     "traceproxy gave, with trace ids and a legend of the outcome codes. Everything it starts it stops. "
-    "Exit status: 0 when every verdict matched, 1 when one did not, 130 when interrupted."
+    "Exit status: 0 when every verdict matched, 1 when one did not, 2 when the router asked for is not installed, "
+    "130 when interrupted."
 )
 
 
@@ -248,6 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "repro, top and diagnose commands that work against it; then stop everything started")
     parser.add_argument("--scenario", action="append", choices=list(BY_KEY), default=None, metavar="NAME",
                         help=f"run only this scenario (repeatable; default: all): {', '.join(BY_KEY)}")
+    parser.add_argument("--router", choices=ROUTER_NAMES, default=None,
+                        help="the router in front of the workers (default: the first of these installed; "
+                        "without any, the decode worker alone)")
     return parser
 
 
@@ -269,9 +283,12 @@ def run_demo(args: argparse.Namespace | None = None) -> int:
 
     if args is None:
         args = add_arguments(argparse.ArgumentParser()).parse_args([])
+    if args.router is not None and not router_kind(args.router).installed:
+        print(f"traceproxy demo: --router {args.router}: not installed (pip install {args.router})", file=sys.stderr)
+        return USAGE_EXIT
     started = time.monotonic()
     try:
-        code = uvloop.run(run_stack(selected_scenarios(args.scenario), args.keep_running))
+        code = uvloop.run(run_stack(selected_scenarios(args.scenario), args.keep_running, args.router))
     except KeyboardInterrupt:  # what it started is stopped as run_stack unwinds
         print("demo interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT

@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-``run_stack`` starts a ``SimDeployment`` (workers, and the router when it can be
-imported) and one traceproxy in front of it, with stall thresholds of a second so
+``run_stack`` starts a ``SimDeployment`` (workers, and the router asked for, else
+the first one installed) and one traceproxy in front of it, with stall thresholds of a second so
 that every stall shows within the run. Each scenario then sets its sim fault on the
 worker it acts on, drives requests one of five ways (``demo.HARNESS`` ...), and gives
 back what traceproxy said: the live verdict of the request it asked about (from
@@ -42,6 +42,7 @@ from .repro.harness import HUNG, OK, REUSED, run_repro
 from .repro.inflight import IN_FLIGHT, NOT_REACHED, Diagnosis, ask_proxy
 from .sim.faultyproxy import FaultyProxy
 from .sim.launch import SimDeployment, router_importable
+from .sim.routers import ROUTER_NAMES, RouterKind
 
 STALL_AFTER = 1.0  # every stall threshold of the demo's proxy, in seconds
 TURN_TIMEOUT = 2.5  # the harness gives up on a turn after this long (past STALL_AFTER)
@@ -74,9 +75,15 @@ class Outcomes:
 class Stack:
     """What the scenarios drive: the deployment, the proxy in front of it, and its outcomes."""
 
-    def __init__(self, deployment: SimDeployment, proxy: ProxyServer, outcomes: Outcomes) -> None:
+    def __init__(self, deployment: SimDeployment, proxy: ProxyServer, outcomes: Outcomes,
+                 router_asked: str | None = None) -> None:
         self.deployment, self.proxy, self.outcomes = deployment, proxy, outcomes
+        self.router_asked = router_asked  # --router NAME, or None for the default
         self.run_token = secrets.token_hex(3)  # request ids stay unique across runs sharing a span file
+
+    @property
+    def router(self) -> RouterKind | None:
+        return self.deployment.router_kind
 
     @property
     def url(self) -> str:
@@ -93,7 +100,7 @@ class Stack:
         spans, access_log = (Path(p) for p in (self.proxy.settings.tracing.file_path,
                                                self.proxy.settings.access_log.path))
         return Where(self.url, self.admin, spans, access_log, self.deployment.decode.url,
-                     faulty_proxy.url if faulty_proxy else None, FAULTY_PROXY_TURNS)
+                     faulty_proxy.url if faulty_proxy else None, FAULTY_PROXY_TURNS, self.router_asked)
 
 
 def proxy_settings(upstream: str, spans: Path, access_log: Path) -> Settings:
@@ -105,26 +112,27 @@ def proxy_settings(upstream: str, spans: Path, access_log: Path) -> Settings:
     })
 
 
-async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool) -> int:
-    """Start the stack, run the scenarios, print the report; 0 when every verdict matched."""
+async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool, router: str | None = None) -> int:
+    """Start the stack, run the scenarios, print the report; 0 when every verdict matched.
+    ``router``: the router's name; None for the first installed (none: the decode worker alone)."""
     spans, access_log = data_paths()
     outcomes = Outcomes()
-    has_router = router_importable()
+    wanted_router = router or router_importable()  # a name, the first installed, or none
     signals = StopSignals()
     # SIGTERM (kill, a supervisor) stops the demo as Ctrl-C does: the main task is
     # cancelled, so everything started is stopped as it unwinds. Left to the default
     # action, the router, in its own session, would outlive the demo.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
-        async with SimDeployment(router=has_router, request_timeout=20) as deployment:
+        async with SimDeployment(router=wanted_router, request_timeout=20) as deployment:
             upstream = deployment.router_url or deployment.decode.url
             proxy = ProxyServer(proxy_settings(upstream, spans, access_log), Fanout([outcomes]))
             await proxy.start()
             try:
-                stack = Stack(deployment, proxy, outcomes)
+                stack = Stack(deployment, proxy, outcomes, router)
                 where = stack.where()  # the addresses are gone once the proxy stops
-                _print_header(stack, upstream, has_router)
-                rows = [Row(scenario, await _run_scenario(scenario, stack, has_router)) for scenario in scenarios]
+                _print_header(stack, upstream)
+                rows = [Row(scenario, await _run_scenario(scenario, stack)) for scenario in scenarios]
                 _print(*table_lines(rows), "", "legend:", *legend_lines(codes_shown(rows)), "", *files_lines(where))
                 if keep_running:
                     signals.catch()  # until everything has stopped, not only until the first signal
@@ -138,11 +146,12 @@ async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool) -> int:
     return 0 if all(row.matches for row in rows) else 1
 
 
-def _print_header(stack: Stack, upstream: str, has_router: bool) -> None:
-    dep = stack.deployment
-    behind = "the SGLang router (PD mode) in front of the workers" if has_router else \
-        "the decode worker (sglang-router not installed)"
-    _print(f"simulated engine: prefill {dep.prefill.url}, decode {dep.decode.url}",
+def _print_header(stack: Stack, upstream: str) -> None:
+    dep, kind = stack.deployment, stack.router
+    behind = (f"{kind.name} {kind.version} (PD mode) in front of the workers" if kind is not None else
+              f"the decode worker (no router installed: pip install one of {', '.join(ROUTER_NAMES)})")
+    router = [f"router:           {dep.describe_router()}"] if kind is not None else []
+    _print(f"simulated engine: prefill {dep.prefill.url}, decode {dep.decode.url}", *router,
            f"traceproxy:       {stack.url} -> {upstream}, {behind}",
            f"admin:            http://{stack.admin} (/healthz, /metrics, /debug/inflight)", "")
 
@@ -186,9 +195,9 @@ class StopSignals:
 # ----------------------------------------------------------------------------------
 # One scenario
 # ----------------------------------------------------------------------------------
-async def _run_scenario(scenario: Scenario, stack: Stack, has_router: bool) -> Said:
-    if scenario.needs_router and not has_router:
-        return Said("skipped (needs sglang-router)")
+async def _run_scenario(scenario: Scenario, stack: Stack) -> Said:
+    if scenario.needs_router and stack.router is None:
+        return Said("skipped (needs a router)")
     dep = stack.deployment
     worker = dep.prefill if scenario.role == "prefill" else dep.decode
     worker.set_faults([scenario.fault] if scenario.fault else [])
@@ -201,8 +210,9 @@ async def _run_scenario(scenario: Scenario, stack: Stack, has_router: bool) -> S
 
 
 async def _harness(scenario: Scenario, stack: Stack, url: str | None = None) -> Said:
+    # The model the workers serve: smg routes by model and has no worker for another.
     result = await asyncio.to_thread(run_repro, url or stack.url, stack.admin, 1, 3, TURN_TIMEOUT, REUSED, None,
-                                     max_tokens=6)
+                                     model=SIM_MODEL, max_tokens=6)
     await stack.outcomes.wait_for([turn.request_id for turn in result.records if turn.status is not None])
     for turn in result.records:  # the first turn that did not end OK
         if turn.result == HUNG and turn.diagnosis is not None:
