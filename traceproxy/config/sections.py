@@ -162,7 +162,9 @@ class RequestIds:
     inject_rid: bool = setting(
         boolean(), False,
         "For JSON bodies of SGLang /generate, set the body field rid to the request id when absent, "
-        "so the engines' own logs carry it (the router keeps rid on /generate, strips it on chat).",
+        "so the engines' own logs carry it. Every router keeps rid on /generate (on chat only "
+        "sglang-router 0.3.2 strips it); behind vllm-router, which sends the engines an "
+        "x-request-id of its own, it is how the engines see the request id. See docs/routers.md.",
         flag_aliases=("--inject-rid",))
 
 
