@@ -37,7 +37,8 @@ def generate(text: str, ids: list[int] | None, completion: int | None, finish: s
 
 
 USAGE = '{"prompt_tokens":9,"total_tokens":21,"completion_tokens":12,"prompt_tokens_details":null}'
-TOOL_FIRST = '{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":""}}]}'
+TOOL_FIRST = ('{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+              '"function":{"name":"get_weather","arguments":""}}]}')
 TOOL_ARGS = '{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\": \\"Pa"}}]}'
 TOOL_EMPTY = '{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"arguments":""}}]}'
 # Three tokens: the first is judged in full, the second teaches where the text and
@@ -69,8 +70,8 @@ EVENTS = [
     ("usage-only", f'data: {{{_ID},"choices":[],"usage":{USAGE}}}\n\n'.encode(), H),
     ("second-choice-has-content", b'data: {"choices":[{"index":0,"delta":{"content":""},"finish_reason":null},'
                                   b'{"index":1,"delta":{"content":"B"},"finish_reason":null}]}\n\n', O),
-    ("completions-text", b'data: {"object":"text_completion","choices":[{"index":0,"text":"tok","finish_reason":null}]}\n\n',
-     O),
+    ("completions-text", b'data: {"object":"text_completion",'
+                         b'"choices":[{"index":0,"text":"tok","finish_reason":null}]}\n\n', O),
     ("completions-empty-text", b'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}\n\n', H),
     ("responses-api-text-delta", b'data: {"type":"response.output_text.delta","delta":"Hi"}\n\n', O),
     ("messages-api-tool-input", b'data: {"type":"content_block_delta","delta":{"type":"input_json_delta",'
@@ -109,7 +110,7 @@ def kinds(scanner: EventScanner, *events: bytes) -> list[str]:
     return [KIND_NAMES.get(mask, str(mask)) for mask in map(scanner.feed, events)]
 
 
-@pytest.mark.parametrize("primed", [False, True], ids=["fresh", "after-a-token"])
+@pytest.mark.parametrize("primed", [False, True], ids=["fresh", "after-three-tokens"])
 @pytest.mark.parametrize("event,kind", [c[1:] for c in EVENTS], ids=[c[0] for c in EVENTS])
 def test_each_event_is_judged(event, kind, primed):
     scanner = EventScanner()
@@ -276,23 +277,28 @@ def test_usage_from_generate_meta_info():
     assert summary.output_events == 3
 
 
+def finish_first(text: str, finish: str = "null") -> bytes:
+    """A chunk whose choice has its finish reason before the delta (LiteLLM's order)."""
+    return b'data: {"choices":[{"finish_reason":%s,"index":0,"delta":{"content":"%s"}}]}\n\n' % (
+        finish.encode(), text.encode())
+
+
+# (id, a token, the last token with its finish reason)
 LAST_TOKEN_WITH_FINISH = [
-    ("same-fields", chat('{"role":null,"content":".","reasoning_content":null,"tool_calls":null}', finish='"stop"')),
-    ("fewer-fields", chat('{"content":"."}', finish='"stop"')),
-    ("finish-before-the-text", b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{"content":"."}}]}\n\n'),
+    ("same-fields", content, chat('{"role":null,"content":".","reasoning_content":null,"tool_calls":null}',
+                                  finish='"stop"')),
+    ("fewer-fields", content, chat('{"content":"."}', finish='"stop"')),
+    ("finish-before-the-text", finish_first, finish_first(".", '"stop"')),
 ]
 
 
-@pytest.mark.parametrize("last", [c[1] for c in LAST_TOKEN_WITH_FINISH], ids=[c[0] for c in LAST_TOKEN_WITH_FINISH])
-def test_a_finish_reason_with_the_last_token_is_read_after_many_tokens(last):
+@pytest.mark.parametrize("token,last", [c[1:] for c in LAST_TOKEN_WITH_FINISH],
+                         ids=[c[0] for c in LAST_TOKEN_WITH_FINISH])
+def test_a_finish_reason_with_the_last_token_is_read_after_many_tokens(token, last):
     """The usual event is judged by feed's own check; it must not swallow the finish
     reason vLLM sends with the last token."""
     scanner = EventScanner()
-    tokens = [content(f"t{i}") for i in range(20)]
-    if b"finish_reason\":\"stop\",\"index" in last:  # a gateway that writes the finish reason first
-        tokens = [b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"t%d"}}]}\n\n' % i
-                  for i in range(20)]
-    assert kinds(scanner, *tokens, last) == ["output"] * 21
+    assert kinds(scanner, *[token(f"t{i}") for i in range(20)], last) == ["output"] * 21
     assert scanner.summary().finish_reasons == ("stop",)
 
 

@@ -36,10 +36,16 @@ stall verdict to what byte judgement gave; output taken for a heartbeat would ca
 a healthy stream stalled, and ``action = "abort"`` would end it. A blank line with
 no event before it is not an event.
 
+The scanner keeps the counts (``events``, ``output_events``, ``heartbeats``,
+``errors``, ``last_output_event``), says whether the last event so far is
+``[DONE]`` with nothing after it (``ends_with_done``), and at the end what the stream
+reported (``summary``: the model, the engine's token counts, finish reasons, the
+first error's message).
+
 Events are found at ``\\n\\n`` (CRLF and CR line endings are rewritten to LF in a
 piece that has a CR; a CR ending a piece is held back, as it may be half a CRLF, so
 a CR-only stream completes an event one piece late). What one event's data says is
-``event_payloads``' to judge, by its bytes; the scanner keeps the counts.
+``event_payloads``' to judge, by its bytes.
 
 Cost: the usual event judged with no call
 ------------------------------------------
@@ -50,13 +56,13 @@ the null finish reason sits (from the start, or from the end when it follows the
 text). A piece that is one whole event of one data line, with those bytes there, a
 value that is not empty and the null finish reason there, is counted as output in
 ``feed`` itself: about ten byte tests and bounded searches, no copy, no call. Any
-other piece goes the general way, which learns the positions again (``/generate``
-events, which repeat the whole text, always go that way). An event judged
-that way reads nothing more: usage carried by such an event (vLLM's
-``continuous_usage_stats``) is not read, the engine's last usage (in its final or
-usage-only event, judged in full) is; and of a second choice in the same event
-(``n > 1``) only the output is seen, not a finish reason. A partial event is held
-in a ``bytearray`` until its end arrives.
+other piece goes the general way, which learns the positions again; ``/generate``
+events (they repeat the whole text) and CRLF streams always go that way, at about
+three times the cost. An event counted in ``feed`` itself is read no further: usage
+it carries (vLLM's ``continuous_usage_stats``) is not read, the engine's last usage
+(in its final or usage-only event, judged in full) is; and of a second choice in the
+same event (``n > 1``) only the output is seen, not a finish reason. A partial
+event is held in a ``bytearray`` until its end arrives.
 
 It does not know the clock, the stall thresholds, the request body's ``model``, or
 whether the response is an event stream at all: the caller feeds only
