@@ -12,6 +12,12 @@ cap), and in front of traceproxy: a faulty client-side keep-alive proxy that sto
 forwarding on reused connections, the story traceproxy was born from. Its verdict is
 that the request never reached traceproxy.
 
+Where routers differ, so does what the table expects (``expectation``, from each
+router's observed behaviour in ``sim.routers``), and a line under the table says what
+the router made of the scenario: vllm-router never calls decode while prefill hangs,
+and drops a silent decode when its client leaves; smg reports decode's failure inside
+a clean stream (an SSE error event, then ``[DONE]``), which is still an engine failure.
+
 Everything it starts it stops: at once, or with ``--keep-running`` when it gets
 Ctrl-C (or SIGTERM), after printing the commands (curl, repro, top, diagnose) that
 work against the stack it leaves up, with its real addresses.
@@ -28,11 +34,11 @@ import shlex
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .lifecycle.flags import BY_CODE, Blame, Flag, Outcome
-from .sim.routers import ROUTER_NAMES, router_kind
+from .sim.routers import ROUTER_NAMES, RouterKind, router_kind
 
 DATA_DIR = "traceproxy-data"
 SIM_MODEL = "sim-llama"  # the model the simulated workers serve
@@ -64,9 +70,6 @@ class Scenario:
     def injected_text(self) -> str:
         return self.injected or self.fault or "-"
 
-    @property
-    def expected_text(self) -> str:
-        return verdict_words(self.expected) if self.expected is not None else NOT_REACHED_TEXT
 
 
 SCENARIOS = (
@@ -104,20 +107,92 @@ class Said:
 
 
 @dataclass(frozen=True)
+class Expectation:
+    """What a scenario should get behind one router: this verdict (``outcome``), or any
+    failure blamed on one side (``failure_of``), or, with neither, a request that never
+    reaches traceproxy; and what the router makes of the scenario where routers differ."""
+
+    outcome: Outcome | None = None
+    failure_of: Blame | None = None
+    note: str = ""
+    if_said_ok: str = ""  # added to the note when traceproxy took this failure for a success
+
+    @property
+    def text(self) -> str:
+        if self.outcome is not None:
+            return verdict_words(self.outcome)
+        if self.failure_of is not None:
+            return f"{self.failure_of.value} failure"
+        return NOT_REACHED_TEXT
+
+    def met_by(self, said: Said) -> bool:
+        if self.failure_of is None:
+            return said.text == self.text
+        # A final or stalled verdict (not "..., not yet stalled") of a failure blamed on that side.
+        outcome = said.outcome
+        return (outcome is not None and not outcome.is_ok and outcome.blame is self.failure_of
+                and said.text == verdict_words(outcome))
+
+
+def expectation(scenario: Scenario, router: RouterKind | None) -> Expectation:
+    """The scenario's expectation behind ``router`` (None: the decode worker alone), from
+    the router's observed behaviour (``sim.routers``)."""
+    plain = Expectation(scenario.expected)
+    vary = _BEHIND_A_ROUTER.get(scenario.key)
+    return vary(router, plain) if vary is not None and router is not None else plain
+
+
+def _prefill_stall(router: RouterKind, plain: Expectation) -> Expectation:
+    if router.decode_waits_for_prefill:
+        return replace(plain, note=f"{router.name} calls decode only once prefill has answered: decode is never "
+                       "called; the request waits in prefill")
+    return replace(plain, note=f"{router.name} sends prefill and decode the request at once: decode waits for "
+                   "the prefill's KV cache")
+
+
+def _decode_stall(router: RouterKind, plain: Expectation) -> Expectation:
+    if router.behaviour.cancels_silent_decode:
+        return replace(plain, note=f"when its client leaves, {router.name} drops the silent decode at once")
+    return replace(plain, note=f"when its client leaves, {router.name} keeps the silent decode running until it "
+                   "sends something (here the demo releases it)")
+
+
+def _decode_reset(router: RouterKind, plain: Expectation) -> Expectation:
+    if router.behaviour.reports_stream_errors_in_band:
+        return Expectation(failure_of=Blame.ENGINE, note=(
+            f"{router.name} {router.version} reports decode's reset inside a clean stream: an SSE error event, "
+            "then [DONE] and a proper end; that is still an upstream failure, blamed on the engine"),
+            if_said_ok="traceproxy said OK: it does not judge an in-band error event a failure yet")
+    return replace(plain, note=f"{router.name} cuts the client's stream when decode's connection goes")
+
+
+_BEHIND_A_ROUTER = {"prefill-stall": _prefill_stall, "decode-stall": _decode_stall, "pool-cap": _decode_stall,
+                    "decode-reset": _decode_reset}
+
+
+@dataclass(frozen=True)
 class Row:
     scenario: Scenario
     said: Said
+    expected: Expectation
 
     @property
     def matches(self) -> bool:
-        return self.said.text == self.scenario.expected_text or self.skipped
+        return self.expected.met_by(self.said) or self.skipped
 
     @property
     def skipped(self) -> bool:
         return self.said.text.startswith("skipped")
 
+    @property
+    def note(self) -> str:
+        said_ok = self.said.outcome is not None and self.said.outcome.is_ok
+        if said_ok and self.expected.if_said_ok and not self.matches:
+            return f"{self.expected.note}. {self.expected.if_said_ok}"
+        return self.expected.note
+
     def cells(self) -> tuple[str, ...]:
-        return (self.scenario.title, self.scenario.injected_text, self.scenario.expected_text, self.said.text,
+        return (self.scenario.title, self.scenario.injected_text, self.expected.text, self.said.text,
                 "yes" if self.matches else "NO", self.said.trace_id)
 
 
@@ -152,11 +227,17 @@ def table_lines(rows: list[Row]) -> list[str]:
             for cells in (header, tuple("-" * w for w in widths), *body)]
 
 
+def note_lines(rows: Iterable[Row], router: RouterKind | None) -> list[str]:
+    """What the router makes of the scenarios shown, where routers differ."""
+    notes = [f"  {row.scenario.title}: {row.note}" for row in rows if row.note and not row.skipped]
+    return ["", f"behind {router.name} {router.version}:", *notes] if notes else []
+
+
 def codes_shown(rows: Iterable[Row]) -> list[str]:
     """Every outcome code in the table's expected and said columns, in order of appearance."""
     codes: dict[str, None] = {}
     for row in rows:
-        for outcome in (row.scenario.expected, row.said.outcome):
+        for outcome in (row.expected.outcome, row.said.outcome):
             if outcome is not None:
                 codes.setdefault(outcome.code)
     return list(codes)

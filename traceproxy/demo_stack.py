@@ -33,8 +33,8 @@ from pathlib import Path
 from .app import ProxyServer
 from .config import Settings, default_settings
 from .demo import (HARNESS, HARNESS_VIA_FAULTY_PROXY, LEAVE_MID_STREAM, NOT_REACHED_TEXT, POOL_AT_CAP, SIM_MODEL,
-                   STOP_MID_BODY, Row, Said, Scenario, Where, codes_shown, data_paths, files_lines, legend_lines,
-                   running_lines, stopped_lines, table_lines, verdict_words)
+                   STOP_MID_BODY, Row, Said, Scenario, Where, codes_shown, data_paths, expectation, files_lines,
+                   legend_lines, note_lines, running_lines, stopped_lines, table_lines, verdict_words)
 from .lifecycle.flags import BY_CODE, Flag
 from .lifecycle.hooks import Fanout
 from .lifecycle.timeline import RequestRecord
@@ -132,8 +132,10 @@ async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool, router:
                 stack = Stack(deployment, proxy, outcomes, router)
                 where = stack.where()  # the addresses are gone once the proxy stops
                 _print_header(stack, upstream)
-                rows = [Row(scenario, await _run_scenario(scenario, stack)) for scenario in scenarios]
-                _print(*table_lines(rows), "", "legend:", *legend_lines(codes_shown(rows)), "", *files_lines(where))
+                rows = [Row(scenario, await _run_scenario(scenario, stack), expectation(scenario, stack.router))
+                        for scenario in scenarios]
+                _print(*table_lines(rows), *note_lines(rows, stack.router), "", "legend:",
+                       *legend_lines(codes_shown(rows)), "", *files_lines(where))
                 if keep_running:
                     signals.catch()  # until everything has stopped, not only until the first signal
                     await _keep_running(stack, rows, signals.received)
@@ -150,7 +152,7 @@ def _print_header(stack: Stack, upstream: str) -> None:
     dep, kind = stack.deployment, stack.router
     behind = (f"{kind.name} {kind.version} (PD mode) in front of the workers" if kind is not None else
               f"the decode worker (no router installed: pip install one of {', '.join(ROUTER_NAMES)})")
-    router = [f"router:           {dep.describe_router()}"] if kind is not None else []
+    router = [f"router:           {dep.describe_router().removeprefix('router ')}"] if kind is not None else []
     _print(f"simulated engine: prefill {dep.prefill.url}, decode {dep.decode.url}", *router,
            f"traceproxy:       {stack.url} -> {upstream}, {behind}",
            f"admin:            http://{stack.admin} (/healthz, /metrics, /debug/inflight)", "")
