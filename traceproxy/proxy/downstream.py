@@ -56,7 +56,7 @@ from ..lifecycle.marks import MARK
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord
 from . import sockets
 from .context import ServerContext
-from .endings import Ending
+from .endings import END
 from .forward import Exchange
 from .linger import LINGER_SECONDS, Lingering  # noqa: F401  (LINGER_SECONDS: the connection's, named here too)
 from .local_reply import body_size, error_response
@@ -89,6 +89,7 @@ class ClientConnection(asyncio.Protocol):
         self.half_closed = False
         self._left_after_request = False
         self.lingering = Lingering(self)  # and the waits of a close (see linger.py)
+        self._fin_sent = False  # our FIN is out (lingering): nothing more is written
         # Its timers: the request-head or keep-alive timeout; the active exchange's
         # deadlines; the hang-up check of paused reading (see Hazards).
         self.head_timer = Timer()
@@ -131,12 +132,12 @@ class ClientConnection(asyncio.Protocol):
         if self._left_after_request:
             self._drop_queue(Flag.DC, HALF_CLOSE_TAKEN_AS_LEAVING.format(what="this pipelined request's turn"))
             if self.active is not None:
-                self.active.end(Ending.CLIENT_LEFT, Flag.DC,
+                self.active.end(END.CLIENT_LEFT, Flag.DC,
                                 HALF_CLOSE_TAKEN_AS_LEAVING.format(what="the response was complete"))
         else:
             self._drop_queue(Flag.DC, "client closed the connection before this pipelined request's turn")
             if self.active is not None:
-                self.active.end(Ending.CLIENT_LEFT, Flag.DC, "client closed the connection")
+                self.active.end(END.CLIENT_LEFT, Flag.DC, "client closed the connection")
         parsing = self.reader.parsing
         if parsing is not None and not parsing.finished and self.reader.parsing_exchange is None:
             self.ctx.stamp_once(parsing, closed, MARK.DOWNSTREAM_CLOSED)
@@ -204,7 +205,7 @@ class ClientConnection(asyncio.Protocol):
         end of its request body, a refusal mid-head): see linger.py, stage 2."""
         if not self.closing:
             self.closing = True  # from here every read is dropped unparsed (see data_received)
-            self.lingering.close()
+            self._fin_sent = self.lingering.close()
 
     def body_drained(self, body_complete: bool) -> None:
         """The body of the active exchange, answered early, was drained (see linger.py):
@@ -222,7 +223,7 @@ class ClientConnection(asyncio.Protocol):
         self._drop_queue(Flag.LR, reason)
         if self.active is not None:
             self.active.keep_client_alive = False
-            self.active.end(Ending.FAILED, Flag.LR, reason)
+            self.active.end(END.FAILED, Flag.LR, reason)
         parsing = self.reader.parsing
         if parsing is not None and not parsing.finished and self.reader.parsing_exchange is None:
             if self.rejection is not None:
@@ -241,7 +242,7 @@ class ClientConnection(asyncio.Protocol):
         sockets.reset(self.transport)
 
     def write(self, data: bytes) -> None:
-        if not self.transport.is_closing() and self.lingering.stage != Lingering.CLOSING:  # nothing after our FIN
+        if not self.transport.is_closing() and not self._fin_sent:
             self.transport.write(data)
 
     def unsent(self) -> int | None:
@@ -303,7 +304,7 @@ class ClientConnection(asyncio.Protocol):
 
     def request_begins(self) -> RequestRecord:
         """A request's first byte came: its record, which this connection owns until its head is read."""
-        self.head_timer.clear()  # the keep-alive idle timeout stands down
+        self.head_timer.callback = None  # the keep-alive idle timeout stands down (Timer.clear)
         self.ctx.connection_busy(self)
         record = self.record.begin_request(time.monotonic_ns())
         record.owner = self  # until its exchange exists
@@ -392,7 +393,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _drop_queue(self, outcome: Outcome, why: str) -> None:
         while self.queue:
-            self.queue.popleft().end(Ending.NOT_STARTED, outcome, why)
+            self.queue.popleft().end(END.NOT_STARTED, outcome, why)
 
     # -- refusals ------------------------------------------------------------------
     def reject(self, status: int, outcome: Outcome, reason: str) -> None:
@@ -407,7 +408,7 @@ class ClientConnection(asyncio.Protocol):
             # The bad bytes are inside the body of the active request (e.g. a bad
             # chunk size): that request cannot complete, so it is the one that fails.
             reader.parsing = None
-            self.active.end(Ending.FAILED, outcome, reason, status)
+            self.active.end(END.FAILED, outcome, reason, status)
             return
         if broken is not None and broken in self.queue:
             # A pipelined request with a broken body never starts; its 400 goes

@@ -41,7 +41,7 @@ from ..lifecycle.timeline import RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
-from .endings import Ending, close_reason, judge_clean_ending, lost_connection, where
+from .endings import END, Ending, close_reason, judge_clean_ending, lost_connection, where
 from .linger import drainable
 from .local_reply import body_size, error_response
 from .relay import ResponseRelay
@@ -96,7 +96,7 @@ class Exchange:
         self._started_ns = now = time.monotonic_ns()
         # On a keep-alive connection the timer is usually armed already, due before
         # any deadline of this request can be: it re-aims when it fires.
-        if not self.client.exchange_timer.due_within(self.ctx.first_request_deadline_ns):
+        if not self.client.exchange_timer.due_by_ns(now + self.ctx.first_request_deadline_ns):
             self.aim_timer(now)
         if self.upload.rewrite is None or self.request_complete:
             self._acquire(fresh=False)
@@ -139,7 +139,7 @@ class Exchange:
 
     def connection_failed(self, error: str) -> None:
         self.awaiting_connection = False
-        self.end(Ending.FAILED, Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
+        self.end(END.FAILED, Flag.UF, f"while connecting to {self.ctx.upstream_authority}: {error}")
 
     # -- phase: the request body (client -> upstream) ------------------------------
     def request_body(self, data: bytes) -> None:
@@ -188,7 +188,7 @@ class Exchange:
         the longer, the timer fires first and re-aims itself.)"""
         upstream_headers_ns = self.ctx.upstream_headers_ns
         if (self.ctx.header_timeout_shorter and self._expects_body and not self.response.started
-                and not self.finished and not self.client.exchange_timer.due_within(upstream_headers_ns)):
+                and not self.finished and not self.client.exchange_timer.due_by_ns(now + upstream_headers_ns)):
             self.aim_timer(now)
 
     def _send_rewritten_body(self) -> None:
@@ -213,8 +213,11 @@ class Exchange:
 
     def flush_upstream(self) -> None:
         """Write what one client read produced in one call (head and body together)."""
-        if self.upload.out and self.upstream is not None:
-            self.upstream.send(self.upload.take())
+        upload = self.upload
+        out = upload.out
+        if out and self.upstream is not None:
+            upload.out = []
+            self.upstream.send(out[0] if len(out) == 1 else b"".join(out))
 
     def upstream_write_paused(self) -> None:
         self.record.upstream_paused_since_ns = now = time.monotonic_ns()
@@ -255,7 +258,7 @@ class Exchange:
             return
         self.upstream = None
         if self.response.client_gone:  # its stream had ended, and nobody reads the rest
-            self.end(Ending.CLIENT_HAD_ITS_STREAM)
+            self.end(END.CLIENT_HAD_ITS_STREAM)
             return
         self.stamp_once(MARK.UPSTREAM_CLOSED, time.monotonic_ns())
         attempt = self.record.attempt
@@ -267,7 +270,7 @@ class Exchange:
             return
         if outcome is Flag.SRC:
             self.ctx.pool.stats["stale_not_retried"] += 1
-        self.end(Ending.FAILED, outcome, detail)
+        self.end(END.FAILED, outcome, detail)
 
     def _resend_on_fresh_connection(self, detail: str) -> None:
         attempt = self.record.attempt
@@ -280,7 +283,7 @@ class Exchange:
         self._acquire(fresh=True)
 
     def upstream_protocol_error(self, detail: str) -> None:
-        self.end(Ending.FAILED, Flag.UPE, f"{where(self.ctx.upstream_authority, self.record.attempt)}: {detail}")
+        self.end(END.FAILED, Flag.UPE, f"{where(self.ctx.upstream_authority, self.record.attempt)}: {detail}")
 
     def client_closed(self, now: int) -> None:
         """Stamp the client connection's end on this request, if it was still open."""
@@ -305,11 +308,11 @@ class Exchange:
     def end_without_tail(self) -> None:
         """Stop waiting for the upstream's last bytes after the client left with its
         whole stream (see client_sent_fin): the upstream connection is closed."""
-        self.end(Ending.CLIENT_HAD_ITS_STREAM)
+        self.end(END.CLIENT_HAD_ITS_STREAM)
 
     def abort(self, outcome: Outcome, message: str, status: int | None = None) -> None:
         """The watchdog's abort (see lifecycle.timeline.RequestOwner)."""
-        self.end(Ending.FAILED, outcome, message, status)
+        self.end(END.FAILED, outcome, message, status)
 
     # -- the end: one way out, the reason as data (see endings.Ending) ---------
     def end(self, ending: Ending, outcome: Outcome = Flag.OK, detail: str | None = None,
@@ -323,21 +326,21 @@ class Exchange:
             return
         response = self.response
         if response.client_gone:  # it had its whole stream: whatever ends it now is past that
-            if ending is Ending.CLIENT_LEFT:
+            if ending is END.CLIENT_LEFT:
                 return  # its close was judged already; the upstream's last bytes are still awaited
-            ending, outcome, detail = Ending.CLIENT_HAD_ITS_STREAM, Flag.OK, None
+            ending, outcome, detail = END.CLIENT_HAD_ITS_STREAM, Flag.OK, None
         drain = False
-        if ending is Ending.COMPLETE:
+        if ending is END.COMPLETE:
             response.awaiting_client_drain = False
             self.stamp(time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
             outcome, detail = judge_clean_ending(self.record, response.declared_length, response.event_stream)
-        elif ending is Ending.CLIENT_HAD_ITS_STREAM:
+        elif ending is END.CLIENT_HAD_ITS_STREAM:
             self.release_upstream(reusable=False)
             # OK as judged when it left: what came after is nobody's response.
             self.stamp_once(MARK.LAST_DOWNSTREAM_TX_BYTE, self.record.last_downstream_tx_ns or time.monotonic_ns())
         elif ending.resets_upstream:
             self._give_up_upstream(outcome)
-            if ending is Ending.FAILED:
+            if ending is END.FAILED:
                 drain = self._answer_failure(outcome, detail, status)
         self.finished = True
         response.exchange = None  # see relay.py, Hazards: no cycle outlives the request
@@ -434,7 +437,7 @@ class Exchange:
                         self.ctx.pool.max_connections)
         if not passed.client_kept:
             self.keep_client_alive = False
-        self.end(Ending.FAILED, passed.outcome, passed.detail)
+        self.end(END.FAILED, passed.outcome, passed.detail)
 
     # -- marks ----------------------------------------------------------------------
     def stamp(self, now: int, *marks: Mark) -> None:

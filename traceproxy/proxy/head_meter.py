@@ -24,7 +24,8 @@ client connection) counts them from the reads themselves:
   ``HTTP/`` is found (``unexpected_protocol``).
 
 The client connection tells it where reads, heads and bodies begin (``read_begins``,
-``head_begins``, ``in_head``, ``body_begins``, ``body_seen``); it never sees the parser. The header lines and target it needs are passed in.
+``head_begins``, ``in_head``, ``chunked_body_begins``, ``body_seen``, ``chunked``); it
+never sees the parser. The header lines and target it needs are passed in.
 """
 
 from __future__ import annotations
@@ -91,14 +92,10 @@ class HeadMeter:
         self.head_start = 0 if self._at_request_start and self.begun == 1 else self._where_head_begins(
             before, sequence)
 
-    def body_begins(self, chunked: bool, fields: int) -> None:
-        """The head passed, with ``fields`` header lines; a chunked body follows, or not."""
-        self.chunked, self._framing_bytes = chunked, 0
-        if chunked:
-            self._head_fields = fields
-
-    def message_complete(self) -> None:
-        self.chunked = False
+    def chunked_body_begins(self, fields: int) -> None:
+        """The head passed, with ``fields`` header lines, and a chunked body follows (until
+        the message completes: ``chunked`` is cleared then)."""
+        self.chunked, self._framing_bytes, self._head_fields = True, 0, fields
 
     # -- heads -----------------------------------------------------------------------
     def head_too_long(self) -> bool:
@@ -176,10 +173,6 @@ class HeadMeter:
         section 2.2); they are not head, and their CRLFs are not its end."""
         return H.EMPTY_LINES.match(self.data, offset).end()
 
-    def starts_with_http(self, method: bytes, url: bytes) -> bool:
-        """The usual head, at the read's first byte, goes on with `` HTTP/`` after its target."""
-        return self.head_start == 0 and self.begun > 0 and self.data.startswith(b"HTTP/", len(method) + len(url) + 2)
-
     def unexpected_protocol(self, method: bytes, url: bytes) -> bytes | None:
         """What ends the request line when it is not ``HTTP/`` (llhttp also reads RTSP and
         ICE request lines), else None. The line is ``METHOD SP target SP protocol``, found
@@ -187,7 +180,10 @@ class HeadMeter:
         a chunked body), the read's ``METHOD target`` lines: refused only when none of them
         goes on with ``HTTP/``, since a body before it may hold the same words. Not checked:
         a head begun at an unknown place in an earlier read."""
-        data, line_start = self.data, method + b" " + url + b" "
+        data = self.data
+        if self.head_start == 0 and self.begun and data.startswith(b"HTTP/", len(method) + len(url) + 2):
+            return None  # the usual head, at the read's first byte: checked at once
+        line_start = method + b" " + url + b" "
         if self.begun and self.head_start is not None:
             start = self._past_empty_lines(self.head_start)
             return _protocol_unless_http(data, start + len(line_start))
@@ -223,8 +219,9 @@ class HeadMeter:
 
     def trailers_exceed(self, headers: H.Headers) -> bool:
         """A trailer section that came whole in one read is not seen by the per-read
-        count (see framing_too_long): llhttp hands its fields over as header lines."""
-        return (self.chunked and len(headers) > self._head_fields
+        count (see framing_too_long): llhttp hands its fields over as header lines.
+        Asked at the end of a chunked body."""
+        return (len(headers) > self._head_fields
                 and field_lines_size(headers[self._head_fields:]) > self.max_head_bytes)
 
 

@@ -88,19 +88,21 @@ class Lingering:
         self._conn.body_drained(body_complete)  # it carries on, or stage 2 follows
 
     # -- stage 2 ---------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self) -> bool:
         """Our FIN after the answer, then what still arrives is thrown away unparsed,
-        until the client's FIN or LINGER_SECONDS (the connection is already closing)."""
+        until the client's FIN or LINGER_SECONDS (the connection is already closing).
+        True when the FIN went out (else the transport just closes)."""
         conn = self._conn
         transport = conn.transport
         if not transport.can_write_eof():
             transport.close()
-            return
+            return False
         self.stage = self.CLOSING
         transport.write_eof()
         conn.reading_paused_for.clear()
         transport.resume_reading()
         self._timer.set_in(LINGER_SECONDS, self._expired)
+        return True
 
     def _expired(self) -> None:
         if self.stage == self.DRAINING:

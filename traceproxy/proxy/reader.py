@@ -207,7 +207,7 @@ class RequestReader:
     def on_headers_complete(self) -> None:
         record = self.parsing
         self.meter.in_head = self._head_timer_pending = False
-        self.conn.head_timer.clear()  # the head timeout stands down
+        self.conn.head_timer.callback = None  # the head timeout stands down (Timer.clear)
         exchange = Exchange(self.ctx, self.conn, record, self._checked_head(record))
         self.parsing_exchange = exchange
         self.conn.request_ready(exchange)
@@ -231,11 +231,9 @@ class RequestReader:
         if version != "1.1" and version != "1.0":
             # llhttp reads a request line without a version as HTTP/0.9.
             raise H.BadRequest(505, unsupported_version(version))
-        # The usual head, at the read's first byte, is checked here at once.
-        if not meter.starts_with_http(method, self.url):
-            protocol = meter.unexpected_protocol(method, self.url)
-            if protocol is not None:
-                raise H.BadRequest(400, f"not an HTTP request line: protocol {protocol.decode('latin-1')!r}")
+        protocol = meter.unexpected_protocol(method, self.url)
+        if protocol is not None:
+            raise H.BadRequest(400, f"not an HTTP request line: protocol {protocol.decode('latin-1')!r}")
         upgrade = parser.should_upgrade()
         if upgrade and record.method == "CONNECT":
             raise H.BadRequest(501, "CONNECT is not supported: this is a reverse proxy")
@@ -253,7 +251,8 @@ class RequestReader:
                 host, target = absolute
                 parts = H.with_host(parts, host)
                 record.target = target.decode("latin-1")  # what goes upstream: the origin form
-        meter.body_begins(parts.framing.chunked, len(self.headers))
+        if parts.framing.chunked:
+            meter.chunked_body_begins(len(self.headers))
         generated_id = ctx.identify(record, parts)  # before any refusal, so errors carry the ids
         http11 = version == "1.1"
         # RFC 9110 section 10.1.1: Expect in an HTTP/1.0 request is ignored (and 1xx
@@ -284,13 +283,15 @@ class RequestReader:
 
     def on_message_complete(self) -> None:
         meter = self.meter
-        if meter.trailers_exceed(self.headers):
-            raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
-        meter.message_complete()
+        if meter.chunked:
+            if meter.trailers_exceed(self.headers):
+                raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
+            meter.chunked = False
         exchange = self.parsing_exchange
         self.parsing, self.parsing_exchange = None, None
         exchange.request_done()
-        self.conn.request_read(exchange)
+        if self.conn.lingering.stage:  # a body answered early was being drained (see linger.py)
+            self.conn.request_read(exchange)
 
     # -- for a refusal of the request being read -------------------------------------------
     def refused_parts(self, record: RequestRecord) -> H.RequestParts:

@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING
 
 from ..lifecycle.marks import MARK
 from . import headers as H
-from .endings import Ending, last_event_is_done
+from .endings import END, last_event_is_done
 
 if TYPE_CHECKING:
     from .forward import Exchange
 
 
 class ResponseRelay:
-    __slots__ = ("exchange", "record", "client", "ctx", "started", "framing", "declared_length", "event_stream",
+    __slots__ = ("exchange", "record", "client", "ctx", "started", "framing", "chunked", "declared_length", "event_stream",
                  "client_out", "awaiting_client_drain", "upstream_paused", "client_taken", "client_taken_ns",
                  "client_gone")
 
@@ -51,6 +51,7 @@ class ResponseRelay:
         self.ctx = exchange.ctx
         self.started = False  # the response head went to the client
         self.framing = H.ResponseFraming.NONE
+        self.chunked = False  # framing is CHUNKED: read once per chunk, so a plain bool
         self.declared_length: int | None = None  # Content-Length we promised the client
         self.event_stream = False
         self.client_out: list[bytes] = []  # what one upstream read produced for the client
@@ -67,7 +68,7 @@ class ResponseRelay:
         exchange = self.exchange
         if exchange is not None:
             exchange.stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, time.monotonic_ns())
-            exchange.upload.answered()
+            exchange.upload.sent_log = None  # the upstream answered: never resent
 
     def upstream_response_head(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
         exchange = self.exchange
@@ -78,9 +79,10 @@ class ResponseRelay:
         exchange.stamp_once(MARK.FIRST_UPSTREAM_RX_BYTE, now)
         exchange.stamp(now, MARK.LAST_UPSTREAM_RX_HEADER_BYTE, MARK.FIRST_DOWNSTREAM_TX_BYTE)
         record.status = record.attempts[-1].status = status
-        exchange.upload.answered()
+        exchange.upload.sent_log = None  # the upstream answered: never resent
         framing, length = H.response_framing(status, head.method, parts, head.http11)
         self.framing = framing
+        self.chunked = framing == H.ResponseFraming.CHUNKED
         if framing == H.ResponseFraming.LENGTH and length.isdigit():
             self.declared_length = int(length)
         self.event_stream = parts.event_stream
@@ -97,7 +99,7 @@ class ResponseRelay:
         self.started = True
         record.last_upstream_rx_ns = now
         upstream_read_ns = ctx.upstream_read_ns
-        if upstream_read_ns and not self.client.exchange_timer.due_within(upstream_read_ns):
+        if upstream_read_ns and not self.client.exchange_timer.due_by_ns(now + upstream_read_ns):
             exchange.aim_timer(now)
 
     # -- the body (per upstream read: nothing here that could be per request) -------------
@@ -115,7 +117,7 @@ class ResponseRelay:
         record.upstream_rx_chunks += 1
         record.upstream_rx_body_bytes += len(data)
         record.last_upstream_rx_ns = now
-        if self.framing == H.ResponseFraming.CHUNKED:
+        if self.chunked:
             self.client_out.extend(H.chunk_pieces(data))  # flush_client joins once per read
         else:
             self.client_out.append(data)
@@ -136,9 +138,9 @@ class ResponseRelay:
         exchange.stamp(time.monotonic_ns(), MARK.LAST_UPSTREAM_RX_BYTE)
         if self.client_gone:  # nothing more goes to the client: it had its whole stream
             exchange.release_upstream(reusable and exchange.request_complete)
-            exchange.end(Ending.CLIENT_HAD_ITS_STREAM)
+            exchange.end(END.CLIENT_HAD_ITS_STREAM)
             return
-        if self.framing == H.ResponseFraming.CHUNKED:
+        if self.chunked:
             self.client_out.append(H.LAST_CHUNK)
         self.flush_client()
         exchange.release_upstream(reusable and exchange.request_complete)
@@ -146,7 +148,7 @@ class ResponseRelay:
             # The client is not reading the tail; the end waits for its transport to drain.
             self.awaiting_client_drain = True
         else:
-            exchange.end(Ending.COMPLETE)
+            exchange.end(END.COMPLETE)
 
     # -- the client's flow control ---------------------------------------------------------
     def client_write_paused(self) -> None:
@@ -169,7 +171,7 @@ class ResponseRelay:
             if exchange is not None and exchange.upstream is not None:
                 exchange.upstream.resume_reading()
         if self.awaiting_client_drain and exchange is not None:
-            exchange.end(Ending.COMPLETE)
+            exchange.end(END.COMPLETE)
 
     def taken_by_client(self) -> int:
         """Response bytes the client has acknowledged so far (grows while it reads)."""

@@ -31,22 +31,24 @@ from collections.abc import Callable
 
 
 class Timer:
-    __slots__ = ("_loop", "_handle", "_due", "_callback")
+    __slots__ = ("_loop", "_handle", "_due", "callback")
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
-        self._callback: Callable[[], object] | None = None
+        # What is due at the deadline; None: nothing (cleared, or it ran). Setting it to
+        # None is ``clear`` without a call, for code that runs on every request.
+        self.callback: Callable[[], object] | None = None
 
     @property
     def armed(self) -> bool:
         """A callback is due (it has neither run nor been cleared)."""
-        return self._callback is not None
+        return self.callback is not None
 
     def due_by(self, when: float) -> bool:
         """Armed, with its callback due no later than ``when`` (loop time)."""
-        return self._callback is not None and self._due <= when
+        return self.callback is not None and self._due <= when
 
     def now(self) -> float:
         loop = self._loop
@@ -56,7 +58,7 @@ class Timer:
 
     def set(self, due: float, callback: Callable[[], object]) -> None:
         """Call ``callback`` at ``due`` (loop time), in place of what was set."""
-        self._due, self._callback = due, callback
+        self._due, self.callback = due, callback
         handle = self._handle
         if handle is not None:
             if handle.when() <= due:
@@ -68,29 +70,32 @@ class Timer:
         self._handle = loop.call_at(due, self._fired)
 
     def set_in(self, seconds: float, callback: Callable[[], object]) -> None:
-        self.set(self.now() + seconds, callback)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        self.set(loop.time() + seconds, callback)
 
     def clear(self) -> None:
         """Stand down: nothing is called (the handle, if armed, fires into nothing)."""
-        self._callback = None
+        self.callback = None
 
     def cancel(self) -> None:
         """Stand down and let go of the handle: for an owner that is closing."""
-        self._callback = None
+        self.callback = None
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
 
     def _fired(self) -> None:
         self._handle = None
-        callback = self._callback
+        callback = self.callback
         if callback is None:
             return
         loop = self._loop
         if loop.time() < self._due:
             self._handle = loop.call_at(self._due, self._fired)
             return
-        self._callback = None
+        self.callback = None
         callback()
 
 
@@ -100,22 +105,24 @@ class ExchangeTimer(Timer):
     and outlives an exchange, so that keep-alive requests do not each create and cancel
     one; when it fires it calls ``on_due``, which asks the active exchange."""
 
-    __slots__ = ("_on_due",)
+    __slots__ = ("_on_due", "_due_ns")
 
     def __init__(self, on_due: Callable[[], object]) -> None:
         super().__init__()
         self._on_due: Callable[[], object] | None = on_due
+        self._due_ns = 0  # the deadline aimed at, on the monotonic clock
 
     def aim(self, due_ns: int, now_ns: int) -> None:
         """Call back no later than ``due_ns``. Due sooner already, it is left alone: the
         exchange re-aims it when it fires, so its deadlines may move later meanwhile."""
-        due = self.now() + (due_ns - now_ns) / 1e9
-        if not self.due_by(due):
-            self.set(due, self._on_due)
+        if self.callback is None or self._due_ns > due_ns:
+            self._due_ns = due_ns
+            self.set(self.now() + (due_ns - now_ns) / 1e9, self._on_due)
 
-    def due_within(self, delay_ns: int) -> bool:
-        """It calls back within ``delay_ns`` from now anyway."""
-        return self.due_by(self.now() + delay_ns / 1e9)
+    def due_by_ns(self, when_ns: int) -> bool:
+        """It calls back by ``when_ns`` (monotonic) anyway: asked at every request's start,
+        so it reads no clock."""
+        return self.callback is not None and self._due_ns <= when_ns
 
     def cancel(self) -> None:
         super().cancel()

@@ -7,11 +7,11 @@ and writes nothing itself (the exchange does). Request bytes pass through it:
 
 * held (``hold``) while no upstream connection is ready, up to ``PENDING_HIGH_WATER``,
   past which the client is paused rather than buffered;
-* gathered (``send``) into what one client read produced for the upstream, which the
-  exchange writes in one call when the read is parsed (``take``: one write per read);
+* gathered (``send``) into what one client read produced for the upstream (``out``),
+  which the exchange writes in one call when the read is parsed (one write per read);
 * logged for a resend (``sent_log``) up to ``pool.retry_buffer_bytes``. A request is
   resent only if every byte sent on its failed attempt is still held: the log is None
-  past the limit, and once the upstream answered (``answered``).
+  past the limit, and once the upstream answered.
 
 An attempt's head is not logged: each attempt builds its own, with its own span as
 the traceparent parent. With rid injection (``bodies``) the body is held whole in
@@ -33,7 +33,7 @@ class Upload:
     __slots__ = ("held", "held_size", "sent_log", "sent_size", "out", "rewrite", "_retry_limit")
 
     def __init__(self, retry_limit: int, rewrite: bool) -> None:
-        self.held: list[bytes] = []
+        self.held: list[bytes] | None = None  # made when needed: most bodies find a connection ready
         self.held_size = 0
         self.sent_log: list[bytes] | None = [] if retry_limit else None  # 0: never resend
         self.sent_size = 0
@@ -43,12 +43,14 @@ class Upload:
 
     def hold(self, data: bytes) -> bool:
         """Keep ``data`` until a connection is ready; True when the client should pause."""
+        if self.held is None:
+            self.held = []
         self.held.append(data)
         self.held_size += len(data)
         return self.held_size > PENDING_HIGH_WATER
 
     def release_held(self) -> bytes:
-        held, self.held, self.held_size = self.held, [], 0
+        held, self.held, self.held_size = self.held, None, 0
         return b"".join(held)
 
     def send(self, data: bytes) -> None:
@@ -61,20 +63,9 @@ class Upload:
                 self.sent_log = None
         self.out.append(data)
 
-    def take(self) -> bytes:
-        """What the current read produced, as one write (b"" when nothing)."""
-        out = self.out
-        if not out:
-            return b""
-        self.out = []
-        return out[0] if len(out) == 1 else b"".join(out)
-
-    def answered(self) -> None:
-        self.sent_log = None  # the upstream answered: this request is never resent
-
     def resend(self) -> None:
         """Everything the lost connection was given goes again, first, and once."""
-        self.held = self.sent_log + self.held
+        self.held = self.sent_log + (self.held or [])
         self.held_size = sum(len(b) for b in self.held)
         self.sent_log, self.sent_size, self.out = [], 0, []
 

@@ -88,10 +88,11 @@ log = logging.getLogger("traceproxy.upstream")
 SPARE_CLOSED_AT_ONCE_NS = 100_000_000
 # The status line of an interim (1xx) response, which the proxy consumes.
 _INTERIM_STATUS_LINE = re.compile(rb"HTTP/1\.[01] 1[0-9][0-9][ \r]")
-# How far the current response is, in order (plain ints: compared on every read and
-# in every parser callback). The final head is awaited until it is parsed, also
-# across interim (1xx) messages, which the proxy consumes.
-_AWAITING_HEAD, _IN_INTERIM, _IN_BODY, _COMPLETE = range(4)
+# What the current response still awaits, counting down (plain ints, read on every
+# read and in every parser callback): its final head (also across interim 1xx
+# messages, which the proxy consumes), the end of its body, or nothing: 0, complete,
+# is the one false value, so "complete?" is a truth test.
+_COMPLETE, _IN_BODY, _IN_INTERIM, _AWAITING_HEAD = range(4)
 
 
 class Phase(enum.Enum):
@@ -114,6 +115,7 @@ class Origin(enum.Enum):
 
 
 _NOT_CONNECTED_YET = (Phase.CONNECTING, Phase.GIVEN_UP, Phase.TIMED_OUT)
+_CLOSED = Phase.CLOSED  # read on every release and reuse: a module name, not a property
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -191,7 +193,7 @@ class UpstreamConnection(asyncio.Protocol):
         parser = self._parser
         if parser is None:  # the response's first read
             parser = self._parser = self._parser_for(data)
-        awaiting_head = self._progress <= _IN_INTERIM
+        awaiting_head = self._awaiting > _IN_BODY
         if awaiting_head and self._head_so_far + len(data) > self.pool.max_head_bytes:
             if self._walk_heads(data)[0]:
                 user.upstream_protocol_error(f"response head exceeds {self.pool.max_head_bytes} bytes")
@@ -203,14 +205,14 @@ class UpstreamConnection(asyncio.Protocol):
             user.upstream_protocol_error("upstream switched protocols, which the proxy does not support")
             return
         except httptools.HttpParserError as exc:
-            if self.user is user and self._progress != _COMPLETE:
+            if self.user is user and self._awaiting:
                 user.upstream_protocol_error(_parser_reason(exc))
                 return
             self._extra_message = True  # garbage after a complete response: never reuse
-        if self._progress == _COMPLETE and self.user is user:
+        if not self._awaiting and self.user is user:
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
-            if self._progress <= _IN_INTERIM:
+            if self._awaiting > _IN_BODY:
                 # The head still incomplete: what of it came so far (1xx heads before it
                 # are not counted), and its last bytes, for its empty line may straddle reads.
                 _, self._head_so_far, self._head_prefix = self._walk_heads(data)
@@ -272,11 +274,11 @@ class UpstreamConnection(asyncio.Protocol):
         # The request hears first, the pool second: a resend then waits at the head of
         # the queue (see acquire), and the slot this connection frees is its own.
         try:
-            if self._progress == _COMPLETE:
+            if not self._awaiting:
                 return
             if self._close_delimited and exc is None:
                 # No Content-Length, not chunked: the body ends at a clean EOF.
-                self._progress = _COMPLETE
+                self._awaiting = _COMPLETE
                 user.upstream_response_complete(reusable=False)
                 return
             user.upstream_lost(exc, self.bytes_received)
@@ -329,7 +331,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._head_only = head_only
-        self._progress = _AWAITING_HEAD
+        self._awaiting = _AWAITING_HEAD
         self._saw_interim = False  # a 1xx came before the final head: that head is not learnt
         self._extra_message = False
         self._close_delimited = False
@@ -369,18 +371,18 @@ class UpstreamConnection(asyncio.Protocol):
             size, prefix = 0, b""
 
     def _reusable(self) -> bool:
-        return not self._extra_message and not self.closed and self._keep_alive
+        return not self._extra_message and self.phase is not _CLOSED and self._keep_alive
 
     # -- httptools callbacks (called from inside feed_data) ----------------------
     def on_message_begin(self) -> None:
-        if self._progress == _COMPLETE:
+        if not self._awaiting:
             self._extra_message = True  # bytes after the response: never reuse
 
     def on_status(self, reason: bytes) -> None:
         self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._progress <= _IN_INTERIM:  # not trailers: they are not forwarded, so not kept
+        if self._awaiting > _IN_BODY:  # not trailers: they are not forwarded, so not kept
             self._headers.append((name, value))
             # Keep-Alive is hop-by-hop (dropped towards the client); the length test
             # keeps this to one comparison for every other header.
@@ -388,13 +390,13 @@ class UpstreamConnection(asyncio.Protocol):
                 self.pool.keepalive.saw_header(value)
 
     def on_headers_complete(self) -> None:
-        if self._progress == _COMPLETE:
+        if not self._awaiting:
             return
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             # Interim responses (100 Continue, 103 Early Hints) are consumed here:
             # the proxy answered the client's Expect itself.
-            self._progress, self._saw_interim = _IN_INTERIM, True
+            self._awaiting, self._saw_interim = _IN_INTERIM, True
             self._headers = []
             self._reason = b""
             return
@@ -409,40 +411,40 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_known_headers_complete(self) -> None:
         """The head repeats ``_known_head`` byte for byte (its parser has no header callbacks)."""
-        if self._progress != _COMPLETE:
+        if self._awaiting:
             known = self._known_head
             self._head_parsed(known.status, known.reason, known.parts)
 
     def _head_parsed(self, status: int, reason: bytes, parts: H.ResponseParts) -> None:
-        self._progress = _IN_BODY
+        self._awaiting = _IN_BODY
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
         self.user.upstream_response_head(status, reason, parts)
         # Read keep-alive now: llhttp resets its flags once the message completes.
         self._keep_alive = self._parser.should_keep_alive()
         if no_body:
-            self._progress = _COMPLETE
+            self._awaiting = _COMPLETE
 
     def on_body(self, body: bytes) -> None:
-        progress = self._progress
-        if progress == _IN_BODY:
+        awaiting = self._awaiting
+        if awaiting == _IN_BODY:
             self._body_seen = True
             self.user.upstream_response_body(body)
-        elif progress == _COMPLETE:
+        elif not awaiting:
             # A body after the head of a response to HEAD (llhttp does not know the
             # request was HEAD): the rest of it may still come, so never reuse.
             self._extra_message = True
 
     def on_message_complete(self) -> None:
-        if self._progress == _IN_INTERIM:
-            self._progress = _AWAITING_HEAD  # the final head is still to come
+        if self._awaiting == _IN_INTERIM:
+            self._awaiting = _AWAITING_HEAD  # the final head is still to come
             return
-        if self._progress != _COMPLETE:  # not when it ended early (HEAD, 204, 304): llhttp still waits for a body
+        if self._awaiting:  # not when it ended early (HEAD, 204, 304): llhttp still waits for a body
             if self._known_head is not None:
                 self._known_head_parser = self._parser
             else:
                 self._full_parser = self._parser
-        self._progress = _COMPLETE
+        self._awaiting = _COMPLETE
 
 
 def _parser_reason(exc: Exception) -> str:
@@ -681,7 +683,8 @@ class UpstreamPool:
         now = time.monotonic_ns()
         while self.idle:
             conn = self.idle.pop()
-            if not conn.closed and not conn.transport.is_closing() and conn.record.idle_age_ns(now) < self.idle_timeout_ns:
+            if (conn.phase is not _CLOSED and not conn.transport.is_closing()
+                    and conn.record.idle_age_ns(now) < self.idle_timeout_ns):
                 return conn
             self.discard(conn, "idle timeout")
         return None
@@ -809,7 +812,7 @@ class UpstreamPool:
     # -- returning ---------------------------------------------------------------
     def release(self, conn: UpstreamConnection) -> None:
         conn.user = None
-        if conn.closed or conn.transport.is_closing():
+        if conn.phase is _CLOSED or conn.transport.is_closing():
             self.forget(conn)
             return
         if self.spares_failing and conn.record.requests:
@@ -869,7 +872,7 @@ class UpstreamPool:
 
     # -- idle expiry and keeping warm -------------------------------------------------
     def _arm_sweeper(self) -> None:
-        if not self._sweeper.armed and not self.shut:
+        if self._sweeper.callback is None and not self.shut:  # not armed
             self._sweeper.set_in(self.sweep_interval_ns / 1e9, self._sweep)
 
     def _sweep(self) -> None:
