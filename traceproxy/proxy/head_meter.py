@@ -180,10 +180,7 @@ class HeadMeter:
         a chunked body), the read's ``METHOD target`` lines: refused only when none of them
         goes on with ``HTTP/``, since a body before it may hold the same words. Not checked:
         a head begun at an unknown place in an earlier read."""
-        data = self.data
-        if self.head_start == 0 and self.begun and data.startswith(b"HTTP/", len(method) + len(url) + 2):
-            return None  # the usual head, at the read's first byte: checked at once
-        line_start = method + b" " + url + b" "
+        data, line_start = self.data, method + b" " + url + b" "
         if self.begun and self.head_start is not None:
             start = self._past_empty_lines(self.head_start)
             return _protocol_unless_http(data, start + len(line_start))

@@ -231,9 +231,11 @@ class RequestReader:
         if version != "1.1" and version != "1.0":
             # llhttp reads a request line without a version as HTTP/0.9.
             raise H.BadRequest(505, unsupported_version(version))
-        protocol = meter.unexpected_protocol(method, self.url)
-        if protocol is not None:
-            raise H.BadRequest(400, f"not an HTTP request line: protocol {protocol.decode('latin-1')!r}")
+        # The usual head, at the read's first byte, is checked here at once.
+        if not (meter.head_start == 0 and meter.begun and meter.data.startswith(b"HTTP/", len(method) + len(self.url) + 2)):
+            protocol = meter.unexpected_protocol(method, self.url)
+            if protocol is not None:
+                raise H.BadRequest(400, f"not an HTTP request line: protocol {protocol.decode('latin-1')!r}")
         upgrade = parser.should_upgrade()
         if upgrade and record.method == "CONNECT":
             raise H.BadRequest(501, "CONNECT is not supported: this is a reverse proxy")

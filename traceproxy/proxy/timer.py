@@ -70,10 +70,18 @@ class Timer:
         self._handle = loop.call_at(due, self._fired)
 
     def set_in(self, seconds: float, callback: Callable[[], object]) -> None:
+        """``set`` at ``seconds`` from now (inlined: keep-alive connections set one per request)."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        self.set(loop.time() + seconds, callback)
+        self._due = due = loop.time() + seconds
+        self.callback = callback
+        handle = self._handle
+        if handle is not None:
+            if handle.when() <= due:
+                return
+            handle.cancel()
+        self._handle = loop.call_at(due, self._fired)
 
     def clear(self) -> None:
         """Stand down: nothing is called (the handle, if armed, fires into nothing)."""
