@@ -46,10 +46,6 @@ class Timer:
         """A callback is due (it has neither run nor been cleared)."""
         return self.callback is not None
 
-    def due_by(self, when: float) -> bool:
-        """Armed, with its callback due no later than ``when`` (loop time)."""
-        return self.callback is not None and self._due <= when
-
     def now(self) -> float:
         loop = self._loop
         if loop is None:
