@@ -26,6 +26,12 @@ module's tests by the router param, so each router starts once per module.
 Where the routers differ, the tests assert what each one does: ``harness.behaviour``
 (``traceproxy.sim.routers.RouterBehaviour``, the one table of those facts, which the
 docs and the demo read too) and ``harness.kind.decode_waits_for_prefill``.
+
+With ``otlp_endpoint`` the workers export SGLang's spans there, over OTLP/gRPC unless
+``otlp_protocol="http/protobuf"`` (the variable SGLang reads,
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``, is set while the workers start), every
+``SPAN_DELAY_MS`` (SGLang's ``SGLANG_OTLP_EXPORTER_SCHEDULE_DELAY_MILLIS``: a stage's
+span reaches the receiver within that of the stage's end).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from traceproxy.sim.startup import SimStartError
 
 STARTUP_TIMEOUT = 60.0  # router start + worker registration, bounded
 STEP_TIMEOUT = 10.0  # any single blocking step (one HTTP exchange, one loop call)
+SPAN_DELAY_MS = 50  # how often the workers' span processors export (SGLang's default: 500)
 SERVED_MODEL_NAME = "sim-llama"
 PREFILL_TOKENS_PER_S = 8000.0
 
@@ -68,9 +75,10 @@ class RouterHarness:
     """
 
     def __init__(self, loop, router: str, *, startup_timeout: float = STARTUP_TIMEOUT,
-                 **deployment_options) -> None:
+                 otlp_protocol: str = "grpc", **deployment_options) -> None:
         self.loop, self.kind = loop, router_kind(router)
         self.startup_timeout = startup_timeout
+        self.otlp_protocol = otlp_protocol
         self.deployment = SimDeployment(router=router, startup_timeout=startup_timeout, model=SERVED_MODEL_NAME,
                                         prefill_tokens_per_s=PREFILL_TOKENS_PER_S, **deployment_options)
         self.startup_seconds = 0.0
@@ -112,7 +120,10 @@ class RouterHarness:
     def start(self) -> "RouterHarness":
         t0 = time.monotonic()
         try:
-            self.loop.run(self.deployment.start(), timeout=self.startup_timeout + STEP_TIMEOUT)
+            with pytest.MonkeyPatch.context() as env:  # read once, when each worker starts
+                env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", self.otlp_protocol)
+                env.setenv("SGLANG_OTLP_EXPORTER_SCHEDULE_DELAY_MILLIS", str(SPAN_DELAY_MS))
+                self.loop.run(self.deployment.start(), timeout=self.startup_timeout + STEP_TIMEOUT)
         except SimStartError as exc:
             # The launcher's message is one line; a failing test wants the router's log too.
             raise RuntimeError(f"{exc}\n{exc.detail}" if exc.detail else str(exc)) from exc

@@ -34,7 +34,7 @@ from .support import RawClient, wait_until
 JSON = [("Content-Type", "application/json")]
 FAST = {"stall.first_byte": 0.5, "stall.stream_gap": 0.5}
 TURNS = 6
-SPAN_KIND_INTERNAL, SPAN_KIND_SERVER, SPAN_KIND_CLIENT = 1, 2, 3
+SPAN_KIND_INTERNAL, SPAN_KIND_CLIENT = 1, 3
 
 
 class Done:
@@ -184,12 +184,14 @@ def enable_trace(receiver: OtlpGrpcReceiver) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def traced_smg(loop_thread):
-    """smg with --enable-trace, exporting its spans over OTLP/gRPC; the workers export over HTTP.
+    """smg with --enable-trace, exporting its spans over OTLP/gRPC; the workers export over HTTP
+    (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), as traceproxy does.
 
     At log level info: smg's request span is an INFO-level span, and below info it makes none."""
     skip_unless_installed("smg")
     with OtlpGrpcReceiver() as smg_spans, OtlpHttpReceiver() as spans:
-        with RouterHarness(loop_thread, "smg", otlp_endpoint=spans.endpoint, router_log_level="info",
+        with RouterHarness(loop_thread, "smg", otlp_endpoint=spans.endpoint, otlp_protocol="http/protobuf",
+                           router_log_level="info",
                            router_args=enable_trace(smg_spans)) as started:
             yield started, smg_spans, spans
 
@@ -218,15 +220,17 @@ def test_smg_with_enable_trace_parents_the_engines_on_its_own_span(traced_smg, s
     assert smg_span.resource["service.name"] == "smg"
     assert smg_span.attributes["request_id"] == resp.headers["x-request-id"]
 
-    assert wait_until(lambda: {"sglang.prefill", "sglang.decode"} <= {s.name for s in spans.find(trace_id=trace_id)}
+    room = f"Bootstrap Room {hex(pre.room)}"
+    assert wait_until(lambda: len(named(spans, room)) == 2
                       and [s for s in spans.find(trace_id=trace_id) if s.span.kind == SPAN_KIND_CLIENT], timeout=15)
     [proxy_client] = [s for s in spans.find(trace_id=trace_id) if s.span.kind == SPAN_KIND_CLIENT]
-    # traceproxy SERVER -> traceproxy CLIENT -> smg http_request -> sglang.prefill / sglang.decode
+    # traceproxy SERVER -> traceproxy CLIENT -> smg http_request -> each engine's Bootstrap Room
     assert proxy_client.parent_span_id == proxy_server_span
     assert smg_span.parent_span_id == proxy_client.span_id
-    for role in ("prefill", "decode"):
-        [engine] = named(spans, f"sglang.{role}")
-        assert engine.parent_span_id == smg_span_id and engine.span.kind == SPAN_KIND_SERVER
+    for engine in named(spans, room):
+        assert engine.parent_span_id == smg_span_id and engine.span.kind == SPAN_KIND_INTERNAL
+    assert {s.name.split(" Req ")[0] for s in spans.find(trace_id=trace_id) if " Req " in s.name} == {
+        "prefill", "decode"}
 
     # smg answers with a traceparent of its own span; traceproxy passes it to the client
     # unchanged (it replaces only x-request-id and traceresponse): same trace, smg's span.

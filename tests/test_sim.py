@@ -39,10 +39,11 @@ from traceproxy.sim import launch
 from traceproxy.sim.launch import SimDeployment, free_port
 from traceproxy.sim.routers import (ROUTER_NAMES, ROUTERS, VLLM_PROTOCOL, RouterKind, default_router,
                                     installed_routers, router_kind)
-from traceproxy.sim.startup import ListenerError, SimStartError
+from traceproxy.sim.startup import ListenerError
 from traceproxy.sim.otel import make_tracing
+from traceproxy.sim.stages import STAGE_ORDER
 
-from .otlp_receiver import OtlpHttpReceiver
+from .otlp_receiver import OtlpGrpcReceiver
 from .router_harness import ROUTERS_UNDER_TEST, RouterHarness
 from .support import LoopThread, RawClient, wait_until
 
@@ -779,14 +780,14 @@ def test_faulty_proxy_stands_in_front_of_a_given_traceproxy(start_worker, start_
 # ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def span_receiver():
-    with OtlpHttpReceiver() as receiver:
+    with OtlpGrpcReceiver() as receiver:  # SGLang exports over gRPC unless told otherwise
         yield receiver
 
 
 @pytest.fixture(scope="module", params=ROUTERS_UNDER_TEST)
 def sim(request, loop_thread: LoopThread, span_receiver):
     with RouterHarness(loop_thread, request.param, faulty_proxy=True, hang_after=1,
-                       otlp_endpoint=span_receiver.endpoint) as harness:
+                       otlp_endpoint=f"127.0.0.1:{span_receiver.port}") as harness:
         yield harness
 
 
@@ -832,7 +833,7 @@ def test_healthy_streaming_chat_completes_and_the_trace_reaches_both_workers(pd,
                    and f"x-request-id={pre.request_id}" in r.getMessage() for r in caplog.records), role
 
 
-def test_workers_export_their_span_under_the_incoming_traceparent(pd, traced, span_receiver):
+def test_workers_export_sglangs_spans_under_the_incoming_traceparent(pd, traced, span_receiver):
     proxy, _ = traced
     resp = RawClient(proxy.port).roundtrip("POST", "/generate", JSON, generate_body())
     assert resp.status == 200
@@ -841,16 +842,23 @@ def test_workers_export_their_span_under_the_incoming_traceparent(pd, traced, sp
     assert dec.headers["traceparent"] == pre.headers["traceparent"]
 
     def spans():
-        return {s.name: s for s in span_receiver.find(trace_id=trace_id)}
+        return span_receiver.find(trace_id=trace_id)
 
-    assert wait_until(lambda: {"sglang.prefill", "sglang.decode"} <= set(spans()), timeout=10), spans()
+    # Each worker's request ends with its Bootstrap Room span (vLLM's prefill: once decode took its KV cache).
+    assert wait_until(lambda: len([s for s in spans() if s.name.startswith("Bootstrap Room")]) == 2, timeout=10)
     for role, seen in (("prefill", pre), ("decode", dec)):
-        span = spans()[f"sglang.{role}"]
-        assert span.parent_span_id == parent_id  # the proxy's span, via the router
-        assert span.span.kind == 2  # SPAN_KIND_SERVER
-        assert span.resource["service.name"] == f"sim-sglang-{role}"
-        assert span.attributes["sglang.bootstrap_room"] == seen.room
-        assert span.attributes["sglang.request_id"] == seen.request_id
+        [room] = [s for s in spans() if s.name == f"Bootstrap Room {hex(seen.room)}" and
+                  any(c.parent_span_id == s.span_id and c.name.startswith(f"{role} Req") for c in spans())]
+        # The router forwarded the proxy's traceparent: the worker's spans hang under its CLIENT span.
+        assert room.parent_span_id == parent_id and room.attributes == {"bootstrap_room": hex(seen.room)}
+        assert room.resource["service.name"] == "sglang" and room.scope_name == "sglang server"
+        [req] = [s for s in spans() if s.parent_span_id == room.span_id]
+        assert req.name == f"{role} Req {seen.rid[:8]}" and req.attributes == {"rid": seen.rid}
+        [thread] = [s for s in spans() if s.parent_span_id == req.span_id]
+        assert thread.name.startswith(f"{role.title()} Scheduler [TP 0] (host:")
+        stages = [s.name for s in sorted(spans(), key=lambda s: s.span.start_time_unix_nano)
+                  if s.parent_span_id == thread.span_id]
+        assert stages == list(STAGE_ORDER[role]), (pd.name, role, stages)
 
 
 def test_every_call_each_router_makes_to_the_workers_is_answered(pd, traced):

@@ -8,14 +8,17 @@ and a random ``bootstrap_room`` in the body. Like a real pair:
 
 1. the decode side *attaches* to the room on the prefill's bootstrap server (it may
    get there before the prefill has the request: the room is created by whoever
-   comes first);
-2. the prefill side waits for that attachment (its prealloc/bootstrap queue), runs
-   prefill, then marks the room *ready* (its KV cache is in flight);
+   comes first), and waits for the handshake (its prealloc queue);
+2. the prefill side waits for that attachment (its bootstrap queue) and completes
+   the *handshake*; decode now waits for the KV cache (its transfer queue); prefill
+   runs, then marks the room *ready* (its KV cache is in flight);
 3. the decode side *takes* the ready room (the KV transfer), which releases the
    prefill's answer, and starts decoding.
 
 vllm-router calls decode only once prefill has answered; its prefill opens a room of
-its own, ready by the time decode attaches (``pairing.py``), and the same take ends it.
+its own, ready by the time decode attaches (``pairing.py``), completes the handshake
+when decode attaches, and the same take ends it. A room is taken only once handshaken
+and ready; a prefill that gives up on a room marks it failed, so its decode learns it.
 
 The prefill worker keeps its rooms in ``Rooms``. A decode worker in the same process
 and on the same event loop finds them through an in-process registry keyed by the
@@ -51,9 +54,9 @@ log = logging.getLogger("traceproxy.sim.bootstrap")
 @dataclass
 class Room:
     id: int
-    prefill_arrived: bool = False
-    attached: bool = False
-    ready: bool = False
+    attached: bool = False  # decode came
+    handshaken: bool = False  # prefill saw it: decode may wait for the KV cache
+    ready: bool = False  # prefill's KV cache is on its way
     taken: bool = False
     failed: str = ""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -64,9 +67,9 @@ class Room:
             return "failed"
         if self.taken:
             return "transferred"
-        if self.ready:
-            return "ready"
-        return "prefilling" if self.prefill_arrived else "waiting"
+        if not self.handshaken:
+            return "waiting"
+        return "ready" if self.ready else "prefilling"
 
 
 class Rooms:
@@ -108,7 +111,7 @@ class Rooms:
         return False
 
     def take(self, room: Room) -> bool:
-        if room.ready and not room.failed and not room.taken:
+        if room.handshaken and room.ready and not room.failed and not room.taken:
             self.update(room, taken=True)
         return room.taken
 
@@ -117,7 +120,7 @@ class Rooms:
         room = self.get(room_id)
         if not room.attached:
             self.update(room, attached=True)
-        await self.wait_for(room, lambda r: r.ready, wait)
+        await self.wait_for(room, lambda r: r.handshaken and r.ready, wait)
         self.take(room)
         return room.state
 
@@ -150,8 +153,9 @@ async def fetch_kv(session: aiohttp.ClientSession, host: str, port: int, room_id
                    on_state: Callable[[str], None], prefill_url: str | None = None) -> str:
     """Wait for the prefill of ``room_id`` and take its KV cache; "" on success, else why not.
 
-    ``on_state`` hears "waiting" (the prefill has not got the request yet) and
-    "prefilling" (it has), so the caller can count the request in the right queue.
+    ``on_state`` hears "waiting" (no handshake with the prefill yet) and "prefilling"
+    (handshaken: the KV cache is awaited), so the caller can count the request in the
+    right queue.
     """
     rooms = local_rooms(host, port)
     if rooms is not None:
@@ -165,8 +169,8 @@ async def _fetch_local(rooms: Rooms, room_id: int, timeout: float, on_state: Cal
     room = rooms.get(room_id)
     rooms.update(room, attached=True)
     on_state("waiting")
-    if not await rooms.wait_for(room, lambda r: r.prefill_arrived, timeout):
-        return room.failed or f"no prefill for room {room_id} within {timeout:g} s"
+    if not await rooms.wait_for(room, lambda r: r.handshaken, timeout):
+        return room.failed or f"no handshake with the prefill of room {room_id} within {timeout:g} s"
     on_state("prefilling")
     if not await rooms.wait_for(room, lambda r: r.ready, max(0.0, deadline - time.monotonic())):
         return room.failed or f"prefill of room {room_id} not done within {timeout:g} s"

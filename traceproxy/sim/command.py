@@ -106,8 +106,11 @@ def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="sim-llama", help="served model name (default: sim-llama)")
     parser.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens/s (default 8000)")
     parser.add_argument("--decode-tps", type=float, default=100.0, help="decode tokens/s per request (default 100)")
-    parser.add_argument("--otlp-endpoint", default=None,
-                        help="export the workers' spans here (default: OTEL_EXPORTER_OTLP_ENDPOINT, else none)")
+    parser.add_argument("--otlp-endpoint", default=None, metavar="ENDPOINT",
+                        help="export SGLang's request spans here, as SGLang's --otlp-traces-endpoint: over OTLP/gRPC "
+                        "(HOST:PORT), or over HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (a base URL "
+                        "or the /v1/traces URL); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT, else no export")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -121,6 +124,14 @@ def _hang_after(text: str) -> int | tuple[int, int]:
     if not 1 <= low_n <= high_n:
         raise ValueError(f"--hang-after must be at least 1 turn, and LOW <= HIGH, not {text!r}")
     return value
+
+
+def _check_export_settings(endpoint: str | None) -> None:
+    """With an endpoint, the export variables must be ones SGLang accepts (a ValueError names the bad one)."""
+    from .otel import configured_endpoint, export_settings
+
+    if configured_endpoint(endpoint) is not None:
+        export_settings()
 
 
 def _check_rates(args: argparse.Namespace) -> None:
@@ -187,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         _check_rates(args)
         # Checked whether or not --faulty-proxy is given: a bad value is a mistake either way.
         hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1
+        _check_export_settings(args.otlp_endpoint)
     except (FaultError, ValueError) as exc:
         print(f"traceproxy sim: {exc}", file=sys.stderr)
         return 2

@@ -18,9 +18,10 @@ prefill worker also runs the bootstrap listener its decode peers wait on
 (``bootstrap.py``; its main port answers the same ``GET /bootstrap/{room}`` poll).
 
 Around each inference request the worker records what arrived (``requests``), logs
-one line (rid, x-request-id, trace id, result), counts it in SGLang's gauges
-(``GET /metrics``), and, when tracing is configured, exports a SERVER span under the
-request's ``traceparent``. Faults (``faults.py``) come from the worker
+one line (rid, x-request-id, trace id, result), counts it in SGLang's gauges and its
+per-stage latency histogram (``GET /metrics``), and, when tracing is configured,
+exports SGLang's spans for it under the request's ``traceparent`` (``otel.py``), each
+stage's as the stage ends (``stages.py``). Faults (``faults.py``) come from the worker
 (``default_faults``, ``POST /admin/faults``) and from the request.
 
 aiohttp runs with ``handler_cancellation``: when a client (the router) goes away,
@@ -46,10 +47,11 @@ from . import router_calls
 from .aioserve import quiet_logger, start_app
 from .bootstrap import BootstrapServer, Rooms, poll_handler, register_local, unregister_local
 from .faults import FaultError, applies, parse_faults, request_fault_specs
-from .generation import Job, serve
-from .otel import end_request_span, make_tracing, request_span
+from .generation import HOLD_LIMIT, Job, serve
+from .otel import make_tracing
 from .pairing import pairing_of
 from .shapes import Reply, check_request, max_tokens, prompt_tokens, request_rid
+from .stages import DECODE, PREFILL, UNIFIED, RequestTimeline
 from .startup import ListenerError
 
 INFERENCE_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
@@ -230,26 +232,48 @@ class SimWorker:
         for task in list(self._kv_held.values()):
             task.cancel()
 
-    def keep_kv_for_decode(self, room_id: int) -> None:
-        """vLLM: after answering, a prefill keeps the room's KV cache until its decode pulls it.
-        Counted in the inflight queue meanwhile; not pulled within ``bootstrap_timeout``, it is
-        a failed transfer."""
-        task = asyncio.get_running_loop().create_task(self._keep_kv(room_id))
+    def keep_kv_for_decode(self, job: Job) -> None:
+        """vLLM: after answering, a prefill keeps the room's KV cache until its decode attaches,
+        completes the handshake and pulls it; the request's timeline ends then. Counted in the
+        inflight queue meanwhile; not attached or pulled within ``bootstrap_timeout``, it is a
+        failed transfer. ``bootstrap_stall`` and ``kv_transfer_stall`` keep it until let go."""
+        job.timeline_kept = True
+        room_id = job.room
+        task = asyncio.get_running_loop().create_task(self._keep_kv(room_id, job))
         self._kv_held[room_id] = task
         task.add_done_callback(lambda _: self._kv_held.pop(room_id, None))
 
-    async def _keep_kv(self, room_id: int) -> None:
-        room, stage = self.rooms.get(room_id), self.metrics.stage()
+    async def _keep_kv(self, room_id: int, job: Job) -> None:
+        room, stage, timeline = self.rooms.get(room_id), self.metrics.stage(), job.timeline
         stage.enter(g.PREFILL_INFLIGHT)
+        timeline.transfer_queue_entered()
+        outcome = "let go"
         try:
-            if not await self.rooms.wait_for(room, lambda r: r.taken, self.bootstrap_timeout):
-                self.rooms.update(room, failed=room.failed or "transfer timeout")
-                self.metrics.count("sglang:num_transfer_failed_reqs")
-        except asyncio.CancelledError:
-            self.rooms.update(room, failed=room.failed or "let go")
-            raise
+            outcome = await self._hand_over_kv(room, job)
         finally:
             stage.leave()
+            if outcome:
+                self.rooms.update(room, failed=room.failed or outcome)
+            else:
+                timeline.kv_transfer_finished()
+            timeline.complete(outcome or None)
+
+    async def _hand_over_kv(self, room, job: Job) -> str:
+        """Attach, handshake, take: "" once decode has taken the KV cache, else why not."""
+        if not await self.rooms.wait_for(room, lambda r: r.attached, self.bootstrap_timeout):
+            self.metrics.count("sglang:num_transfer_failed_reqs")
+            return "transfer timeout"
+        if job.has("bootstrap_stall"):
+            await asyncio.sleep(HOLD_LIMIT)  # until let go (the task is cancelled)
+            return "held"
+        self.rooms.update(room, handshaken=True)
+        if job.has("kv_transfer_stall"):
+            await asyncio.sleep(HOLD_LIMIT)
+            return "held"
+        if not await self.rooms.wait_for(room, lambda r: r.taken, self.bootstrap_timeout):
+            self.metrics.count("sglang:num_transfer_failed_reqs")
+            return "transfer timeout"
+        return ""
 
     # -- the app -------------------------------------------------------------------------
     def _app(self) -> web.Application:
@@ -335,7 +359,6 @@ class SimWorker:
         if "idle_close" in job.faults:
             self._idle_after[request.protocol] = job.arg("idle_close")
         self._record(job, received)
-        span = request_span(self.tracing, job) if self.tracing is not None else None
         try:
             return await serve(job)
         except asyncio.CancelledError:
@@ -349,7 +372,8 @@ class SimWorker:
             if job.result != "ok":
                 self.metrics.count("sglang:num_aborted_requests")
             self._log_line(job, received)
-            end_request_span(span, job)
+            if not job.timeline_kept:
+                job.timeline.complete(None if job.result == "ok" else job.error or job.result)
 
     def _job(self, request: web.Request, body: dict, request_faults: dict) -> Job:
         path = request.path
@@ -358,8 +382,13 @@ class SimWorker:
         faults = {name: fault for name, fault in {**self.faults, **request_faults}.items()
                   if applies(fault, self.role, standalone)}
         reply = Reply(path, request_rid(body), self.model, prompt_tokens(path, body))
+        # A decode worker serves a request alone, prefill included, when it names no prefill to pair with.
+        alone = pairing is None or pairing.bootstrap is None
+        mode = PREFILL if self.role == "prefill" else UNIFIED if alone else DECODE
+        trace = (self.tracing.request(reply.rid, pairing.room if pairing else None, request.headers, mode)
+                 if self.tracing is not None else None)
         return Job(self, request, path, body, faults, reply, max_tokens(path, body), self.metrics.stage(),
-                   pairing=pairing)
+                   RequestTimeline(mode, self.metrics, trace), pairing=pairing)
 
     def _record(self, job: Job, received: float) -> None:
         headers: dict[str, str] = {}

@@ -20,8 +20,14 @@ sglang-router or vllm-router, use the worker-wide faults on ``/generate``.
 Every fault has a *home*: the PD role whose work it disturbs. A worker applies a
 fault when it is the fault's home, or when it is a decode worker serving a
 request on its own (no ``bootstrap_room``: it then does the prefill itself, so
-every fault applies). ``SimDeployment(faults=...)`` uses the home to send each
-fault to the right worker.
+every fault applies; the ones that need a PD peer, ``bootstrap_stall``,
+``kv_transfer_stall`` and ``decode_waiting_stall``, have nothing to act on).
+``SimDeployment(faults=...)`` uses the home to send each fault to the right worker.
+
+The stalls hang a request in one of SGLang's stages each (``stages.py``), which is
+where its spans stop: ``bootstrap_stall`` in the handshake, ``prefill_stall`` in
+prefill_forward, ``kv_transfer_stall`` in the KV transfer, ``decode_waiting_stall``
+in decode's wait for the KV cache, ``decode_stall`` in the decode loop.
 
 Faults act on inference only. The deployment's own traffic never meets them: the
 router's registration calls and health checks are not inference (and a connection
@@ -52,11 +58,22 @@ class FaultKind:
 
 
 FAULTS: dict[str, FaultKind] = {kind.name: kind for kind in (
+    FaultKind("bootstrap_stall", None, None, None, "prefill",
+              "the PD handshake never completes: prefill holds in prefill_bootstrap, decode waits in "
+              "decode_bootstrap (behind vllm-router: prefill answered and keeps its KV cache, decode waits in "
+              "decode_bootstrap)"),
     FaultKind("prefill_stall", None, None, None, "prefill",
-              "prefill never finishes: the request is held open, so through the router no response headers "
-              "reach the client"),
+              "prefill never finishes: the request is held in prefill_forward, so through the router no response "
+              "headers reach the client"),
+    FaultKind("kv_transfer_stall", None, None, None, "prefill",
+              "the KV transfer never completes: prefill holds in prefill_transfer_kv_cache with "
+              "num_prefill_inflight_queue_reqs at 1, decode waits in decode_transferred"),
+    FaultKind("decode_waiting_stall", None, None, None, "decode",
+              "decode never receives the KV cache: prefill finishes, decode holds in decode_transferred "
+              "(num_decode_transfer_queue_reqs 1)"),
     FaultKind("decode_stall", "N", int, 3, "decode",
-              "stop after N tokens (default 3) and leave the connection open"),
+              "stop after N tokens (default 3) and leave the connection open: held in decode_forward, after N "
+              "decode_loop steps"),
     FaultKind("slow_first_token", "MS", float, 2000.0, "decode",
               "wait MS milliseconds (default 2000) before the first token: a stall that resolves"),
     FaultKind("pinned_request", None, None, None, "prefill",

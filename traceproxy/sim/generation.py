@@ -4,14 +4,14 @@ Theory of operation
 -------------------
 ``serve(job)`` runs a request the way its worker's PD role would:
 
-* **prefill** (with a ``bootstrap_room``): arrive in the room, wait for the decode
-  peer to attach (prealloc queue), wait for a slot (queue), prefill for
-  ``prompt_tokens / prefill_tokens_per_s`` (running), mark the room ready and wait
-  for the decode side to take the KV cache (inflight queue), then answer with no
+* **prefill** (with a ``bootstrap_room``): wait for the decode peer to attach to the
+  room and complete the handshake (prealloc queue), wait for a slot (queue), prefill
+  for ``prompt_tokens / prefill_tokens_per_s`` (running), mark the room ready and
+  wait for the decode side to take the KV cache (inflight queue), then answer with no
   generated text: the router drains that answer and never shows it to the client.
 * **decode** (with a room): open the SSE response at once (as Starlette does), wait
-  for the prefill of the room (prealloc, then transfer queue), then decode
-  ``max_tokens`` tokens at ``decode_tokens_per_s`` (running).
+  for the handshake (prealloc queue), then for the KV cache (transfer queue), then
+  decode ``max_tokens`` tokens at ``decode_tokens_per_s`` (running).
 * **decode without a room** (a worker used on its own): prefill locally, then decode.
 
 That is SGLang's PD protocol (sglang-router, smg). In vLLM's (vllm-router; see
@@ -20,17 +20,26 @@ That is SGLang's PD protocol (sglang-router, smg). In vLLM's (vllm-router; see
 * **prefill** (``kv_transfer_params.do_remote_decode``): open a room, queue, prefill,
   mark the room ready, answer at once with one token and the ``kv_transfer_params``
   naming the room; the KV cache stays counted in the inflight queue until the decode
-  side pulls it (``SimWorker.keep_kv_for_decode``).
+  side has attached, completed the handshake and pulled it
+  (``SimWorker.keep_kv_for_decode``, which ends the request's timeline then).
 * **decode** (``kv_transfer_params.do_remote_prefill``): open the SSE response, pull
   the room's KV cache (transfer queue), decode.
 
-The job is counted in exactly one SGLang gauge at a time (``Stage``). Faults act at
-fixed points: before prefill compute (``prefill_stall``), before token number N
-(``decode_stall``, ``reset_mid_stream``), before the first token
+The job is counted in exactly one SGLang gauge at a time (``Stage``), and its
+``RequestTimeline`` (``stages.py``) is told each transition, so SGLang's stages end
+(and their spans are exported) as the gauges move. Faults act at fixed points, each
+in one SGLang stage: the handshake (``bootstrap_stall``: prefill_bootstrap and
+decode_bootstrap), prefill compute (``prefill_stall``: prefill_forward), the KV
+transfer (``kv_transfer_stall``: prefill_transfer_kv_cache and decode_transferred),
+decode's receipt of the KV cache (``decode_waiting_stall``: decode_transferred, after
+prefill finished), before token number N (``decode_stall``: decode_forward, after N
+decode_loop steps; ``reset_mid_stream``), before the first token
 (``slow_first_token``), after the first token (``malformed_sse``), at the end
-(``no_done``, ``pinned_request``). A held request waits until its client goes away
-(aiohttp cancels the handler), the worker stops or is told to let go
-(``POST /admin/release``), or ``HOLD_LIMIT``.
+(``no_done``, ``pinned_request``). The PD faults need a PD peer: a worker used alone
+ignores them. A held request waits until its client goes away (aiohttp cancels the
+handler), the worker stops or is told to let go (``POST /admin/release``), or
+``HOLD_LIMIT``. A prefill that ends without its KV cache taken marks the room failed,
+so its decode stops waiting.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import asyncio
 import json
 import socket
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -50,6 +59,7 @@ from .faults import Fault
 from .gauges import Stage
 from .pairing import VLLM, Pairing, prefill_kv_params
 from .shapes import Reply, sse, token_text
+from .stages import CHUNKED_PREFILL_SIZE, RequestTimeline
 
 if TYPE_CHECKING:
     from .engine import SimWorker
@@ -68,11 +78,13 @@ class Job:
     reply: Reply
     max_tokens: int
     stage: Stage
+    timeline: RequestTimeline
     pairing: Pairing | None = None  # None: a request served alone
     tokens: int = 0
     status: int = 200
     result: str = "ok"
-    events: list[str] = field(default_factory=list)  # milestones, for the span
+    error: str = ""  # why it failed, when it did
+    timeline_kept: bool = False  # the timeline outlives the response (a vLLM prefill's KV cache kept)
 
     @property
     def room(self) -> int | None:
@@ -113,22 +125,37 @@ async def _serve_prefill(job: Job) -> web.StreamResponse:
         return await _serve_vllm_prefill(job)
     rooms = job.worker.rooms
     room = rooms.get(job.room) if job.room is not None else None
-    timeout = job.worker.bootstrap_timeout
+    try:
+        return await _serve_sglang_prefill(job, room)
+    finally:
+        if room is not None and not room.taken and not room.failed:
+            rooms.update(room, failed=f"prefill ended: {job.result}")  # its decode stops waiting
+
+
+async def _serve_sglang_prefill(job: Job, room) -> web.StreamResponse:
+    rooms, timeout = job.worker.rooms, job.worker.bootstrap_timeout
+    job.stage.enter(g.PREFILL_PREALLOC)
+    job.timeline.bootstrap_queue_entered()
     if room is not None:
-        rooms.update(room, prefill_arrived=True)
-        job.stage.enter(g.PREFILL_PREALLOC)
         if not await rooms.wait_for(room, lambda r: r.attached, timeout):
             return await _room_failed(job, room, "bootstrap timeout", "sglang:num_bootstrap_failed_reqs",
                                       f"no decode peer attached to room {job.room} within {timeout:g} s")
+        if job.has("bootstrap_stall"):
+            return await _hold(job, None)
+        rooms.update(room, handshaken=True)
     held = await _prefill_compute(job)
     if held is not None:
         return held
+    job.stage.enter(g.PREFILL_INFLIGHT)
+    job.timeline.transfer_queue_entered()
     if room is not None:
+        if job.has("kv_transfer_stall"):
+            return await _hold(job, None)
         rooms.update(room, ready=True)
-        job.stage.enter(g.PREFILL_INFLIGHT)
         if not await rooms.wait_for(room, lambda r: r.taken, timeout):
             return await _room_failed(job, room, "transfer timeout", "sglang:num_transfer_failed_reqs",
                                       f"KV cache of room {job.room} not taken within {timeout:g} s")
+    job.timeline.kv_transfer_finished()
     _maybe_pin(job)
     if job.stream:
         resp = await _open_stream(job)
@@ -142,12 +169,13 @@ async def _serve_prefill(job: Job) -> web.StreamResponse:
 async def _serve_vllm_prefill(job: Job) -> web.StreamResponse:
     """Prefill first: compute, answer with the room's ``kv_transfer_params``, keep the cache."""
     worker = job.worker
-    worker.rooms.update(worker.rooms.get(job.room), prefill_arrived=True)
+    job.timeline.bootstrap_queue_entered()  # vLLM's handshake comes later, when decode pulls
     held = await _prefill_compute(job)
     if held is not None:
         return held
-    worker.rooms.update(worker.rooms.get(job.room), ready=True)
-    worker.keep_kv_for_decode(job.room)
+    if not job.has("kv_transfer_stall"):
+        worker.rooms.update(worker.rooms.get(job.room), ready=True)
+    worker.keep_kv_for_decode(job)
     _maybe_pin(job)
     job.tokens = 1  # the one token the router asked for (max_tokens 1), which it discards
     first = job.reply.token_event(token_text(0), 1)
@@ -165,29 +193,38 @@ async def _serve_vllm_prefill(job: Job) -> web.StreamResponse:
 
 
 async def _room_failed(job: Job, room, why: str, counter: str, message: str) -> web.StreamResponse:
-    """The decode peer never came (or never took the KV cache): mark the room, count it
-    as SGLang does, and fail the request."""
+    """The decode peer never came (or never took the KV cache): mark the room (before the
+    answer is written: the peer learns it at once), count it as SGLang does, and fail the request."""
     job.worker.rooms.update(room, failed=room.failed or why)
     job.worker.metrics.count(counter)
     return await _fail(job, None, message)
 
 
 async def _prefill_compute(job: Job) -> web.StreamResponse | None:
-    """Queue, then run prefill; returns a response only when the request was held."""
+    """Queue, then run prefill (in chunks, for a long prompt); returns a response only when
+    the request was held."""
     job.stage.enter(g.QUEUED)
+    job.timeline.wait_queue_entered()
     async with job.worker.slots:
         job.stage.enter(g.RUNNING)
+        job.timeline.forward_entered()
         if job.has("prefill_stall"):
             return await _hold(job, None)
-        await asyncio.sleep(job.reply.prompt_tokens / job.worker.prefill_tokens_per_s)
-        job.events.append("prefill_done")
+        remaining = job.reply.prompt_tokens
+        for _ in range(job.reply.prompt_tokens // CHUNKED_PREFILL_SIZE + 1):
+            chunk = min(remaining, CHUNKED_PREFILL_SIZE)
+            await asyncio.sleep(chunk / job.worker.prefill_tokens_per_s)
+            remaining -= chunk
+            if remaining <= 0:
+                break
+            job.timeline.chunk_finished()
+        job.timeline.prefill_finished()
     return None
 
 
 def _maybe_pin(job: Job) -> None:
     if job.has("pinned_request"):
         job.stage.pin(g.PREFILL_INFLIGHT)
-        job.events.append("pinned")
 
 
 # ----------------------------------------------------------------------------------
@@ -195,32 +232,44 @@ def _maybe_pin(job: Job) -> None:
 # ----------------------------------------------------------------------------------
 async def _serve_decode(job: Job) -> web.StreamResponse:
     resp = await _open_stream(job) if job.stream else None
-    if job.room is not None and job.bootstrap is not None:
+    paired = job.room is not None and job.bootstrap is not None
+    if paired:
         error = await _wait_for_kv(job)
         if error:
             job.worker.metrics.count("sglang:num_transfer_failed_reqs")
             return await _fail(job, resp, error)
+        if job.has("decode_waiting_stall"):
+            return await _hold(job, resp)  # taken from prefill, never arrived: still in the transfer queue
     else:
         held = await _prefill_compute(job)
         if held is not None:
             return held
     _maybe_pin(job)
     job.stage.enter(g.QUEUED)
+    if paired:
+        job.timeline.wait_queue_entered()
     async with job.worker.slots:
         job.stage.enter(g.RUNNING)
+        if paired:
+            job.timeline.forward_entered()
+            job.timeline.prebuilt_finished()
+        else:
+            job.timeline.decode_scheduled()
         return await _decode(job, resp)
 
 
 async def _wait_for_kv(job: Job) -> str:
+    job.stage.enter(g.DECODE_PREALLOC)
+    job.timeline.prealloc_queue_entered()
+
     def on_state(state: str) -> None:
-        job.stage.enter(g.DECODE_PREALLOC if state == "waiting" else g.DECODE_TRANSFER)
+        if state != "waiting" and job.stage.current != g.DECODE_TRANSFER:
+            job.stage.enter(g.DECODE_TRANSFER)
+            job.timeline.transfer_queue_entered()
 
     host, port = job.bootstrap
-    error = await fetch_kv(job.worker.session, host, port, job.room, job.worker.bootstrap_timeout, on_state,
-                           prefill_url=job.worker.prefill_url)
-    if not error:
-        job.events.append("kv_transferred")
-    return error
+    return await fetch_kv(job.worker.session, host, port, job.room, job.worker.bootstrap_timeout, on_state,
+                          prefill_url=job.worker.prefill_url)
 
 
 async def _decode(job: Job, resp: web.StreamResponse | None) -> web.StreamResponse:
@@ -238,10 +287,9 @@ async def _decode(job: Job, resp: web.StreamResponse | None) -> web.StreamRespon
         event = job.reply.token_event(token_text(n), n + 1)
         job.tokens = n + 1
         job.worker.metrics.count("sglang:generation_tokens")
+        job.timeline.decode_step_finished()
         if resp is not None:
             await resp.write(sse(event))
-        if n == 0:
-            job.events.append("first_token")
         if job.has("malformed_sse"):
             return await _malformed(job, resp)
     return await _finish(job, resp)
@@ -268,7 +316,7 @@ async def _open_stream(job: Job) -> web.StreamResponse:
 
 
 async def _fail(job: Job, resp: web.StreamResponse | None, message: str, status: int = 503) -> web.StreamResponse:
-    job.status, job.result = status, "failed"
+    job.status, job.result, job.error = status, "failed", message
     error = job.reply.error_event(message, status)
     if resp is None:
         return web.json_response(error, status=status)
