@@ -5,12 +5,15 @@ per-stage latency histogram on ``/metrics``, the spans of a worker used alone (S
 unified mode), a prompt prefilled in chunks, a request without a ``traceparent``, and
 export settings SGLang would refuse.
 
-Part 2, behind the real sglang-router 0.3.2 in PD mode with traceproxy in front, over
-OTLP/gRPC and over OTLP/HTTP: each fault that hangs a request at one PD stage. While
-the request hangs, the receiver already holds the stage spans that ended, named and
-linked as SGLang's, under the trace traceproxy has in flight; the stage the request is
-in is the one after the last that ended, and the workers' gauges agree. Once let go,
-the rest arrives, and the worker's spans hang under traceproxy's CLIENT span.
+Part 2, behind the real routers in PD mode with traceproxy in front (sglang-router
+0.3.2 over OTLP/gRPC and over OTLP/HTTP; smg and vllm-router over gRPC): each fault
+that hangs a request at one PD stage. While the request hangs, the receiver already
+holds the stage spans that ended, named and linked as SGLang's, under the trace
+traceproxy has in flight; the stage the request is in is the one after the last that
+ended, and the workers' gauges agree. Once let go, the rest arrives, and each worker's
+spans hang under traceproxy's CLIENT span. Behind vllm-router (prefill first, then
+decode) the same faults hang where its protocol puts them: the handshake and the
+transfer after prefill answered, and decode is never called while prefill hangs.
 """
 
 from __future__ import annotations
@@ -212,26 +215,48 @@ def test_export_settings_sglang_would_refuse_are_one_line_errors(capsys, monkeyp
 
 
 # ----------------------------------------------------------------------------------
-# 2. behind sglang-router 0.3.2 in PD mode, traceproxy in front
+# 2. behind the real routers in PD mode, traceproxy in front
 # ----------------------------------------------------------------------------------
-class Stall(NamedTuple):
-    fault: str
-    worker: str  # the worker it is set on
+NOT_CALLED = "not called"  # vllm-router calls decode only once prefill answered
+
+
+class Hang(NamedTuple):
     prefill_in: str | None  # the stage prefill hangs in; None: prefill finished
-    decode_in: str  # the stage decode hangs in
+    decode_in: str  # the stage decode hangs in, or NOT_CALLED
     gauges: dict[str, str]  # worker -> the gauge it is counted in meanwhile
 
 
+class Stall(NamedTuple):
+    fault: str
+    worker: str  # the worker it is set on
+    sglang: Hang  # behind sglang-router and smg: prefill and decode at once
+    vllm: Hang  # behind vllm-router: prefill, then decode
+
+
 STALLS = [
-    Stall("bootstrap_stall", "prefill", "prefill_bootstrap", "decode_bootstrap",
-          {"prefill": g.PREFILL_PREALLOC, "decode": g.DECODE_PREALLOC}),
-    Stall("prefill_stall", "prefill", "prefill_forward", "decode_transferred",
-          {"prefill": g.RUNNING, "decode": g.DECODE_TRANSFER}),
-    Stall("kv_transfer_stall", "prefill", "prefill_transfer_kv_cache", "decode_transferred",
-          {"prefill": g.PREFILL_INFLIGHT, "decode": g.DECODE_TRANSFER}),
-    Stall("decode_waiting_stall", "decode", None, "decode_transferred", {"decode": g.DECODE_TRANSFER}),
-    Stall("decode_stall:2", "decode", None, "decode_forward", {"decode": g.RUNNING}),
+    Stall("bootstrap_stall", "prefill",
+          Hang("prefill_bootstrap", "decode_bootstrap", {"prefill": g.PREFILL_PREALLOC, "decode": g.DECODE_PREALLOC}),
+          # vLLM's handshake comes when decode pulls: prefill answered and keeps its KV cache.
+          Hang("prefill_transfer_kv_cache", "decode_bootstrap",
+               {"prefill": g.PREFILL_INFLIGHT, "decode": g.DECODE_PREALLOC})),
+    Stall("prefill_stall", "prefill",
+          Hang("prefill_forward", "decode_transferred", {"prefill": g.RUNNING, "decode": g.DECODE_TRANSFER}),
+          Hang("prefill_forward", NOT_CALLED, {"prefill": g.RUNNING})),
+    Stall("kv_transfer_stall", "prefill",
+          Hang("prefill_transfer_kv_cache", "decode_transferred",
+               {"prefill": g.PREFILL_INFLIGHT, "decode": g.DECODE_TRANSFER}),
+          Hang("prefill_transfer_kv_cache", "decode_transferred",
+               {"prefill": g.PREFILL_INFLIGHT, "decode": g.DECODE_TRANSFER})),
+    Stall("decode_waiting_stall", "decode",
+          Hang(None, "decode_transferred", {"decode": g.DECODE_TRANSFER}),
+          Hang(None, "decode_transferred", {"decode": g.DECODE_TRANSFER})),
+    Stall("decode_stall:2", "decode",
+          Hang(None, "decode_forward", {"decode": g.RUNNING}),
+          Hang(None, "decode_forward", {"decode": g.RUNNING})),
 ]
+# sglang-router 0.3.2 over both protocols; smg and vllm-router over gRPC.
+DEPLOYMENTS = [("sglang-router", "grpc"), ("sglang-router", "http/protobuf"), ("smg", "grpc"),
+               ("vllm-router", "grpc")]
 
 
 def gauge(worker, name: str) -> float:
@@ -241,16 +266,16 @@ def gauge(worker, name: str) -> float:
     raise AssertionError(f"{name} not in {worker.url}/metrics")
 
 
-@pytest.fixture(scope="module", params=["grpc", "http/protobuf"])
+@pytest.fixture(scope="module", params=DEPLOYMENTS, ids=[f"{r}-{p}" for r, p in DEPLOYMENTS])
 def deployment(request, loop_thread):
-    """sglang-router in PD mode in front of the workers, which export to a receiver of the protocol."""
-    if not router_kind("sglang-router").installed:
-        pytest.skip("sglang-router is not installed (pip install sglang-router; the test extra installs it)")
-    receiver_kind = OtlpGrpcReceiver if request.param == "grpc" else OtlpHttpReceiver
+    """A router in PD mode in front of the workers, which export to a receiver of the protocol."""
+    router, protocol = request.param
+    if not router_kind(router).installed:
+        pytest.skip(f"{router} is not installed (pip install {router}; the test extra installs it)")
+    receiver_kind = OtlpGrpcReceiver if protocol == "grpc" else OtlpHttpReceiver
     with receiver_kind() as receiver:
-        endpoint = f"127.0.0.1:{receiver.port}" if request.param == "grpc" else receiver.endpoint
-        with RouterHarness(loop_thread, "sglang-router", otlp_endpoint=endpoint,
-                           otlp_protocol=request.param) as harness:
+        endpoint = f"127.0.0.1:{receiver.port}" if protocol == "grpc" else receiver.endpoint
+        with RouterHarness(loop_thread, router, otlp_endpoint=endpoint, otlp_protocol=protocol) as harness:
             yield harness, receiver
 
 
@@ -269,47 +294,52 @@ class EngineSpans:
     def ended(self, role: str) -> list[str]:
         return [s.name for s in self.stages(role)]
 
-    def rooms(self) -> list[ReceivedSpan]:
-        return [s for s in self.all() if s.name.startswith("Bootstrap Room ")]
-
-    def request_of(self, role: str) -> ReceivedSpan | None:
-        return next((s for s in self.all() if s.name.startswith(f"{role} Req ")), None)
+    def request_of(self, role: str, rid: str | None = None) -> ReceivedSpan | None:
+        """The worker's Req span (of the request ``rid``): exported once the request ended there."""
+        return next((s for s in self.all() if s.name.startswith(f"{role} Req ")
+                     and rid in (None, s.attributes["rid"])), None)
 
 
 def expected_ended(role: str, stage: str | None) -> list[str]:
     order = STAGE_ORDER[role]
+    if stage == NOT_CALLED:
+        return []
     return list(order if stage is None else order[:order.index(stage)])
 
 
 @pytest.mark.parametrize("stall", STALLS, ids=[s.fault.split(":")[0] for s in STALLS])
 def test_a_hung_request_shows_the_stages_that_ended_and_the_one_it_is_in(deployment, start_proxy, stall):
     harness, receiver = deployment
+    hang = stall.vllm if harness.speaks_vllm else stall.sglang
     harness.reset()
     getattr(harness, stall.worker).set_faults([stall.fault])
     proxy = start_proxy(harness.router_url)
     client = RawClient(proxy.port)
     client.request("POST", "/v1/chat/completions", JSON, chat())
-    [pre], [dec] = wait_for_requests(harness.prefill, 1), wait_for_requests(harness.decode, 1)
+    [pre] = wait_for_requests(harness.prefill, 1)
     _, trace_id, client_span_id, _ = pre.headers["traceparent"].split("-")
     # The live join: the trace traceproxy has in flight is the engines' trace.
     inflight = json.loads(admin_get(proxy, "/debug/inflight"))["requests"]
     assert [entry["trace_id"] for entry in inflight] == [trace_id]
 
     engine = EngineSpans(receiver, trace_id)
-    stuck_in = {"prefill": stall.prefill_in, "decode": stall.decode_in}
+    stuck_in = {"prefill": hang.prefill_in, "decode": hang.decode_in}
     expected = {role: expected_ended(role, stage) for role, stage in stuck_in.items()}
     assert wait_until(lambda: all(engine.ended(role) == expected[role] for role in stuck_in),
                       timeout=SPAN_TIMEOUT), {role: engine.ended(role) for role in stuck_in}
-    for worker, name in stall.gauges.items():  # the gauges agree
+    for worker, name in hang.gauges.items():  # the gauges agree
         assert wait_until(lambda: gauge(getattr(harness, worker), name) == 1, timeout=5), (worker, name)
     time.sleep(QUIET)  # while it hangs, nothing more comes
 
     for role, stage in stuck_in.items():
         stages = engine.stages(role)
         assert [s.name for s in stages] == expected[role]
+        if stage == NOT_CALLED:
+            assert getattr(harness, role).requests == [] and engine.request_of(role) is None
+            continue
         assert stage_in(role, [s.name for s in stages]) == stage
         # One scheduler thread's stages, each linked to the one before, none with attributes of its own.
-        assert len({s.parent_span_id for s in stages}) <= 1
+        assert len({s.parent_span_id for s in stages}) == 1
         assert all(s.attributes == {} for s in stages)
         assert all(linked_to(stage) == [before.span_id] for before, stage in zip(stages, stages[1:]))
         # The request's own spans end with it: a hung worker has exported none.
@@ -320,21 +350,28 @@ def test_a_hung_request_shows_the_stages_that_ended_and_the_one_it_is_in(deploym
         assert [(s.name, s.attributes) for s in by_start(nested)] == [
             ("fake_output", {}), ("decode_loop", {"decode_ct": 0}), ("decode_loop", {"decode_ct": 1})]
 
+    seen = {"prefill": pre}
+    if hang.decode_in != NOT_CALLED:
+        [seen["decode"]] = wait_for_requests(harness.decode, 1)
     harness.reset()  # let go: the workers end the request, and the rest of its spans arrive
     client.close()
-    assert wait_until(lambda: len(engine.rooms()) == 2, timeout=SPAN_TIMEOUT), [s.name for s in engine.all()]
+    # (smg then retries a prefill whose connection dropped: a request of its own, with a rid of its own.)
+    assert wait_until(lambda: all(engine.request_of(role, request.rid) for role, request in seen.items()),
+                      timeout=SPAN_TIMEOUT), [s.name for s in engine.all()]
     spans = engine.all()
-    for role in ("prefill", "decode"):
-        seen = pre if role == "prefill" else dec
-        [room] = [r for r in engine.rooms() if children(spans, r) and children(spans, r)[0].name.startswith(role)]
+    for role, request in seen.items():
+        req = engine.request_of(role, request.rid)
+        assert req.name == f"{role} Req {request.rid[:8]}" and req.attributes == {"rid": request.rid}
+        [room] = [s for s in spans if s.span_id == req.parent_span_id]
         # Under the parent the router forwarded: traceproxy's CLIENT span.
-        assert room.name == f"Bootstrap Room {hex(seen.room)}" and room.parent_span_id == client_span_id
-        [req] = children(spans, room)
-        assert req.name == f"{role} Req {seen.rid[:8]}" and req.attributes == {"rid": seen.rid}
+        assert room.name == f"Bootstrap Room {hex(request.room)}" and room.parent_span_id == client_span_id
+        assert room.attributes == {"bootstrap_room": hex(request.room)}
         [thread] = children(spans, req)
         assert thread.name.startswith(f"{role.title()} Scheduler [TP 0] (host:")
-        assert {s.parent_span_id for s in engine.stages(role)} == {thread.span_id}
-        # The worker the fault held, and whichever peer it failed, end their request in error.
+        # A forward stage is an open span: it ends with the request (SGLang's abort ends open slices).
+        opened = [stuck_in[role]] if stuck_in[role] in ("prefill_forward", "decode_forward") else []
+        assert [s.name for s in children(spans, thread)] == expected[role] + opened
+        # The worker the fault held, and the peer it failed, end their request in error.
         assert (thread.span.status.code == STATUS_ERROR) is (stuck_in[role] is not None)
     if stall.fault.startswith("decode_stall"):
         forward = one(spans, "decode_forward")
