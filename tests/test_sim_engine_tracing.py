@@ -32,7 +32,7 @@ from traceproxy.sim.routers import router_kind
 from traceproxy.sim.stages import CHUNKED_PREFILL_SIZE, STAGE_ORDER, stage_in
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan
-from .router_harness import RouterHarness, wait_for_requests
+from .router_harness import RouterHarness
 from .support import RawClient, admin_get, wait_until
 
 JSON = [("Content-Type", "application/json")]
@@ -300,6 +300,17 @@ class EngineSpans:
                      and rid in (None, s.attributes["rid"])), None)
 
 
+def request_in(worker, trace_id: str):
+    """The request of the trace ``trace_id`` that reached ``worker``."""
+    assert wait_until(lambda: any(r.trace_id == trace_id for r in worker.requests), timeout=5), worker.role
+    [request] = [r for r in worker.requests if r.trace_id == trace_id]
+    return request
+
+
+def idle(worker) -> bool:
+    return not any(worker.metrics.gauges.values())
+
+
 def expected_ended(role: str, stage: str | None) -> list[str]:
     order = STAGE_ORDER[role]
     if stage == NOT_CALLED:
@@ -316,11 +327,12 @@ def test_a_hung_request_shows_the_stages_that_ended_and_the_one_it_is_in(deploym
     proxy = start_proxy(harness.router_url)
     client = RawClient(proxy.port)
     client.request("POST", "/v1/chat/completions", JSON, chat())
-    [pre] = wait_for_requests(harness.prefill, 1)
-    _, trace_id, client_span_id, _ = pre.headers["traceparent"].split("-")
     # The live join: the trace traceproxy has in flight is the engines' trace.
-    inflight = json.loads(admin_get(proxy, "/debug/inflight"))["requests"]
-    assert [entry["trace_id"] for entry in inflight] == [trace_id]
+    assert wait_until(lambda: json.loads(admin_get(proxy, "/debug/inflight"))["requests"], timeout=5)
+    [inflight] = json.loads(admin_get(proxy, "/debug/inflight"))["requests"]
+    trace_id = inflight["trace_id"]
+    pre = request_in(harness.prefill, trace_id)
+    client_span_id = pre.headers["traceparent"].split("-")[2]
 
     engine = EngineSpans(receiver, trace_id)
     stuck_in = {"prefill": hang.prefill_in, "decode": hang.decode_in}
@@ -352,10 +364,12 @@ def test_a_hung_request_shows_the_stages_that_ended_and_the_one_it_is_in(deploym
 
     seen = {"prefill": pre}
     if hang.decode_in != NOT_CALLED:
-        [seen["decode"]] = wait_for_requests(harness.decode, 1)
-    harness.reset()  # let go: the workers end the request, and the rest of its spans arrive
+        seen["decode"] = request_in(harness.decode, trace_id)
+    # The client leaves first, so that no router retries the request (sglang-router and smg
+    # retry a prefill that dropped); then the workers let go of what they still hold.
     client.close()
-    # (smg then retries a prefill whose connection dropped: a request of its own, with a rid of its own.)
+    assert wait_until(lambda: not json.loads(admin_get(proxy, "/debug/inflight"))["requests"], timeout=5)
+    harness.reset()
     assert wait_until(lambda: all(engine.request_of(role, request.rid) for role, request in seen.items()),
                       timeout=SPAN_TIMEOUT), [s.name for s in engine.all()]
     spans = engine.all()
@@ -376,3 +390,4 @@ def test_a_hung_request_shows_the_stages_that_ended_and_the_one_it_is_in(deploym
     if stall.fault.startswith("decode_stall"):
         forward = one(spans, "decode_forward")
         assert {s.parent_span_id for s in spans if s.name in ("fake_output", "decode_loop")} == {forward.span_id}
+    assert wait_until(lambda: idle(harness.prefill) and idle(harness.decode), timeout=5)
