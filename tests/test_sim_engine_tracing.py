@@ -29,7 +29,7 @@ from traceproxy.cli import main as cli_main
 from traceproxy.sim import gauges as g
 from traceproxy.sim.otel import traces_url
 from traceproxy.sim.routers import router_kind
-from traceproxy.sim.stages import CHUNKED_PREFILL_SIZE, STAGE_ORDER, stage_in
+from traceproxy.sim.stages import CHUNKED_PREFILL_SIZE, REQUEST_STAGES, STAGE_ORDER, stage_in
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan
 from .router_harness import RouterHarness
@@ -114,6 +114,15 @@ def test_the_stage_a_request_is_in_is_the_one_after_the_last_that_ended():
     # Nested stages say how far the forward got; they do not move the request on.
     assert stage_in("decode", [*STAGE_ORDER["decode"][:4], "fake_output", "decode_loop"]) == "decode_forward"
     assert stage_in("prefill", STAGE_ORDER["prefill"]) is None
+
+
+def test_traceproxy_reads_the_stages_in_the_order_the_simulator_makes_them():
+    # The simulator stands apart from the proxy: each keeps SGLang's table, and they must agree.
+    from traceproxy.lifecycle import pd_stages
+
+    assert pd_stages.STAGE_ORDER == STAGE_ORDER
+    assert pd_stages.NESTED_IN == {name: kind.nested_in for name, kind in REQUEST_STAGES.items() if kind.nested_in}
+    assert set(pd_stages.STAGES) == set(REQUEST_STAGES)
 
 
 def metric_samples(worker) -> dict:
