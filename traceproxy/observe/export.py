@@ -59,7 +59,7 @@ from pathlib import Path
 
 import traceproxy
 
-from .export_wire import STATS, STOP_NOW, ExportConfig, flatten, frame, parse_stats_line
+from .export_wire import STATS, STOP_NOW, ExportConfig, RawSpans, flatten, flatten_raw, frame, parse_stats_line
 from .spandata import SpanData
 
 __all__ = ["ExportConfig", "SpanExportPipe"]
@@ -175,6 +175,21 @@ class SpanExportPipe:
         """Like ``submit``, then send at once: for spans that must be seen while a request still hangs."""
         self.submit(spans)
         self._flush()
+
+    def submit_raw(self, raw: RawSpans) -> bool:
+        """An engine's export request, relayed as it came, in a frame of its own at once;
+        counted (and bounded in the queue) as the spans it holds. False: dropped."""
+        if not self.config.needs_process or self.config.exporter == "off":
+            return False
+        self._submitted += raw.spans
+        if not self._accepting or self._writer_lost or not self._has_room_for(raw.spans):
+            self._dropped += raw.spans
+            return False
+        data, _ = frame([flatten_raw(raw)])
+        self._writer.write(data)
+        self._waiting.add(len(data), raw.spans)
+        self._settle_waiting()
+        return True
 
     def _drop_uncollected(self, spans: Iterable[SpanData]) -> None:
         if not self.config.needs_process:

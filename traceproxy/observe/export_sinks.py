@@ -1,7 +1,9 @@
 """Exporter process: where a batch of spans goes (OTLP, an OTLP/JSON file, stderr).
 
-A sink has ``export(spans) -> bool`` (True: delivered) and ``shutdown()``. Each sink
-imports only what its destination needs, so a console exporter never loads gRPC.
+A sink has ``export(spans) -> bool`` (True: delivered), ``export_raw(payload) -> bool``
+for an engine's encoded export request relayed as it came (``otlp_relay.py``), and
+``shutdown()``. Each sink imports only what its destination needs, so a console
+exporter never loads gRPC.
 The OTLP sink encodes the batch itself (``otlp_proto.py``) and sends the bytes
 (``otlp_transport.py``), where the standard ``OTEL_EXPORTER_OTLP_*`` variables keep
 their documented meaning (``otlp_settings.py``); the file sink writes OTLP/JSON
@@ -58,6 +60,9 @@ class OtlpSink:
     def export(self, spans: list[SpanData]) -> bool:
         return self._transport.send(self._encoder.encode(spans))
 
+    def export_raw(self, payload: bytes) -> bool:
+        return self._transport.send(payload)
+
     def shutdown(self) -> None:
         self._transport.shutdown()
 
@@ -79,8 +84,16 @@ class FileSink:
         self._encoder = encoder
 
     def export(self, spans: list[SpanData]) -> bool:
+        return self._append(self._encoder.line(spans))
+
+    def export_raw(self, payload: bytes) -> bool:
+        from .otlp_relay import json_line
+
+        return self._append(json_line(payload))
+
+    def _append(self, line: str) -> bool:
         try:
-            self._lines.append((self._encoder.line(spans) + "\n").encode("utf-8"))
+            self._lines.append((line + "\n").encode("utf-8"))
         except OSError as exc:
             # Once per episode: the exporter's log filter holds back the repeats.
             log.warning("span file %s: cannot write (%s); batches are dropped until it can",
@@ -97,6 +110,13 @@ class ConsoleSink:
 
     def export(self, spans: list[SpanData]) -> bool:
         sys.stderr.write("".join(console_line(span) + "\n" for span in spans))
+        sys.stderr.flush()
+        return True
+
+    def export_raw(self, payload: bytes) -> bool:
+        from .otlp_relay import console_lines
+
+        sys.stderr.write("".join(line + "\n" for line in console_lines(payload)))
         sys.stderr.flush()
         return True
 

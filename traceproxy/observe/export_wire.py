@@ -1,9 +1,10 @@
 """What the proxy process and its exporter process agree on: settings, framing, stats.
 
 Parent -> child, on the child's stdin: frames of a 4-byte big-endian length followed
-by one ``marshal`` dump of a list of items, each a ``SpanData`` or a request summary
-(``spans.RequestSummary``) flattened to plain tuples (``flatten``). EOF on stdin
-means "drain what you have, flush, exit".
+by one ``marshal`` dump of a list of items, each a ``SpanData``, a request summary
+(``spans.RequestSummary``) or an engine's export request relayed as it came
+(``RawSpans``), flattened to plain tuples (``flatten``). EOF on stdin means "drain
+what you have, flush, exit".
 
 Why marshal and not pickle: it is 2.5 times faster both ways for these tuples of
 ints, strings and bytes, and the parent pays for the dump on its event loop. Its
@@ -28,7 +29,7 @@ import marshal
 import signal
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from .spandata import SpanData, SpanEvent
 from .spans import AttemptSummary, RequestSummary
@@ -85,8 +86,16 @@ class ExportConfig:
         return cls(**json.loads(text))
 
 
+class RawSpans(NamedTuple):
+    """An encoded ``ExportTraceServiceRequest`` an engine sent the proxy's receiver, relayed
+    byte for byte (``payload``); ``spans``: how many spans it holds, for the counts."""
+
+    payload: bytes
+    spans: int
+
+
 # Flattened items: a kind, then the fields in order, the nested tuples made plain.
-_SPAN, _SUMMARY = 0, 1
+_SPAN, _SUMMARY, _RAW = 0, 1, 2
 _EVENTS = SpanData._fields.index("events")
 _ATTEMPTS = RequestSummary._fields.index("attempts")
 
@@ -122,7 +131,14 @@ def flatten(item) -> tuple:
     return (_SUMMARY, *item[:_ATTEMPTS], tuple(map(tuple, item.attempts)), *item[_ATTEMPTS + 1:])
 
 
+def flatten_raw(raw: RawSpans) -> tuple:
+    """``flatten`` for a relayed request (kept apart: ``flatten`` runs for every request)."""
+    return (_RAW, *raw)
+
+
 def _restore(flat: tuple):
+    if flat[0] == _RAW:
+        return RawSpans(*flat[1:])
     if flat[0] == _SPAN:
         events = tuple(SpanEvent(*event) for event in flat[_EVENTS + 1])
         return SpanData(*flat[1:_EVENTS + 1], events, *flat[_EVENTS + 2:])

@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 
-from .export_wire import STOP_NOW, ExportConfig, decode_frame, read_frame, stats_line
+from .export_wire import STOP_NOW, ExportConfig, RawSpans, decode_frame, read_frame, stats_line
 from .spandata import SpanData
 from .spans import spans_for
 
@@ -100,6 +100,8 @@ def pump(stream, sink, counters: Counters, access_log=None) -> None:
             counters.access_log_lost = access_log.lines_lost
         if sink is None:
             continue
+        for raw in (item for item in items if isinstance(item, RawSpans)):
+            relay_raw(sink, raw, counters)
         batch = spans_of(items, counters)
         if not batch:
             continue
@@ -117,6 +119,8 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
         if isinstance(item, SpanData):
             spans.append(item)
             continue
+        if isinstance(item, RawSpans):  # relayed as they came (relay_raw)
+            continue
         if not item.keep_spans:  # sampled out or shed: only its access log line was wanted
             continue
         try:
@@ -128,6 +132,21 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
 
 
 EXPORT_LOGGER = "traceproxy.export"  # the sinks' logger, and failed batches'
+
+
+def relay_raw(sink, raw: RawSpans, counters: Counters) -> None:
+    """An engine's export request, to the same destination as the proxy's own spans:
+    sent as it came to a collector, written as its OTLP/JSON line to the span file."""
+    try:
+        delivered = sink.export_raw(raw.payload)
+    except Exception:  # one bad request must not end the exporter
+        logging.getLogger(EXPORT_LOGGER).exception("relaying %d engine spans failed", raw.spans)
+        delivered = False
+    if delivered:
+        EPISODE.delivered()
+        counters.exported += raw.spans
+    else:
+        counters.failed += raw.spans
 
 
 class FailureEpisode(logging.Filter):

@@ -1,0 +1,96 @@
+"""An engine's export request through the exporter process as it came (``SpanExportPipe.submit_raw``):
+to a collector byte for byte, to the span file as its OTLP/JSON line, counted as its spans,
+bounded by the same queue as the proxy's own spans."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from traceproxy.observe.export import ExportConfig, SpanExportPipe
+from traceproxy.observe.export_wire import FRAME_HEADER, RawSpans, decode_frame, flatten_raw, frame
+
+from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
+from .sglang_spans import Request, payload, random_trace_id
+from .support import wait_until
+
+
+@pytest.fixture(autouse=True)
+def no_otel_environment(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+
+
+def config(exporter: str, **overrides) -> ExportConfig:
+    return ExportConfig(**{"exporter": exporter, "otlp_endpoint": "", "otlp_protocol": "http/protobuf",
+                           "file_path": "", "service_name": "traceproxy", **overrides})
+
+
+@pytest.fixture
+def start_pipe(loop_thread):
+    started: list[SpanExportPipe] = []
+
+    def factory(export_config: ExportConfig) -> SpanExportPipe:
+        pipe = SpanExportPipe(export_config)
+        loop_thread.run(pipe.start())
+        started.append(pipe)
+        return pipe
+
+    yield factory
+    for pipe in started:
+        loop_thread.run(pipe.stop(timeout=2.0))
+
+
+def test_a_raw_item_crosses_the_pipe_as_it_is():
+    raw = RawSpans(b"\x0a\x00\xff", 3)
+    [back] = decode_frame(frame([flatten_raw(raw)])[0][FRAME_HEADER.size:])
+    assert back == raw and isinstance(back, RawSpans)
+
+
+@pytest.mark.parametrize("receiver_kind, protocol", [(OtlpHttpReceiver, "http/protobuf"), (OtlpGrpcReceiver, "grpc")])
+def test_a_relayed_request_reaches_the_collector_byte_for_byte(start_pipe, loop_thread, receiver_kind, protocol):
+    trace_id = random_trace_id()
+    body = payload(Request(trace_id, "prefill").stages(3))
+    with receiver_kind() as collector:
+        pipe = start_pipe(config("otlp", otlp_endpoint=collector.endpoint, otlp_protocol=protocol))
+        assert loop_thread.call(lambda: pipe.submit_raw(RawSpans(body, 3)))
+        received = collector.wait_for_spans(3)
+        assert {s.trace_id for s in received} == {"%032x" % trace_id}
+        assert wait_until(lambda: loop_thread.call(lambda: pipe.stats)["spans_exported"] == 3)
+        assert loop_thread.call(lambda: pipe.stats)["spans_submitted"] == 3
+
+
+def test_a_relayed_request_is_a_line_of_the_span_file(start_pipe, loop_thread, tmp_path):
+    path = tmp_path / "spans.jsonl"
+    trace_id = random_trace_id()
+    pipe = start_pipe(config("file", file_path=str(path)))
+    assert loop_thread.call(lambda: pipe.submit_raw(RawSpans(payload(Request(trace_id, "decode").stages(2)), 2)))
+    loop_thread.run(pipe.stop(timeout=2.0))
+    [line] = path.read_text().splitlines()
+    spans = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert [s["name"] for s in spans] == ["decode_prepare", "decode_bootstrap"]
+    assert spans[0]["traceId"] == "%032x" % trace_id
+
+
+def test_relayed_spans_count_against_the_queue(start_pipe, loop_thread):
+    pipe = start_pipe(config("file", file_path=os.devnull, queue_spans=64))
+    # A request of more spans than the queue holds is dropped whole, and counted as its spans.
+    assert not loop_thread.call(lambda: pipe.submit_raw(RawSpans(b"", 65)))
+    assert loop_thread.call(lambda: pipe.stats)["spans_dropped"] == 65
+
+
+def test_with_spans_off_nothing_is_relayed(start_pipe, loop_thread, tmp_path):
+    pipe = start_pipe(config("off", access_log_path=str(tmp_path / "access.log")))
+    assert not loop_thread.call(lambda: pipe.submit_raw(RawSpans(b"\x0a\x00", 1)))
+    assert loop_thread.call(lambda: pipe.stats)["spans_submitted"] == 0
+
+
+def test_the_access_log_ignores_relayed_requests(start_pipe, loop_thread, tmp_path):
+    log_path = tmp_path / "access.log"
+    pipe = start_pipe(config("file", file_path=os.devnull, access_log_path=str(log_path)))
+    assert loop_thread.call(lambda: pipe.submit_raw(RawSpans(payload(Request(1, "decode").stages(1)), 1)))
+    loop_thread.run(pipe.stop(timeout=2.0))
+    assert not log_path.exists() or log_path.read_text() == ""
