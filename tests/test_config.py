@@ -445,7 +445,7 @@ def test_schema_matches_the_settings_dataclasses():
 
     sections = {"timeouts": Timeouts, "pool": Pool, "limits": Limits, "forwarding": Forwarding,
                 "request_id": RequestIds, "tracing": Tracing, "stall": Stall, "access_log": AccessLog,
-                "engines": Engines}
+                "metrics": type(Settings().metrics), "engines": Engines}
     not_keys = {"sources"}  # where each key's value came from, kept beside the values
     assert [s.key for s in SCHEMA if not s.section] == [n for n in fields(Settings)
                                                         if n not in sections and n not in not_keys]
@@ -463,7 +463,8 @@ def test_settings_classes_hold_no_class_attribute_that_shadows_a_field():
     # From CPython 3.12 a read of an instance attribute that a class attribute shadows is
     # not specialized, and the proxy reads ctx.timeouts.client_headers and the like on
     # every connection: the defaults live in __init__ and fields() only.
-    for cls in (Settings, Timeouts, Pool, Limits, Forwarding, RequestIds, Tracing, Stall, AccessLog, Engines):
+    for cls in (Settings, Timeouts, Pool, Limits, Forwarding, RequestIds, Tracing, Stall, AccessLog,
+                type(Settings().metrics), Engines):
         assert [f.name for f in dataclasses.fields(cls) if f.name in vars(cls)] == [], cls.__name__
 
 
@@ -519,7 +520,7 @@ def test_shipped_config_file_loads_to_the_defaults():
 def test_rendered_default_sets_nothing_but_names_every_key_with_its_meaning():
     text = render_default_toml()
     assert tomllib.loads(text) == {"timeouts": {}, "pool": {}, "limits": {}, "forwarding": {}, "request_id": {},
-                                   "tracing": {}, "stall": {}, "access_log": {}, "engines": {}}
+                                   "tracing": {}, "stall": {}, "access_log": {}, "metrics": {}, "engines": {}}
     assert "flags" in text and "TRACEPROXY_" in text
     comments = re.sub(r"\n# ", " ", text)
     for setting in SCHEMA:

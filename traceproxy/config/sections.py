@@ -239,6 +239,15 @@ class AccessLog:
 
 
 @_settings_class
+class Metrics:
+    max_models: int = setting(
+        integer(1, 10000), 32,
+        "Distinct model names (the request body's model) that get a model label of their own in the "
+        "per-model metrics, the first ones seen, per worker process; past them a request counts as "
+        "model=\"other\", and one whose body names no model (or is not JSON) as model=\"unknown\".")
+
+
+@_settings_class
 class Engines:
     # empty: the scraper does not start
     metrics_urls: tuple[str, ...] = setting(
@@ -293,6 +302,7 @@ class Settings:
                                   "seconds (0 = off). Stalls are verdicts on live requests; the hard limits are "
                                   "under [timeouts].")
     access_log: AccessLog = section(AccessLog, "The access log.")
+    metrics: Metrics = section(Metrics, "The Prometheus metrics on the admin listener's /metrics.")
     engines: Engines = section(Engines, "Correlation with the engines: their /metrics gauges, scraped in the "
                                         "background.")
     # Where each key's value came from ("default", "flag --admin", "env TRACEPROXY_ADMIN",

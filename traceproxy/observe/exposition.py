@@ -103,20 +103,28 @@ class Exposition:
                   total: float, exemplars: Sequence[Exemplar | None] = ()) -> None:
         """``cumulative_counts``: observations at or below each bound, then the count
         (+Inf); ``exemplars``, one per bucket or empty, are written in OpenMetrics only."""
+        self.histograms(name, help_text, bounds, [((), cumulative_counts, total, exemplars)])
+
+    def histograms(self, name: str, help_text: str, bounds: Sequence[float],
+                   series: Iterable[tuple[Labels, Sequence[int], float, Sequence[Exemplar | None]]]) -> None:
+        """One histogram family, one series per label set: (labels, cumulative counts,
+        total, exemplars) each, as ``histogram`` takes them; no series, the family alone."""
         full = PREFIX + name
         self._header(full, "histogram", help_text)
-        with_exemplars = self.openmetrics and exemplars
-        for index, (bound, at_or_below) in enumerate(zip((*bounds, math.inf), cumulative_counts)):
-            line = f"{full}_bucket{format_labels((('le', format_value(float(bound))),))} {format_value(at_or_below)}"
-            exemplar = exemplars[index] if with_exemplars else None
-            if exemplar is not None:
-                line += (f" # {format_labels(exemplar.labels())} {format_value(exemplar.value)} "
-                         f"{format_value(exemplar.timestamp)}")
-            self.lines.append(line)
-        self._sample(full + "_sum", (), total)
-        self._sample(full + "_count", (), cumulative_counts[-1])
-        if self.openmetrics:
-            self._created(full, ())
+        les = [format_value(float(bound)) for bound in (*bounds, math.inf)]
+        for labels, cumulative_counts, total, exemplars in series:
+            with_exemplars = self.openmetrics and exemplars
+            for index, (le, at_or_below) in enumerate(zip(les, cumulative_counts)):
+                line = f"{full}_bucket{format_labels((*labels, ('le', le)))} {format_value(at_or_below)}"
+                exemplar = exemplars[index] if with_exemplars else None
+                if exemplar is not None:
+                    line += (f" # {format_labels(exemplar.labels())} {format_value(exemplar.value)} "
+                             f"{format_value(exemplar.timestamp)}")
+                self.lines.append(line)
+            self._sample(full + "_sum", labels, total)
+            self._sample(full + "_count", labels, cumulative_counts[-1])
+            if self.openmetrics:
+                self._created(full, labels)
 
     def text(self) -> str:
         if self.openmetrics:

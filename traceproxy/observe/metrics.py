@@ -23,6 +23,14 @@ microseconds. The requests in flight by phase are counted by the caller, in slic
 ``observe.service_metrics`` merges the numbers of every worker and writes the
 exposition; a service of one worker is merged from one.
 
+Per model (``ModelNumbers``, one per ``model`` label, bounded by ``genai.ModelLabels``):
+for each POST request, its end-to-end latency and token counts; for an event stream,
+its time to first token, inter-token latency and heartbeats. All from the record in
+``on_done``: the proxy stamps the first and last output events and the longest gap
+between two of them as they pass, and the inter-token histogram gets two observations
+per stream (its longest gap, and the mean of the other gaps counted once per gap; see
+``observe_inter_token``), so its ``_sum`` and ``_count`` are those of every gap.
+
 Exemplars: each latency histogram keeps, per bucket, one request that landed in it
 (its trace id, request id, value and end), preferring a failed or stalled one for
 ``EXEMPLAR_PREFER_FAILED_NS`` over healthier ones that come later.
@@ -44,9 +52,11 @@ from ..lifecycle.marks import MARK
 from ..lifecycle.stall import Judgement
 from ..lifecycle.timeline import ClientConnectionRecord, RequestRecord, StallEntry
 from .exposition import CONTENT_TYPE, PREFIX, Exposition, escape_help, escape_label_value, format_labels, format_value
+from .genai import DEFAULT_MAX_MODELS, ModelLabels, request_model, usage_in_body
 
-__all__ = ["CONTENT_TYPE", "PREFIX", "Exposition", "Histogram", "ProxyMetrics", "escape_help", "escape_label_value",
-           "format_labels", "format_value", "phase_counts", "prometheus_totals"]
+__all__ = ["CONTENT_TYPE", "PREFIX", "Exposition", "Histogram", "ModelNumbers", "ProxyMetrics", "escape_help",
+           "escape_label_value", "format_labels", "format_value", "observe_inter_token", "phase_counts",
+           "prometheus_totals"]
 
 # Seconds: from a health check (milliseconds) to a long generation (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
@@ -56,6 +66,19 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 CHUNK_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 NS_PER_S = 1_000_000_000
 CONNECTION_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+# The per-model histograms: the union of the bounds vLLM (vllm/v1/metrics/loggers.py,
+# PrometheusStatLogger) and SGLang (python/sglang/srt/metrics/collector.py,
+# TokenizerMetricsCollector) use for the same quantity, so every le= either engine's
+# dashboards and alerts ask for is a bucket here too.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.25, 0.4, 0.5, 0.6, 0.75, 0.8, 1.0, 2.0,
+                2.5, 4.0, 5.0, 6.0, 7.5, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 160.0, 200.0, 400.0, 640.0,
+                2560.0)
+INTER_TOKEN_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06,
+                       0.075, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.8, 1.0, 2.0, 2.5, 4.0, 5.0, 6.0,
+                       7.5, 8.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 2.5, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 80.0, 100.0, 120.0, 200.0, 240.0, 400.0, 480.0, 600.0, 960.0, 1200.0, 1800.0,
+               1920.0, 2400.0, 7680.0)
 # A failed or stalled request stays a bucket's exemplar this long before a healthy
 # one that lands in the same bucket takes its place: a scrape a minute apart still
 # finds the request worth opening in the trace view.
@@ -72,6 +95,13 @@ HISTOGRAM_SHAPES: dict[str, tuple[tuple[float, ...], int]] = {
     "response_chunk_max_gap_seconds": (CHUNK_GAP_BUCKETS, NS_PER_S),
     "client_connection_requests": (CONNECTION_REQUEST_BUCKETS, 1),
 }
+# Per model label, in ``ModelNumbers.numbers()`` order, then the three token and event counters.
+MODEL_HISTOGRAM_SHAPES: dict[str, tuple[tuple[float, ...], int]] = {
+    "time_to_first_token_seconds": (TTFT_BUCKETS, NS_PER_S),
+    "inter_token_latency_seconds": (INTER_TOKEN_BUCKETS, NS_PER_S),
+    "e2e_request_latency_seconds": (E2E_BUCKETS, NS_PER_S),
+}
+MODEL_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "stream_heartbeats_total")
 
 # An exemplar as kept and carried: (raw value, trace id, request id, end ns (monotonic), failed).
 EXEMPLAR_RAW, EXEMPLAR_TRACE, EXEMPLAR_REQUEST, EXEMPLAR_END, EXEMPLAR_FAILED = range(5)
@@ -126,6 +156,18 @@ class Histogram:
         if held is None or failed or not held[EXEMPLAR_FAILED] or end_ns - held[EXEMPLAR_END] > EXEMPLAR_PREFER_FAILED_NS:
             self.exemplars[index] = (raw, trace_id, request_id, end_ns, failed)
 
+    def count_many_with_exemplar(self, raw_each: int | float, times: int, raw_total: int, trace_id: int,
+                                 request_id: str, end_ns: int, failed: bool) -> None:
+        """``times`` observations of ``raw_each`` that add up to ``raw_total`` (exact, where
+        ``raw_each * times`` would round), in one bisect, with its exemplar."""
+        index = bisect.bisect_left(self.raw_bounds, raw_each)
+        self.bucket_counts[index] += times
+        self.raw_sum += raw_total
+        held = self.exemplars[index]
+        if (held is None or failed or not held[EXEMPLAR_FAILED]
+                or end_ns - held[EXEMPLAR_END] > EXEMPLAR_PREFER_FAILED_NS):
+            self.exemplars[index] = (raw_each, trace_id, request_id, end_ns, failed)
+
     @property
     def sum(self) -> float:
         return self.raw_sum / self.scale if self.scale != 1 else self.raw_sum
@@ -145,6 +187,44 @@ class Histogram:
     def numbers(self) -> list:
         """[bucket counts, raw sum, exemplars or None]: plain data, copied."""
         return [list(self.bucket_counts), self.raw_sum, list(self.exemplars) if self.exemplars is not None else None]
+
+
+class ModelNumbers:
+    """What is counted per ``model`` label: three latency histograms (with exemplars) and
+    the token and heartbeat counts."""
+
+    __slots__ = ("ttft", "inter_token", "e2e", "prompt_tokens", "generation_tokens", "heartbeats")
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(TTFT_BUCKETS, NS_PER_S, exemplars=True)
+        self.inter_token = Histogram(INTER_TOKEN_BUCKETS, NS_PER_S, exemplars=True)
+        self.e2e = Histogram(E2E_BUCKETS, NS_PER_S, exemplars=True)
+        self.prompt_tokens = self.generation_tokens = self.heartbeats = 0
+
+    def numbers(self) -> list:
+        """[ttft, inter-token, e2e histogram numbers, prompt tokens, generation tokens, heartbeats]."""
+        return [self.ttft.numbers(), self.inter_token.numbers(), self.e2e.numbers(),
+                self.prompt_tokens, self.generation_tokens, self.heartbeats]
+
+
+def observe_inter_token(histogram: Histogram, first_ns: int, last_ns: int, max_gap_ns: int, output_events: int,
+                        trace_id: int, request_id: str, end_ns: int, failed: bool) -> None:
+    """The gaps between a stream's ``output_events`` output events, observed in two
+    points: its longest gap once, and the mean of the others once per gap. ``_sum`` and
+    ``_count`` are exactly those of every gap; a stall inside a stream stands out as its
+    own observation, where a mean would hide it. (SGLang observes each interval between
+    its outputs the same way, as its mean per token counted once per token.)"""
+    gaps = output_events - 1
+    if gaps < 1:
+        return
+    total = last_ns - first_ns
+    longest = max_gap_ns if 0 < max_gap_ns <= total else 0
+    if gaps == 1 or not longest:
+        histogram.count_many_with_exemplar(total // gaps, gaps, total, trace_id, request_id, end_ns, failed)
+        return
+    histogram.count_raw_with_exemplar(longest, trace_id, request_id, end_ns, failed)
+    rest = total - longest
+    histogram.count_many_with_exemplar(rest // (gaps - 1), gaps - 1, rest, trace_id, request_id, end_ns, failed)
 
 
 def request_failed(record: RequestRecord) -> bool:
@@ -177,6 +257,9 @@ class ProxyMetrics:
         self.time_to_first_chunk = Histogram(LATENCY_BUCKETS, NS_PER_S, exemplars=True)
         self.chunk_max_gap = Histogram(CHUNK_GAP_BUCKETS, NS_PER_S, exemplars=True)
         self.client_connection_requests = Histogram(CONNECTION_REQUEST_BUCKETS)
+        metrics_settings = getattr(ctx.settings, "metrics", None)
+        self.model_labels = ModelLabels(getattr(metrics_settings, "max_models", DEFAULT_MAX_MODELS))
+        self.models: dict[str, ModelNumbers] = {}
         self.engines = None  # EngineScraper, set by the composition root when this process scrapes the engines
 
     # -- lifecycle observer ------------------------------------------------------
@@ -200,6 +283,40 @@ class ProxyMetrics:
         # One read has no gap; observing 0 for it would drag the distribution down.
         if record.upstream_rx_chunks > 1:
             self.chunk_max_gap.count_raw_with_exemplar(record.max_chunk_gap_ns, trace_id, request_id, end, failed)
+        if record.method == "POST":
+            self._count_per_model(record, start, end, failed)
+
+    # POST requests only: health checks, model lists and scrapes are GETs, name no model,
+    # and would crowd the "unknown" series of a model server's latencies.
+    def _count_per_model(self, record: RequestRecord, start: int, end: int, failed: bool) -> None:
+        label = self.model_labels.label(request_model(record.request_body_head, record.request_body_tail,
+                                                      record.downstream_rx_body_bytes))
+        numbers = self.models.get(label)
+        if numbers is None:
+            numbers = self.models[label] = ModelNumbers()
+        trace_id, request_id = record.trace_id, record.request_id
+        numbers.e2e.count_raw_with_exemplar(end - start, trace_id, request_id, end, failed)
+        events = getattr(record, "stream_events", None)  # an event stream's scanner
+        if events is not None:
+            stream = events.summary()
+            numbers.heartbeats += stream.heartbeats
+            first = record.first_token_ns
+            if first is not None:
+                numbers.ttft.count_raw_with_exemplar(first - start, trace_id, request_id, end, failed)
+                observe_inter_token(numbers.inter_token, first, record.last_token_ns, record.max_token_gap_ns,
+                                    stream.output_events, trace_id, request_id, end, failed)
+            # token_counts(stream, ...), inlined: this runs for every stream.
+            prompt, generated = stream.prompt_tokens, stream.completion_tokens
+            if generated is None:
+                generated = stream.output_events
+        elif record.status == 200:
+            prompt, generated = usage_in_body(record.response_tail)
+        else:  # a refusal or an error: no usage to look for
+            return
+        if prompt:
+            numbers.prompt_tokens += prompt
+        if generated:
+            numbers.generation_tokens += generated
 
     # -- stall listener ----------------------------------------------------------
     def on_stall(self, record: RequestRecord, judgement: Judgement, entry: StallEntry) -> None:
@@ -232,6 +349,7 @@ class ProxyMetrics:
                 "response_chunk_max_gap_seconds": self.chunk_max_gap.numbers(),
                 "client_connection_requests": self.client_connection_requests.numbers(),
             },
+            "models": {label: numbers.numbers() for label, numbers in self.models.items()},
             "pool": {
                 "opened": stats["opened"], "opened_ahead": stats["opened_ahead"], "reused": stats["reused"],
                 "stale": stats["closed_by_upstream_while_idle"] + stats["stale_retried"] + stats["stale_not_retried"],

@@ -19,7 +19,14 @@ plain data. ``merge`` turns the numbers of the workers into the service's:
   is 1 when any worker's pool is misaligned, the client keep-alive timeout is the
   configured value (the same in every worker);
 * each histogram bucket's exemplar is the one of the workers' that ``replaces``
-  prefers (a recent failed or stalled request over a later healthy one).
+  prefers (a recent failed or stalled request over a later healthy one);
+* the per-model families are merged by label: a label's histograms bucket by bucket and
+  its counters summed, over the workers that have it. Each worker bounds its own labels
+  (``metrics.max_models`` names, then ``other``), so the service shows at most that many
+  per worker; in a deployment whose clients name a few models every worker names the
+  same few. A bound for the service as a whole would need the workers to agree on one
+  list as requests come (a lock on the request path), or would move a name's counts into
+  ``other`` between scrapes, which Prometheus reads as a counter reset.
 
 ``render`` writes the families, with the same names and meanings whether the service
 has one worker or many; the engine families come from the service's one scraper.
@@ -35,7 +42,7 @@ from collections.abc import Iterable
 from ..lifecycle.flags import BY_CODE
 from .exposition import Exemplar, Exposition
 from .metrics import (EXEMPLAR_END, EXEMPLAR_RAW, EXEMPLAR_REQUEST, EXEMPLAR_TRACE, HISTOGRAM_SHAPES,
-                      IN_FLIGHT_PHASES, replaces)
+                      IN_FLIGHT_PHASES, MODEL_COUNTERS, MODEL_HISTOGRAM_SHAPES, replaces)
 
 COUNTED_DICTS = ("requests", "stalls", "stalls_resolved", "pool", "spans")
 COUNTED_INTS = ("observer_errors", "stall_listener_errors")
@@ -53,6 +60,7 @@ def merge(fresh: list[dict], late: Iterable[dict] = ()) -> dict:
     service["shed"] = _sum_dicts(sheds) if sheds else None
     service["histograms"] = {name: merge_histograms([n["histograms"][name] for n in counted], len(bounds) + 1)
                              for name, (bounds, _) in HISTOGRAM_SHAPES.items()}
+    service["models"] = merge_models([n.get("models") or {} for n in counted])
     service["in_flight"] = {**dict.fromkeys(IN_FLIGHT_PHASES, 0), **_sum_dicts(n["in_flight"] for n in fresh)}
     for key in SUMMED_GAUGES:
         service[key] = sum(n[key] for n in fresh)
@@ -85,6 +93,24 @@ def merge_histograms(histograms: list[list], buckets: int) -> list:
     return [counts, raw_sum, exemplars]
 
 
+_MODEL_BUCKETS = tuple(len(bounds) + 1 for bounds, _ in MODEL_HISTOGRAM_SHAPES.values())
+
+
+def merge_models(workers: list[dict]) -> dict:
+    """Each ``model`` label's numbers (``ModelNumbers.numbers()``) merged over the workers that have it."""
+    by_label: dict[str, list[list]] = {}
+    for models in workers:
+        for label, numbers in models.items():
+            by_label.setdefault(label, []).append(numbers)
+    merged = {}
+    for label, answers in by_label.items():
+        histograms = [merge_histograms([answer[i] for answer in answers], buckets)
+                      for i, buckets in enumerate(_MODEL_BUCKETS)]
+        counters = [sum(answer[i] for answer in answers) for i in range(len(_MODEL_BUCKETS), len(answers[0]))]
+        merged[label] = [*histograms, *counters]
+    return merged
+
+
 def _preferred(a: tuple, b: tuple | None) -> tuple:
     if b is None:
         return a
@@ -100,6 +126,7 @@ def render(out: Exposition, service: dict, engines=None, workers: dict | None = 
     ``answering`` and ``late_total`` (one worker, answering, when None)."""
     _render_requests(out, service)
     _render_latencies(out, service["histograms"])
+    _render_models(out, service["models"])
     _render_stalls(out, service)
     _render_upstream_pool(out, service)
     _render_client_connections(out, service)
@@ -138,13 +165,42 @@ def _render_latencies(out: Exposition, histograms: dict) -> None:
 
 def _histogram(out: Exposition, name: str, help_text: str, numbers: list) -> None:
     bounds, scale = HISTOGRAM_SHAPES[name]
+    out.histogram(name, help_text, bounds, *_series(out, numbers, scale))
+
+
+def _series(out: Exposition, numbers: list, scale: int) -> tuple[list[int], float, list]:
+    """A histogram's numbers as written: cumulative counts, the sum in exported units, exemplars."""
     counts, raw_sum, kept = numbers
     cumulative, running = [], 0
     for n in counts:
         running += n
         cumulative.append(running)
-    exemplars = [_exemplar(e, scale) for e in kept] if out.openmetrics and kept else ()
-    out.histogram(name, help_text, bounds, cumulative, raw_sum / scale if scale != 1 else raw_sum, exemplars)
+    exemplars = [_exemplar(e, scale) for e in kept] if out.openmetrics and kept else []
+    return cumulative, raw_sum / scale if scale != 1 else raw_sum, exemplars
+
+
+MODEL_HELP = {
+    "time_to_first_token_seconds": "Per model, for event streams: seconds from the request's first byte to the first "
+                                   "event with generated output (heartbeats and empty deltas are not tokens).",
+    "inter_token_latency_seconds": "Per model, for event streams: seconds between output events; per stream its "
+                                   "longest gap once and the mean of the others once per gap.",
+    "e2e_request_latency_seconds": "Per model, for POST requests: seconds from the request's first byte to its end.",
+    "prompt_tokens_total": "Per model: prompt tokens, as the engine reported them (usage or meta_info).",
+    "generation_tokens_total": "Per model: generated tokens, as the engine reported them, else the output events "
+                               "of the stream counted.",
+    "stream_heartbeats_total": "Per model: events of event streams that carried no output (SSE comments, empty or "
+                               "role-only deltas, usage-only and keep-alive events).",
+}
+
+
+def _render_models(out: Exposition, models: dict) -> None:
+    """The per-model families; every one declared, with no samples while no request named a model."""
+    labels = sorted(models)
+    for index, (name, (bounds, scale)) in enumerate(MODEL_HISTOGRAM_SHAPES.items()):
+        out.histograms(name, MODEL_HELP[name], bounds,
+                       [((("model", label),), *_series(out, models[label][index], scale)) for label in labels])
+    for offset, name in enumerate(MODEL_COUNTERS, start=len(MODEL_HISTOGRAM_SHAPES)):
+        out.counter(name, MODEL_HELP[name], [((("model", label),), models[label][offset]) for label in labels])
 
 
 def _exemplar(kept: tuple | None, scale: int) -> Exemplar | None:
