@@ -88,6 +88,7 @@ def tracing_export_config(settings: Settings, environ=os.environ, *, create_file
         queue_spans=tracing.queue_spans,
         nice=tracing.exporter_nice,
         access_log_path=access_log,
+        genai_provider=tracing.genai_provider,
     )
 
 

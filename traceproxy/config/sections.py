@@ -21,8 +21,8 @@ from ..lifecycle.stall import StallThresholds
 from .addresses import HostPort, UpstreamURL, address, collector_endpoint, http_url, http_urls
 from .cross_checks import check_between_keys
 from .errors import ConfigError, Rejected, unknown
-from .kinds import (Kind, boolean, choice, file_path, header_names, integer, ratio, seconds, stall_kinds, text,
-                    url_path)
+from .kinds import (Kind, boolean, choice, file_path, header_names, integer, ratio, require_str, seconds, stall_kinds,
+                    text, url_path)
 
 ENV_PREFIX = "TRACEPROXY_"
 CONFIG_ENV = "TRACEPROXY_CONFIG"  # the file to read, like --config
@@ -168,6 +168,22 @@ class RequestIds:
         flag_aliases=("--inject-rid",))
 
 
+def _one_header_name() -> Kind:
+    """One HTTP header name, or empty for none."""
+    names = header_names()
+
+    def parse(raw: Any) -> str:
+        value = require_str(raw).strip()
+        if not value:
+            return ""
+        parsed = names.parse(value)
+        if len(parsed) != 1:
+            raise ValueError
+        return parsed[0]
+
+    return Kind(parse, "one header name, e.g. x-conversation-id, or empty for none", "NAME")
+
+
 @_settings_class
 class Tracing:
     # auto | otlp | file | console | off
@@ -209,6 +225,15 @@ class Tracing:
         integer(0, 19), 10,
         "Added to the exporter process's CPU niceness, so that on saturated cores proxying gets "
         "the CPU first and the span queue absorbs the lag (0 = same priority as the proxy).")
+    genai_provider: str = setting(
+        text(), "",
+        "gen_ai.provider.name on the spans of model requests, e.g. sglang, vllm or openai; empty = from "
+        "each response: sglang for /generate or SGLang's own fields (meta_info, matched_stop), vllm for "
+        "vLLM's (stop_reason), else openai (the OpenAI-compatible API).")
+    conversation_id_header: str = setting(
+        _one_header_name(), "",
+        "A request header whose value is the request's conversation (session, thread) id, put on its "
+        "span as gen_ai.conversation.id; empty = none.")
 
 
 # The thresholds, one per stall kind, are StallThresholds' fields: these settings are seconds, 0 = off.

@@ -58,6 +58,7 @@ class ExportConfig:
     flush_interval: float = 0.2  # seconds before a partial batch is sent
     export_timeout: float = 5.0  # per export call in the child
     access_log_path: str = ""  # "" off, "-" the child's stdout (the proxy's), else a file
+    genai_provider: str = ""  # gen_ai.provider.name (tracing.genai_provider); "" detects it per response
     nice: int = 10  # added to the child's CPU niceness: proxying wins when the cores are busy
 
     @property

@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 
+from . import genai_spans
 from .export_wire import STOP_NOW, ExportConfig, RawSpans, decode_frame, read_frame, stats_line
 from .spandata import SpanData
 from .spans import spans_for
@@ -228,6 +229,7 @@ def main(argv: list[str]) -> int:
     try:
         config = ExportConfig.from_json(config_json)
         lower_priority(config.nice)
+        genai_spans.OPTIONS = genai_spans.SpanOptions(config.genai_provider, genai_spans.latest_opted_in())
         if config.exporter != "off":
             from .export_sinks import make_sink
 

@@ -1,8 +1,11 @@
-"""Every span attribute name we emit, in one place, pinned to one version of the
-OpenTelemetry semantic conventions (stable HTTP names; GenAI names as of the same
-release). Our own names live under ``traceproxy.``."""
+"""Every span attribute name we emit, in one place: the stable HTTP names, and the GenAI
+names of semantic conventions 1.41.0, the last release that holds them before they moved
+to the GenAI conventions' own repository (``gen_ai.provider.name`` replaced
+``gen_ai.system``, which is emitted beside it unless OTEL_SEMCONV_STABILITY_OPT_IN holds
+``gen_ai_latest_experimental``; see ``genai_spans``). Our own names live under
+``traceproxy.``."""
 
-SCHEMA_URL = "https://opentelemetry.io/schemas/1.26.0"
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.41.0"
 
 # HTTP (stable)
 HTTP_REQUEST_METHOD = "http.request.method"
@@ -26,7 +29,9 @@ USER_AGENT_ORIGINAL = "user_agent.original"
 ERROR_TYPE = "error.type"
 
 # GenAI
-GEN_AI_SYSTEM = "gen_ai.system"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_SYSTEM = "gen_ai.system"  # deprecated for gen_ai.provider.name: emitted beside it by default
+GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
@@ -56,6 +61,12 @@ ATTEMPTS = "traceproxy.upstream.attempts"
 CHUNKS = "traceproxy.response.chunks"
 CHUNK_MAX_GAP = "traceproxy.response.chunk_max_gap_s"
 DONE_SEEN = "traceproxy.response.done_seen"
+# traceproxy: an event stream's tokens as the proxy saw them pass
+TIME_TO_FIRST_TOKEN = "traceproxy.response.time_to_first_token_s"  # to the first event with output
+TOKEN_MAX_GAP = "traceproxy.response.token_max_gap_s"  # the longest wait between two output events
+OUTPUT_EVENTS = "traceproxy.response.output_events"
+HEARTBEATS = "traceproxy.response.heartbeats"  # events without output: comments, empty deltas, pings
+USAGE_SOURCE = "traceproxy.usage.source"  # usage: the engine's counts; counted: output events counted
 STALLS = "traceproxy.stalls"
 STALL_OUTCOME = "traceproxy.stall.outcome"
 STALL_PHASE = "traceproxy.stall.phase"

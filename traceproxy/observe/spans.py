@@ -12,15 +12,13 @@ read by the proxy) turns them into wall-clock times here, at export.
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
-
-import orjson
 
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import MARK, UPSTREAM_MARKS, Mark
 from ..lifecycle.timeline import RequestRecord
 from . import semconv as sc
+from .genai_spans import _response_attributes, evidence, genai_attributes  # noqa: F401 (_response_attributes: for tests)
 from .spandata import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, STATUS_UNSET, SpanData, SpanEvent
 
 DOWNSTREAM_ORDER = tuple(m for m in Mark if m not in UPSTREAM_MARKS)
@@ -43,8 +41,6 @@ KNOWN_ROUTES = frozenset({
     "/health", "/health_generate", "/get_model_info", "/get_server_info", "/server_info", "/model_info",
     "/v1/responses", "/metrics",
 })
-_OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/generate": "text_completion",
-               "/v1/embeddings": "embeddings", "/v1/responses": "chat"}
 
 
 class AttemptSummary(NamedTuple):
@@ -96,6 +92,7 @@ class RequestSummary(NamedTuple):
     attempts: tuple[AttemptSummary, ...]
     stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
     keep_spans: bool = True  # False: sampled out or shed, sent only for its access log line
+    genai: tuple = ()  # genai_spans.GenAIEvidence as a plain tuple, () when there is none
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
@@ -118,7 +115,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.max_chunk_gap_ns, head, tail, request_tail,
         tuple(_summarize_attempt(a) for a in record.attempts),
         tuple((e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls),
-        keep_spans,
+        keep_spans, evidence(record) if keep_spans else (),
     )
 
 
@@ -241,7 +238,7 @@ def _server_attributes(s: RequestSummary, route: str) -> dict:
         attrs[sc.ERROR_MESSAGE] = s.error
     if BY_CODE[s.outcome].blame.value != "-" or s.status >= 500:
         attrs[sc.ERROR_TYPE] = BY_CODE[s.outcome].name if s.outcome != "OK" else str(s.status)
-    attrs.update(genai_attributes(path, s))
+    attrs.update(genai_attributes(path, s, s.marks[_FIRST_DOWNSTREAM_TX_BODY]))
     return attrs
 
 
@@ -315,113 +312,3 @@ def _status(outcome: str, http_status: int, error: str, client: bool = False) ->
     if http_status >= (400 if client else 500):
         return STATUS_ERROR, f"HTTP {http_status}"
     return STATUS_UNSET, ""
-
-
-# ----------------------------------------------------------------------------------
-# GenAI attributes: parsed once, here, from the kept bytes
-# ----------------------------------------------------------------------------------
-_DATA_LINE = re.compile(rb"^data: ?(.*)$", re.M)
-
-
-def genai_attributes(path: str, s: RequestSummary) -> dict:
-    operation = _OPERATIONS.get(path)
-    if operation is None or s.method != "POST":
-        return {}
-    attrs: dict = {sc.GEN_AI_OPERATION_NAME: operation}
-    request = _json_object(s.request_body_head)
-    if request is None:  # a body longer than its kept head: what its fields say
-        request = _fields_of_cut_json(s.request_body_head + b"\n" + s.request_body_tail, _REQUEST_FIELDS)
-    _request_attributes(request, attrs)
-    first_chunk = s.marks[_FIRST_DOWNSTREAM_TX_BODY]
-    if first_chunk and attrs.get(sc.GEN_AI_REQUEST_STREAM):
-        attrs[sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = (first_chunk - s.start_ns) / 1e9
-    _response_attributes(s.response_tail, attrs)
-    return attrs
-
-
-def _request_attributes(request: dict, attrs: dict) -> None:
-    model = request.get("model")
-    if isinstance(model, str):
-        attrs[sc.GEN_AI_REQUEST_MODEL] = model
-    stream = request.get("stream")
-    if isinstance(stream, bool):
-        attrs[sc.GEN_AI_REQUEST_STREAM] = stream
-    max_tokens = request.get("max_tokens", request.get("max_completion_tokens"))
-    if max_tokens is None and isinstance(request.get("sampling_params"), dict):
-        max_tokens = request["sampling_params"].get("max_new_tokens")
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-        attrs[sc.GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
-
-
-def _response_attributes(tail: bytes, attrs: dict) -> None:
-    events = [m.group(1).strip() for m in _DATA_LINE.finditer(tail)]
-    if attrs.get(sc.GEN_AI_REQUEST_STREAM):
-        attrs[sc.DONE_SEEN] = b"[DONE]" in events
-        objects = [o for o in (_json_object(e) for e in events if e != b"[DONE]") if o is not None]
-    else:
-        whole = _json_object(tail)
-        objects = [whole if whole is not None else _fields_of_cut_json(tail, _RESPONSE_FIELDS)]
-    finish_reasons, usage = [], None
-    for obj in objects:
-        usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else usage
-        for choice in obj.get("choices") or ():
-            if isinstance(choice, dict) and choice.get("finish_reason"):
-                finish_reasons.append(str(choice["finish_reason"]))
-        meta = obj.get("meta_info")  # SGLang /generate
-        if isinstance(meta, dict):
-            usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens")}
-            reason = meta.get("finish_reason")
-            if isinstance(reason, dict) and reason.get("type"):
-                finish_reasons.append(str(reason["type"]))
-        if isinstance(obj.get("model"), str):
-            attrs[sc.GEN_AI_RESPONSE_MODEL] = obj["model"]
-        if isinstance(obj.get("id"), str):
-            attrs[sc.GEN_AI_RESPONSE_ID] = obj["id"]
-    if finish_reasons:
-        attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] = tuple(finish_reasons)  # a string array
-    if usage:
-        for key, name in (("prompt_tokens", sc.GEN_AI_USAGE_INPUT_TOKENS),
-                          ("completion_tokens", sc.GEN_AI_USAGE_OUTPUT_TOKENS)):
-            if isinstance(usage.get(key), int):
-                attrs[name] = usage[key]
-
-
-# Fields read out of JSON that was kept only in part (the head and tail of a long
-# body): each with a value of the type it must have. That type is what keeps a
-# nested namesake out: a tool's JSON schema has "model": {...}, never a string, and
-# text inside a message has its quotes escaped, so it never matches.
-_STRING, _BOOL, _INT = rb'"((?:[^"\\]|\\.)*)"', rb"(true|false)", rb"(\d+)"
-_REQUEST_FIELDS = {"model": _STRING, "stream": _BOOL, "max_tokens": _INT, "max_completion_tokens": _INT,
-                   "max_new_tokens": _INT}
-_RESPONSE_FIELDS = {"finish_reason": _STRING, "prompt_tokens": _INT, "completion_tokens": _INT}
-_FIELD_PATTERNS = {name: re.compile(rb'"%s"\s*:\s*%s' % (name.encode(), value))
-                   for name, value in {**_REQUEST_FIELDS, **_RESPONSE_FIELDS}.items()}
-
-
-def _fields_of_cut_json(data: bytes, fields: dict) -> dict:
-    """The first value of each field found, as a dict shaped like the whole object."""
-    found: dict = {}
-    for name in fields:
-        match = _FIELD_PATTERNS[name].search(data)
-        if match is None:
-            continue
-        raw = match.group(1)
-        value = (raw == b"true" if fields[name] is _BOOL else int(raw) if fields[name] is _INT
-                 else raw.decode("utf-8", "replace"))
-        found[name] = value
-    if "max_new_tokens" in found:
-        found["sampling_params"] = {"max_new_tokens": found.pop("max_new_tokens")}
-    if "finish_reason" in found:
-        found["choices"] = [{"finish_reason": found.pop("finish_reason")}]
-    usage = {key: found.pop(key) for key in ("prompt_tokens", "completion_tokens") if key in found}
-    if usage:
-        found["usage"] = usage
-    return found
-
-
-def _json_object(data: bytes) -> dict | None:
-    try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:  # also: invalid UTF-8, a cut-off head or tail
-        return None
-    return value if isinstance(value, dict) else None
