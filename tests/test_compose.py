@@ -6,7 +6,9 @@ each program it starts replaced by one that records its arguments: the script mu
 run whole (no line of it run as a command of its own) and end by exec'ing its
 program, with every flag. Each ``traceproxy serve`` passes ``serve --check`` with
 the service's environment, and the services reach each other, and the published
-ports reach them, at the addresses they listen on."""
+ports reach them, at the addresses they listen on. The metrics profile's Prometheus
+keeps exemplars and scrapes traceproxy's admin listener, and its Grafana is provisioned
+with that Prometheus, Jaeger for the exemplars' trace ids, and the dashboard."""
 
 from __future__ import annotations
 
@@ -50,14 +52,16 @@ def _config(*profile: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("profile", [(), ("--profile", "collector")], ids=["default", "collector"])
-def test_compose_file_validates(profile):
+PROFILES = ("--profile", "collector", "--profile", "metrics")  # each adds services, changes none
+
+
+@pytest.mark.parametrize("profile, added", [
+    ((), set()), (("--profile", "collector"), {"otel-collector", "traceproxy-fleet"}),
+    (("--profile", "metrics"), {"prometheus", "grafana"})], ids=["default", "collector", "metrics"])
+def test_compose_file_validates(profile, added):
     services = subprocess.run([COMPOSE, *profile, "config", "--services"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60).stdout.split()
-    expected = {"jaeger", "prefill", "decode", "router", "traceproxy"}
-    if profile:
-        expected |= {"otel-collector", "traceproxy-fleet"}
-    assert expected <= set(services)
+    assert {"jaeger", "prefill", "decode", "router", "traceproxy"} | added <= set(services)
     assert "COLLECTOR_OTLP_ENABLED" in _config(*profile)
 
 
@@ -97,7 +101,7 @@ class Launch:
 
 @pytest.fixture(scope="module")
 def services() -> dict:
-    return _resolved("--profile", "collector")["services"]  # the profile adds services, changes none
+    return _resolved(*PROFILES)["services"]
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +303,74 @@ def test_a_stop_gives_traceproxy_its_shutdown_grace_before_compose_kills_it(serv
         settings = load_settings(_parser().parse_args(launch.program[1:]), launch.environment)
         waited = _compose_seconds(str(services[name].get("stop_grace_period", "10s")))
         assert waited > settings.timeouts.shutdown_grace, (name, waited, settings.timeouts.shutdown_grace)
+
+
+# ----------------------------------------------------------------------------------
+# The metrics profile: Prometheus with exemplars, Grafana with the dashboard and Jaeger
+# ----------------------------------------------------------------------------------
+def _mounts(service: dict) -> dict[str, Path]:
+    """Each bind mount's target in the container -> its source on the host."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            source, target = volume["source"], volume["target"]
+        else:
+            source, target = str(volume).split(":")[:2]
+        mounts[target] = Path(source)
+    return mounts
+
+
+def _in_container(mounts: dict[str, Path], path: str) -> Path:
+    """The host file behind ``path`` in the container, through its bind mounts."""
+    for target, source in sorted(mounts.items(), key=lambda item: -len(item[0])):
+        if path == target or path.startswith(target.rstrip("/") + "/"):
+            return source / path[len(target):].lstrip("/")
+    pytest.fail(f"{path} is not mounted: {sorted(mounts)}")
+
+
+def _yaml(path: Path):
+    yaml = pytest.importorskip("yaml", reason="compose's own YAML parser reads these files")
+    return yaml.safe_load(path.read_text())
+
+
+def test_prometheus_keeps_exemplars_and_scrapes_the_admin_listener(services, launches, checks):
+    prometheus = services["prometheus"]
+    command = prometheus["command"]
+    assert "--enable-feature=exemplar-storage" in command
+    config_path = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--config.file="))
+    config = _yaml(_in_container(_mounts(prometheus), config_path))
+    targets = [target for job in config["scrape_configs"] for static in job["static_configs"]
+               for target in static["targets"]]
+    listeners, _ = _listeners_and_targets(launches, checks)
+    admin = listen_argument(_effective(checks, "traceproxy")["admin"].removeprefix("http://"))
+    assert f"traceproxy:{admin.port}" in targets and not _is_loopback(admin.host)
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        assert (host in listeners and any(p == int(port) and not _is_loopback(h) for h, p in listeners[host])), \
+            f"Prometheus scrapes {target}, where no service listens for other containers"
+
+
+def test_grafana_is_provisioned_with_prometheus_jaeger_and_the_dashboard(services):
+    grafana = services["grafana"]
+    mounts = _mounts(grafana)
+    provisioning = _in_container(mounts, "/etc/grafana/provisioning")
+    sources = {source["uid"]: source for path in (provisioning / "datasources").glob("*.yaml")
+               for source in _yaml(path)["datasources"]}
+    by_type = {source["type"]: source for source in sources.values()}
+    # Prometheus listens on 9090 unless told otherwise; Jaeger's query UI and API on 16686.
+    assert "--web.listen-address" not in " ".join(services["prometheus"]["command"])
+    assert by_type["prometheus"]["url"] == "http://prometheus:9090"
+    assert by_type["jaeger"]["url"] == "http://jaeger:16686" and "jaeger" in services
+    destinations = by_type["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert {"name": "trace_id", "datasourceUid": by_type["jaeger"]["uid"]} in destinations
+    providers = [provider for path in (provisioning / "dashboards").glob("*.yaml")
+                 for provider in _yaml(path)["providers"]]
+    dashboards = [_in_container(mounts, provider["options"]["path"]) for provider in providers]
+    files = [path for folder in dashboards for path in folder.glob("*.json")]
+    assert files, f"no dashboard in {dashboards}"
+    for path in files:
+        dashboard = json.loads(path.read_text())
+        used = {panel["datasource"]["uid"] for panel in dashboard["panels"] if "datasource" in panel}
+        assert used <= set(sources), f"{path.name} uses data sources Grafana is not given: {used - set(sources)}"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert _in_container(mounts, home) in files
