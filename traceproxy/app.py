@@ -25,6 +25,7 @@ from .admin import ServiceAdmin, build_admin_app
 from .allocator import tune_allocator
 from .config import ConfigError, HostPort, Settings, check_appendable, check_http_endpoint, named_setting
 from .destinations import access_log_destination, admin_url, spans_destination
+from .engine_wiring import check_receiver_exposure
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
 from .observe.metrics import ProxyMetrics
@@ -101,6 +102,7 @@ def check_settings(settings: Settings, environ=os.environ) -> list[tuple[str, st
     tells, see _check_port_bindable), and whether the upstream answers."""
     export = tracing_export_config(settings, environ, create_files=False)
     check_request_id_headers(settings)
+    check_receiver_exposure(settings)
     fit_to_open_file_limit(settings, _open_file_limit(raised=True))  # its warning, as serve would log it
     return [
         ("listen", str(settings.listen)),
@@ -145,8 +147,9 @@ class ProxyServer:
         self.tracing = None  # TracingObserver when tracing is on
         self.watchdog: Watchdog | None = None
         self.metrics: ProxyMetrics | None = None
-        self.engines = None  # EngineScraper when [engines] metrics_urls is set, in one process
+        self.engines = None  # EngineScraper when engine metrics or spans are on, in one process
         self.engine_readings = None  # what correlates requests with the engines: the scraper or the link's readings
+        self.engine_side = None  # engine_wiring.LocalEngines when engine metrics or spans are on
         self.prober = None  # StallProber when [engines] probe_on_stall is true
         self._server: asyncio.base_events.Server | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -156,11 +159,12 @@ class ProxyServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         check_request_id_headers(self.settings)
+        check_receiver_exposure(self.settings)
         await self._start_tracing()
         self.ctx = ServerContext(self.settings, self.fanout)
         self._start_watchdog()
         self._start_metrics()
-        self._start_engines()
+        await self._start_engines()
         self._start_prober()
         listen = self.settings.listen
         with _binding("listen", listen):
@@ -229,27 +233,27 @@ class ProxyServer:
         self.watchdog.listeners.append(self.metrics)
         self.ctx.connection_closed_listeners.append(self.metrics.on_client_connection_closed)
 
-    def _start_engines(self) -> None:
-        """The engine scraper, only when metrics URLs are configured: otherwise nothing
-        starts and nothing is added to any path."""
-        engines = self.settings.engines
-        if not engines.metrics_urls:
-            return
-        from .observe.engines import EngineReadings, EngineScraper, counting
+    async def _start_engines(self) -> None:
+        """The engine scraper, the engine span receiver and the join, only when metrics URLs
+        or a receiver are configured: otherwise nothing starts and nothing is added to any path."""
+        from .engine_wiring import start_local
 
-        if self.link is not None:  # the service's parent scrapes them and sends the readings
-            self.engine_readings = self.link.readings = EngineReadings()
-        else:
-            self.engines = self.engine_readings = EngineScraper(
-                engines.metrics_urls, counting(self.ctx.in_flight.values), interval=engines.scrape_interval,
-                timeout=engines.scrape_timeout, orphan_after=engines.orphan_after)
-            self.metrics.engines = self.engines
-        # Readers of the latest gauges: attributes set once per scrape, never a scrape.
-        self.stall_log.engines = self.engine_readings
+        side = self.engine_side = await start_local(self.settings, self.ctx, self.link, self.span_export,
+                                                    self.export_config)
+        if side is None:
+            return
+        self.engine_readings = side.readings
+        if side.scraper is not None:
+            self.engines = self.metrics.engines = side.scraper
+        # Readers of the latest gauges and stages: attributes set once per scrape or batch
+        # of spans, never a scrape or a wait.
+        self.stall_log.engines = side.readings
         if self.tracing is not None:
-            self.tracing.engines = self.engine_readings
-        if self.engines is not None:
-            self.engines.start()
+            from .observe.engine_join import EngineStageSink
+
+            if side.readings.scraping:
+                self.tracing.engines = side.readings
+            self.tracing.sink = EngineStageSink(self.tracing.sink, side.readings.join)
 
     def _start_prober(self) -> None:
         """The fresh-connection stall probe, only when ``probe_on_stall`` is on."""
@@ -289,8 +293,8 @@ class ProxyServer:
         self.watchdog.stop()
         if self.prober is not None:
             self.prober.stop()
-        if self.engines is not None:
-            await self.engines.stop()
+        if self.engine_side is not None:
+            await self.engine_side.stop()
         if self.span_export is not None:
             await self.span_export.stop(timeout=5.0)
         if self._admin_runner is not None:
@@ -400,6 +404,7 @@ def _run_workers(settings: Settings) -> int:
     # What every worker would refuse, the parent refuses first: one message, not N.
     tracing_export_config(settings)
     check_request_id_headers(settings)
+    check_receiver_exposure(settings)
     _check_port_bindable(settings)
     started_ns = time.monotonic_ns()
     from .observe.tracing import SharedRateCeiling
@@ -486,7 +491,8 @@ async def _supervise(settings: Settings, peers, started_ns: int) -> int:
 
 
 class _ServiceAdminSide:
-    """What the parent runs for the service: the links, the engine scraper, the admin listener."""
+    """What the parent runs for the service: the links, the engine side (the scraper and the
+    engine span receiver, ``engine_wiring.ServiceEngines``), the admin listener."""
 
     def __init__(self, links, engines, runner) -> None:
         self.links, self.engines, self.runner = links, engines, runner
@@ -500,6 +506,7 @@ class _ServiceAdminSide:
 
 
 async def _start_service_admin(settings: Settings, peers, started_ns: int, stopping) -> _ServiceAdminSide | None:
+    from .engine_wiring import start_service
     from .workers import WorkerLinks
 
     links = WorkerLinks(peers, timeout=settings.timeouts.admin_worker_answer)
@@ -507,18 +514,16 @@ async def _start_service_admin(settings: Settings, peers, started_ns: int, stopp
     # admin listener starts once every worker serves it.
     if not await links.start():
         return _ServiceAdminSide(links, None, None)
-    engines = None
-    if settings.engines.metrics_urls:
-        from .observe.engines import EngineScraper
-
-        config = settings.engines
-        engines = EngineScraper(config.metrics_urls, links.count_at_engines, interval=config.scrape_interval,
-                                timeout=config.scrape_timeout, orphan_after=config.orphan_after)
-        engines.on_readings.append(links.tell_readings)
-        engines.start()
+    try:
+        engines = await start_service(settings, links, _relay_config(settings))
+    except OSError as exc:
+        log.error("traceproxy: %s; stopping the workers", exc)
+        await _ServiceAdminSide(links, None, None).stop()
+        return None
+    scraper = engines.scraper if engines is not None else None
     runner = None
     if settings.admin is not None:
-        admin = ServiceAdmin(links, settings, started_ns, engines, stopping)
+        admin = ServiceAdmin(links, settings, started_ns, scraper, stopping)
         try:
             runner, port = await start_admin_listener(admin, settings.admin)
         except OSError as exc:
@@ -528,6 +533,15 @@ async def _start_service_admin(settings: Settings, peers, started_ns: int, stopp
         log.info("traceproxy service of %d workers: admin %s (pid %d)", len(peers),
                  admin_url(HostPort(settings.admin.host, port)), os.getpid())
     return _ServiceAdminSide(links, engines, runner)
+
+
+def _relay_config(settings: Settings):
+    """The parent's exporter, for relaying the engines' spans: the workers' span
+    destination, without the access log (the workers write it)."""
+    import dataclasses
+
+    config = tracing_export_config(settings)
+    return None if config is None else dataclasses.replace(config, access_log_path="")
 
 
 def _exit_status(code: int) -> str:

@@ -277,8 +277,8 @@ class Engines:
     # empty: the scraper does not start
     metrics_urls: tuple[str, ...] = setting(
         http_urls(), [],
-        "Prometheus /metrics URLs of the router and the prefill and decode workers; when empty "
-        "nothing is scraped and nothing is correlated.")
+        "Prometheus /metrics URLs of the router and the prefill and decode workers, whatever their role; "
+        "when these and the role-labelled keys below are empty nothing is scraped and nothing is correlated.")
     scrape_interval: float = setting(seconds(), 5.0, "Seconds between scrapes of every metrics URL.")
     scrape_timeout: float = setting(
         seconds(), 2.0,
@@ -296,6 +296,40 @@ class Engines:
     probe_timeout: float = setting(
         seconds(), 2.0,
         "A stall probe that has no response status line within this long counts as hanging.")
+    router_metrics_urls: tuple[str, ...] = setting(
+        http_urls(), [],
+        "Like metrics_urls, for the router: scraped with them, and read as the router's, so that without "
+        "engine spans a waiting request the workers hold nothing of is placed in the router.")
+    prefill_metrics_urls: tuple[str, ...] = setting(
+        http_urls(), [],
+        "Like metrics_urls, for the prefill workers: their gauges say, without engine spans, which PD "
+        "component holds a waiting request (bootstrap, prefill, kv_transfer).")
+    decode_metrics_urls: tuple[str, ...] = setting(
+        http_urls(), [],
+        "Like metrics_urls, for the decode workers (bootstrap, kv_transfer, decode).")
+    # None: off
+    otlp_receiver: HostPort | None = setting(
+        address(off=True), "off",
+        "Address of an OTLP/HTTP receiver (POST /v1/traces, protobuf) for the engines' own spans (SGLang "
+        "--enable-trace --otlp-traces-endpoint http://HOST:PORT with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="
+        "http/protobuf). Every request is relayed unchanged to traceproxy's span destination; the stage "
+        "spans say which PD stage and worker hold each request in flight. off disables it.")
+    otlp_receiver_grpc: HostPort | None = setting(
+        address(off=True), "off",
+        "Address of an OTLP/gRPC receiver for the engines' spans (SGLang's default protocol: "
+        "--otlp-traces-endpoint HOST:PORT), as otlp_receiver; off disables it.")
+    otlp_receiver_public: bool = setting(
+        boolean(), False, "Allow the OTLP receivers on a non-loopback address.")
+    span_traces: int = setting(
+        integer(16), 10000,
+        "Traces whose engine spans are kept for the join, at most; past it the one updated longest ago "
+        "that no request in flight has goes first, and when every one is in flight new spans are dropped "
+        "(counted). A trace the engines finished is dropped 30 s after its last span.")
+    span_settle: float = setting(
+        seconds(), 2.0,
+        "A request sent upstream this long ago with no response yet, of which no engine has exported a "
+        "span (while engines do export to the receiver), is placed in the router. Above SGLang's export "
+        "delay (SGLANG_OTLP_EXPORTER_SCHEDULE_DELAY_MILLIS, 500 ms by default).")
 
 
 @_settings_class
@@ -329,7 +363,7 @@ class Settings:
     access_log: AccessLog = section(AccessLog, "The access log.")
     metrics: Metrics = section(Metrics, "The Prometheus metrics on the admin listener's /metrics.")
     engines: Engines = section(Engines, "Correlation with the engines: their /metrics gauges, scraped in the "
-                                        "background.")
+                                        "background, and their own spans, received and relayed.")
     # Where each key's value came from ("default", "flag --admin", "env TRACEPROXY_ADMIN",
     # "file F"): errors found after loading (a path that cannot be written) name it too.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -2,6 +2,8 @@
 
 Written by the exporter process from the same request summary the spans are built
 from (``spans.summarize``), so formatting a line never costs the proxy's event loop.
+With engine spans received, a line also says where the engines had the request when it
+ended (``engine_stage``: component, role, SGLang stage, worker, since when, from what).
 Timings follow nginx's names where they exist (``upstream_connect_time``,
 ``upstream_header_time``, ``upstream_response_time``, ``request_time``), in seconds;
 the outcome code and blame come from the one outcome table; the keep-alive ledger
@@ -101,7 +103,10 @@ def access_entry(s: RequestSummary) -> dict:
 
 
 def access_line(summary: RequestSummary) -> str:
-    return orjson.dumps(access_entry(summary)).decode()
+    entry = access_entry(summary)
+    if summary.engine_stage:  # engine spans or gauges by role are on, and they placed it
+        entry["engine_stage"] = summary.engine_stage
+    return orjson.dumps(entry).decode()
 
 
 class AccessLogWriter:

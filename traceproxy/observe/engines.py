@@ -2,11 +2,24 @@
 
 Theory of operation
 -------------------
-One background task. Every ``scrape_interval`` it GETs each ``metrics_urls`` entry
-at once (aiohttp, each bounded by ``scrape_timeout``), keeps the SGLang work gauges
-and the router's ``smg_*`` active/error series (``correlation.is_kept``), summed over
-label sets per name, and then runs the orphan rule (``correlation.check_orphans``)
-against the proxy's count of requests at the engines.
+One background task. Every ``scrape_interval`` it GETs each metrics URL at once
+(aiohttp, each bounded by ``scrape_timeout``), keeps the SGLang work gauges and the
+router's ``smg_*`` active/error series (``correlation.is_kept``), summed over label
+sets per name, and then runs the orphan rule (``correlation.check_orphans``) against
+the proxy's count of requests at the engines.
+
+Endpoints may be labelled by role (``router_metrics_urls``, ``prefill_metrics_urls``,
+``decode_metrics_urls``; ``metrics_urls`` are unlabelled): the work gauges are then
+also summed per role (``by_role``), and a router's requests in flight read from its
+request and response totals (``router_running``), so that without engine spans the
+join (``engine_join``) can still name the PD component where the engines hold work
+(``lifecycle.pd_stages.from_gauges``).
+
+When engine spans are received (``receiver``: ``engine_receiver.EngineSpans``), the
+engine work no request in flight explains, idle for ``orphan_after``, is named by worker
+and stage (``unexplained``): in ``/debug/inflight`` and, when an orphan is reported, in
+its log line. With spans and no metrics URL the scraper exists for that alone, and
+scrapes nothing.
 
 Nothing here is on the request path: requests never await a scrape, and what the
 readers want (``/debug/inflight``, a stall log line, a stall span, a metrics scrape)
@@ -50,26 +63,61 @@ log = logging.getLogger("traceproxy.engines")
 
 # An engine's exposition is tens to hundreds of KiB; far past that, the URL is wrong.
 MAX_BODY_BYTES = 4 << 20
+ROLES = ("router", "prefill", "decode")
+# A router's requests in flight: requests received minus responses sent (sglang-router, smg).
+ROUTER_REQUESTS, ROUTER_RESPONSES = "smg_http_requests_total", "smg_http_responses_total"
+ROUTER_ACTIVE = "smg_worker_requests_active"  # per worker: without the totals, the largest is a floor
 
 
 @dataclass
 class Endpoint:
     url: str
+    role: str = ""  # router, prefill, decode; "" unlabelled
     gauges: dict[str, float] = field(default_factory=dict)
     scraped_ns: int | None = None  # last successful scrape
     error: str | None = None  # the last scrape's failure; None when it succeeded
     errors: int = 0  # failed scrapes
 
 
-def _parse(body: bytes) -> dict[str, float]:
-    """The kept gauges of one answer; raises ValueError for an answer that is not
-    Prometheus text (an HTML page at a wrong URL must not read as engines holding nothing)."""
+def _parse(body: bytes, role: str = "") -> dict[str, float]:
+    """The kept gauges of one answer (a router's, with its request and response totals);
+    raises ValueError for an answer that is not Prometheus text (an HTML page at a wrong
+    URL must not read as engines holding nothing)."""
     text = body.decode("utf-8")
-    gauges = prometheus_totals(text, correlation.is_kept, finite_only=True)
+    keep = correlation.is_kept if role != "router" else _kept_for_router
+    gauges = prometheus_totals(text, keep, finite_only=True)
     if not gauges and text.strip() and not prometheus_totals(text) and \
             not any(line.startswith("#") for line in text.splitlines()):
         raise ValueError("the answer holds no Prometheus samples (is this a /metrics URL?)")
     return gauges
+
+
+def _kept_for_router(name: str) -> bool:
+    return correlation.is_kept(name) or name in (ROUTER_REQUESTS, ROUTER_RESPONSES)
+
+
+def router_running(gauges: dict[str, float]) -> float:
+    """A router's requests in flight, from one endpoint's gauges."""
+    if ROUTER_REQUESTS in gauges and ROUTER_RESPONSES in gauges:
+        return max(gauges[ROUTER_REQUESTS] - gauges[ROUTER_RESPONSES], 0.0)
+    return gauges.get(ROUTER_ACTIVE, 0.0)
+
+
+def by_role(endpoints: Iterable[Endpoint]) -> tuple[dict[str, dict[str, float]], float | None]:
+    """The work gauges summed per worker role (short names), and the routers' requests in
+    flight (None: no router endpoint answered); only endpoints labelled and answering."""
+    roles: dict[str, dict[str, float]] = {}
+    running = None
+    for ep in endpoints:
+        if ep.scraped_ns is None or not ep.role:
+            continue
+        if ep.role == "router":
+            running = (running or 0.0) + router_running(ep.gauges)
+            continue
+        totals = roles.setdefault(ep.role, {})
+        for name, short in correlation.WORK_GAUGES.items():
+            totals[short] = totals.get(short, 0.0) + ep.gauges.get(name, 0.0)
+    return roles, running
 
 
 def proxy_upstream_count(records: Iterable[RequestRecord]) -> int:
@@ -81,20 +129,35 @@ class EngineReadings:
     the scraper once per scrape, or, in a worker of several, from the service's scraper
     (``update`` with what ``message`` gave there)."""
 
-    FIELDS = ("work", "streaming", "oldest_scrape_ns", "summary")
+    FIELDS = ("work", "streaming", "oldest_scrape_ns", "summary", "by_role", "router_running")
 
     def __init__(self) -> None:
         self.work: float | None = None  # the engines' requests in flight; None before any answer
         self.streaming = 0.0
         self.oldest_scrape_ns: int | None = None
         self.summary = "no data"  # "running=1 queued=0 prefill_inflight=1", for log lines and stall spans
+        self.by_role: dict[str, dict[str, float]] = {}  # labelled endpoints' work gauges, per worker role
+        self.router_running: float | None = None
+        # Set by the composition root: whether gauges are scraped at all (a worker's readings
+        # may carry engine span stages only); in a worker of several, the engine spans'
+        # stages its parent sends with the readings (an engine_join.StageFacts); and the
+        # process's join (an engine_join.EngineStageJoin), read by /debug/inflight entries,
+        # stall log lines and stall spans.
+        self.scraping = True
+        self.stage_facts = None
+        self.join = None
 
     def message(self) -> dict:
         return {name: getattr(self, name) for name in self.FIELDS}
 
     def update(self, message: dict) -> None:
+        """A scrape's readings, or (``stages``) the engine spans' stages that changed:
+        a message carries either."""
         for name in self.FIELDS:
-            setattr(self, name, message[name])
+            if name in message:
+                setattr(self, name, message[name])
+        if "stages" in message and self.stage_facts is not None:
+            self.stage_facts.update(message["stages"], time.monotonic_ns())
 
     def correlate(self, phase, waiting_since_ns: int) -> "correlation.Outcome | None":
         if self.work is None:
@@ -112,10 +175,19 @@ def counting(in_flight: Callable[[], Iterable[RequestRecord]]) -> Callable[[], A
 
 
 class EngineScraper(EngineReadings):
+    """``urls``: unlabelled metrics URLs; ``roles``: more, by role ("router", "prefill", "decode")."""
+
     def __init__(self, urls: Iterable[str], count_at_engines: Callable[[], Awaitable[int | None]], *,
-                 interval: float, timeout: float, orphan_after: float) -> None:
+                 interval: float, timeout: float, orphan_after: float,
+                 roles: dict[str, Iterable[str]] | None = None) -> None:
         super().__init__()
         self.endpoints = {url: Endpoint(url) for url in urls}
+        for role, role_urls in (roles or {}).items():
+            for url in role_urls:
+                self.endpoints[url] = Endpoint(url, role)
+        self.receiver = None  # engine_receiver.EngineSpans, when engine spans are received in this process
+        # The trace ids in flight in the service (None: a worker did not say), for unexplained().
+        self.traces_in_flight: Callable[[], Awaitable[frozenset[int] | None]] | None = None
         self.count_at_engines = count_at_engines
         self.interval, self.timeout = interval, timeout
         self.orphan_after_ns = int(orphan_after * 1e9)
@@ -129,7 +201,8 @@ class EngineScraper(EngineReadings):
 
     # -- running -------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="traceproxy-engine-scraper")
+        if self.endpoints:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="traceproxy-engine-scraper")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -154,7 +227,10 @@ class EngineScraper(EngineReadings):
         await asyncio.gather(*(self._scrape(ep) for ep in self.endpoints.values()))
         self._derive()
         if self.work is not None:
+            reported = self.orphan.reported
             self._check_orphans(await self.count_at_engines(), time.monotonic_ns())
+            if self.orphan.reported and not reported:
+                await self._name_orphans()
         message = self.message()
         for listener in self.on_readings:
             listener(message)
@@ -167,6 +243,7 @@ class EngineScraper(EngineReadings):
         self.work, self.streaming = correlation.engines_work(fresh), correlation.engines_streaming(fresh)
         self.oldest_scrape_ns = min(ep.scraped_ns for ep in answered)
         self.summary = correlation.summary(fresh) or "no data"
+        self.by_role, self.router_running = by_role(answered)
 
     async def _scrape(self, ep: Endpoint) -> None:
         try:
@@ -175,7 +252,7 @@ class EngineScraper(EngineReadings):
             body = await asyncio.wait_for(self._get(ep.url), self.timeout)
             # Parsed in a thread: even a body at the size cap is tens of milliseconds of
             # Python, which on the loop would hold up every request for that long.
-            gauges = await asyncio.to_thread(_parse, body)
+            gauges = await asyncio.to_thread(_parse, body, ep.role)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of one endpoint is that endpoint's state
@@ -219,6 +296,27 @@ class EngineScraper(EngineReadings):
                         correlation.ORPHAN.code, work, proxy, (now - self.orphan.since_ns) / 1e9, self.summary)
         elif prev.reported and not self.orphan.reported:
             log.warning("engine orphan %s cleared; engines: %s", correlation.ORPHAN.code, self.summary)
+
+    async def _name_orphans(self) -> None:
+        """The engine work no request in flight explains, by worker and stage, when spans say."""
+        if self.receiver is None or self.traces_in_flight is None:
+            return
+        in_flight = await self.traces_in_flight()
+        if in_flight is None:  # a worker did not say: a partial list would name requests in flight
+            return
+        for trace_id, stage in self.unexplained(in_flight, time.time_ns()):
+            log.warning("engine orphan %s: trace_id=%032x is held at the engines and in flight nowhere in the "
+                        "proxy: %s", correlation.ORPHAN.code, trace_id, stage.words())
+
+    def unexplained(self, in_flight: frozenset[int], now_wall_ns: int) -> list:
+        """(trace id, EngineStage), oldest first, of the engine spans' work not finished that
+        no request in ``in_flight`` (trace ids) has, idle for ``orphan_after`` (since its last
+        stage ended). Empty without spans."""
+        if self.receiver is None:
+            return []
+        return [(trace_id, stage) for trace_id, stage in self.receiver.store.open_unclaimed()
+                if trace_id not in in_flight and stage.since_ns is not None
+                and now_wall_ns - stage.since_ns >= self.orphan_after_ns]
 
     # -- reading (cheap: no I/O) -------------------------------------------------------
     def orphaned(self) -> float:

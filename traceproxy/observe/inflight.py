@@ -11,16 +11,30 @@ and a top-level ``correlation`` (engine vs proxy counts, the orphan state). Both
 read the scraper's last values (in a worker of several, the readings the service's
 scraper sent it); nothing here waits for an engine. The watchdog's verdicts are not
 changed by any of this.
+
+With engine spans received or gauges labelled by role (``engines.join``, the
+``engine_join.EngineStageJoin``), each entry also gets ``engine_stage``: the PD
+component, role and SGLang stage that hold the request, the worker, since when, and
+whether spans or gauges say so; an engine-blamed stall verdict (FBS, MSS) names its
+``component``. The view then gets ``engine_spans`` (the receiver's counts) and, under
+``correlation.orphan``, ``engine_work``: the engine work no request in flight has, idle
+for ``engines.orphan_after``, by worker and stage (the oldest ``UNEXPLAINED_SHOWN``;
+``engine_work_total`` counts them all).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from ..lifecycle.machine import in_flight_phase
 from ..lifecycle.marks import Mark
 from ..lifecycle.stall import StallThresholds, judge
 from ..lifecycle.timeline import RequestRecord
+from .watchdog import NAMES_COMPONENT
+
+
+UNEXPLAINED_SHOWN = 20
 
 
 def _age(now: int, stamp: int | None) -> float | None:
@@ -62,6 +76,9 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds,
         "stalls": [{"outcome": e.code, "phase": e.phase, "resolved": e.resolved_ns is not None}
                    for e in record.stalls],
     }
+    join = getattr(engines, "join", None) if engines is not None else None
+    if join is not None:
+        entry["engine_stage"] = join.as_dict(record, now)
     if judgement is not None:
         found = judgement.verdict
         entry["verdict"] = {
@@ -72,6 +89,8 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds,
             "stall_after_s": getattr(thresholds, found.threshold) or None,
             "stalled": judgement.stalled,
         }
+        if found.outcome in NAMES_COMPONENT and entry.get("engine_stage"):
+            entry["verdict"]["component"] = entry["engine_stage"]["component"]
         if engines is not None:
             entry["correlation"] = _correlation(engines, found)
     if prober is not None:
@@ -88,11 +107,22 @@ def _correlation(engines, found) -> dict | None:
 
 
 def engines_view(engines, now: int, entries: list[dict], proxy_at_engines: int | None) -> dict:
-    """The top-level ``engines`` and ``correlation`` keys; empty when the scraper is off.
-    ``proxy_at_engines``: the service's requests at the engines as the entries were made."""
+    """The top-level ``engines`` and ``correlation`` keys, and ``engine_spans`` when spans are
+    received; empty when the scraper is off. ``proxy_at_engines``: the service's requests at
+    the engines as the entries were made."""
     if engines is None:
         return {}
     top = engines.top_level(proxy_at_engines)
     verdicts = [e["correlation"]["outcome"] for e in entries if e["correlation"]]
     top["requests"] = dict(sorted(Counter(verdicts).items()))
-    return {"engines": engines.snapshot(now), "correlation": top}
+    view = {"engines": engines.snapshot(now), "correlation": top}
+    receiver = getattr(engines, "receiver", None)
+    if receiver is not None:
+        view["engine_spans"] = receiver.numbers()
+        in_flight = frozenset(int(e["trace_id"], 16) for e in entries if e.get("trace_id"))
+        wall = time.time_ns()
+        unexplained = engines.unexplained(in_flight, wall)
+        top["orphan"]["engine_work_total"] = len(unexplained)
+        top["orphan"]["engine_work"] = [{"trace_id": "%032x" % trace_id, **stage.as_dict(wall)}
+                                        for trace_id, stage in unexplained[:UNEXPLAINED_SHOWN]]
+    return view

@@ -74,3 +74,15 @@ STALL_WAITED = "traceproxy.stall.waited_s"
 STALL_DURATION = "traceproxy.stall.duration_s"
 STALL_REQUEST_AGE = "traceproxy.stall.request_age_s"  # how long its request had been in, at detection
 STALL_ENGINES = "traceproxy.stall.engines"  # the engines' gauges when the stall was detected
+
+# traceproxy: where the engines have a request (engine spans or gauges; lifecycle.pd_stages)
+ENGINE_COMPONENT = "traceproxy.engine.component"  # router, prefill, bootstrap, kv_transfer, decode
+ENGINE_ROLE = "traceproxy.engine.role"
+ENGINE_STAGE = "traceproxy.engine.stage"  # SGLang's stage name
+ENGINE_STAGE_STATE = "traceproxy.engine.stage.state"  # in: the stage it is in; ended: the last that ended
+ENGINE_STAGE_SINCE = "traceproxy.engine.stage.since_s"
+ENGINE_SOURCE = "traceproxy.engine.source"  # spans or gauges
+ENGINE_DETAIL = "traceproxy.engine.detail"
+ENGINE_WORKER_SERVICE = "traceproxy.engine.worker.service"
+ENGINE_WORKER_HOST = "traceproxy.engine.worker.host"
+ENGINE_WORKER_PID = "traceproxy.engine.worker.pid"

@@ -93,6 +93,8 @@ class RequestSummary(NamedTuple):
     stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
     keep_spans: bool = True  # False: sampled out or shed, sent only for its access log line
     genai: tuple = ()  # genai_spans.GenAIEvidence as a plain tuple, () when there is none
+    # Where the engines had it when it ended (engine_join; EngineStage.as_dict), when known.
+    engine_stage: dict | None = None
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
@@ -283,6 +285,25 @@ def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, dete
                     since_ns + clock_offset_ns, detected_ns + clock_offset_ns, attrs, (), STATUS_ERROR,
                     f"{outcome.meaning} Waited {(detected_ns - since_ns) / 1e9:.1f} s.",
                     record.tracestate.decode("latin-1"), record.sampled)
+
+
+def engine_stage_attributes(stage: dict) -> dict:
+    """The attributes of an ``engine_stage`` (``EngineStage.as_dict``), for a stall span:
+    the component and stage, the worker, since when, and what says so."""
+    attrs = {sc.ENGINE_COMPONENT: stage["component"], sc.ENGINE_ROLE: stage["role"],
+             sc.ENGINE_STAGE_STATE: stage["state"], sc.ENGINE_SOURCE: stage["source"]}
+    if stage.get("stage"):
+        attrs[sc.ENGINE_STAGE] = stage["stage"]
+    if stage.get("since_s") is not None:
+        attrs[sc.ENGINE_STAGE_SINCE] = stage["since_s"]
+    if stage.get("detail"):
+        attrs[sc.ENGINE_DETAIL] = stage["detail"]
+    worker = stage.get("worker") or {}
+    for key, name in (("service", sc.ENGINE_WORKER_SERVICE), ("host", sc.ENGINE_WORKER_HOST),
+                      ("pid", sc.ENGINE_WORKER_PID)):
+        if worker.get(key) is not None:
+            attrs[name] = worker[key]
+    return attrs
 
 
 def _route(target: str) -> str:

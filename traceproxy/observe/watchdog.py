@@ -37,6 +37,8 @@ from ..lifecycle.stall import Judgement, StallThresholds, judge, judge_all
 from ..lifecycle.timeline import RequestRecord, StallEntry
 
 log = logging.getLogger("traceproxy.watchdog")
+# The stall verdicts that blame the engine side: with the join on, their line names the component.
+NAMES_COMPONENT = (Flag.FBS, Flag.MSS)
 RECHECK_S = 0.25
 TICK_FLOOR_NS = 50_000_000
 
@@ -177,8 +179,11 @@ class StallLog:
     """One WARN line per stall and one INFO line when it resolves.
 
     ``engines`` (the ``EngineScraper``, or in a worker of several the ``EngineReadings``
-    the service's scraper sends; set by the composition root when scraping is on)
-    appends the engines' latest gauges to the stall line.
+    the service's scraper sends; set by the composition root when scraping or engine
+    spans are on) appends the engines' latest gauges to the stall line, and with its
+    ``join`` where the engines have the request: ``engine_stage: kv_transfer (prefill
+    prefill_transfer_kv_cache, sglang host 1a2b3c4d pid 7; from spans)``, and after an
+    engine-blamed stall's blame (FBS, MSS) its component. The line is unchanged otherwise.
     """
 
     engines = None
@@ -189,14 +194,19 @@ class StallLog:
         upstream = "none"
         if attempt is not None and attempt.connection is not None:
             upstream = f"#{attempt.connection.id} ({'reused' if attempt.reused else 'new'})"
-        # The engines' latest gauges, when scraping is on; the line is unchanged otherwise.
-        engines = f" engines: {self.engines.summary}" if self.engines is not None else ""
+        engines = self.engines
+        join = engines.join if engines is not None else None
+        stage = join.stall_stage(record, entry.detected_ns) if join is not None else None
+        component = f" ({stage.component})" if stage is not None and found.outcome in NAMES_COMPONENT else ""
+        tail = f" engine_stage: {stage.words()}" if stage is not None else ""
+        if engines is not None and engines.scraping:
+            tail += f" engines: {engines.summary}"
         log.warning(
-            "stall %s: %s waited %.1f s %s, blame %s; trace_id=%032x request_id=%s %s %s "
+            "stall %s: %s waited %.1f s %s, blame %s%s; trace_id=%032x request_id=%s %s %s "
             "client_conn=#%d seq=%d upstream_conn=%s%s",
             found.outcome.code, found.outcome.name, judgement.waited_ns / 1e9, found.phase.value,
-            found.outcome.blame.value, record.trace_id, record.request_id, record.method, record.target,
-            record.connection.id, record.sequence, upstream, engines,
+            found.outcome.blame.value, component, record.trace_id, record.request_id, record.method, record.target,
+            record.connection.id, record.sequence, upstream, tail,
         )
 
     def on_stall_resolved(self, record: RequestRecord, entry: StallEntry) -> None:

@@ -1,0 +1,220 @@
+"""The live join: where the engines have each request the proxy has in flight, by PD
+component and SGLang stage, from the engines' spans or, without them, their gauges.
+
+Theory of operation
+-------------------
+Beside the watchdog: asked when ``/debug/inflight`` is built, when a stall is reported
+(its log line, its span) and when a finished request's summary is made (its access log
+line); never on the request path, never waiting for anything. The rules are
+``lifecycle.pd_stages``; this module only finds their inputs. For one request, in order:
+
+1. **spans**: the stage of the request's trace, as the engines' spans left it
+   (``stages.stage_of``: the span store itself in one process; in a worker of several,
+   ``StageFacts``, what the service's parent sends);
+2. **no span**: a request sent upstream ``settle`` ago or more, with no response yet,
+   of which no engine has exported a span while engines do export spans here: no
+   engine has opened it, the router has it (``pd_stages.not_opened``);
+3. **gauges**: where the engines hold work, from the metrics URLs labelled by role
+   (``EngineReadings.by_role``): the same words, for the engines as a whole
+   (``pd_stages.from_gauges``).
+
+Spans carry wall-clock times; the proxy's marks are monotonic. ``clock_offset_ns``
+(wall minus monotonic, read once at start) puts both on the wall clock.
+
+The same facts reach a stall's log line (``watchdog.StallLog``, which asks first and
+leaves the answer for the stall span, so both say the same), its span and a finished
+request's access log line through ``EngineStageSink``, the tracing observer's sink when
+the join is on.
+
+``StageFacts`` is a worker's copy of the stages of its own requests. The parent sends
+the stages that changed (``stage_message``) after each batch of spans; the worker keeps
+those of traces it has in flight (``claim``, refreshed once a second from its records)
+plus, for a second, those it cannot place yet, so what it holds is bounded by its
+requests in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from ..lifecycle.correlation import UPSTREAM_PHASES
+from ..lifecycle.machine import Phase, phase_of
+from ..lifecycle.marks import MARK
+from ..lifecycle.pd_stages import EngineStage, Worker, from_gauges, not_opened
+from ..lifecycle.timeline import RequestRecord
+from .spandata import SpanData
+from .spans import UPSTREAM_INDEX, RequestSummary, engine_stage_attributes
+from . import semconv as sc
+
+UNPLACED_KEEP_NS = 2_000_000_000  # a worker keeps a stage it cannot place yet this long
+STALLS_REMEMBERED = 1024  # stall stages said in a log line and not yet taken by a stall span
+_SENT, _ANSWERED = UPSTREAM_INDEX[MARK.FIRST_UPSTREAM_TX_BYTE], UPSTREAM_INDEX[MARK.FIRST_UPSTREAM_RX_BYTE]
+_WAITING_FOR_HEAD = frozenset({Phase.SENDING_REQUEST_UPSTREAM, Phase.AWAITING_UPSTREAM_HEADERS})
+
+
+class EngineStageJoin:
+    """``stages``: the span store or a worker's ``StageFacts`` (None: no receiver);
+    ``readings``: the ``EngineReadings`` with gauges by role (None: not scraped)."""
+
+    def __init__(self, stages=None, readings=None, *, settle_s: float, clock_offset_ns: int) -> None:
+        self.stages, self.readings = stages, readings
+        self.settle_ns = int(settle_s * 1e9)
+        self.clock_offset_ns = clock_offset_ns
+        self._stalls: dict[tuple[int, int], dict | None] = {}
+
+    def stage_of(self, record: RequestRecord, now_ns: int) -> EngineStage | None:
+        """Where the engines have ``record`` now (monotonic ``now_ns``); None when nothing says."""
+        phase = phase_of(record)
+        if phase not in UPSTREAM_PHASES and phase is not Phase.DONE:
+            return None
+        found = self._from_spans(record, phase, now_ns)
+        if found is not None or phase is Phase.DONE:
+            return found
+        readings = self.readings
+        if readings is None or not readings.by_role:
+            return None
+        return from_gauges(readings.by_role, readings.router_running, phase is Phase.STREAMING_RESPONSE)
+
+    def _from_spans(self, record: RequestRecord, phase: Phase, now_ns: int) -> EngineStage | None:
+        stages = self.stages
+        if stages is None or not record.trace_id:
+            return None
+        found = stages.stage_of(record.trace_id)
+        if found is not None or not stages.seen_engine_spans:
+            return found
+        sent = record.attempt.marks.get(MARK.FIRST_UPSTREAM_TX_BYTE) if record.attempt is not None else None
+        if sent is None or (phase not in _WAITING_FOR_HEAD and not _ended_waiting_for_head(record)):
+            return None
+        until = record.end_ns if phase is Phase.DONE else now_ns
+        if until - sent < self.settle_ns:
+            return None
+        return not_opened(sent + self.clock_offset_ns)
+
+    def as_dict(self, record: RequestRecord, now_ns: int) -> dict | None:
+        """The ``engine_stage`` of an in-flight entry."""
+        found = self.stage_of(record, now_ns)
+        return None if found is None else found.as_dict(now_ns + self.clock_offset_ns)
+
+    def wall_ns(self, monotonic_ns: int) -> int:
+        return monotonic_ns + self.clock_offset_ns
+
+    # -- stalls: the log line asks, the stall span says the same -----------------------------
+    def stall_stage(self, record: RequestRecord, detected_ns: int) -> EngineStage | None:
+        """Where the engines have a request that just stalled; kept for its stall span."""
+        found = self.stage_of(record, detected_ns)
+        if len(self._stalls) >= STALLS_REMEMBERED:
+            self._stalls.pop(next(iter(self._stalls)))
+        self._stalls[(record.trace_id, record.span_id)] = (
+            None if found is None else found.as_dict(self.wall_ns(detected_ns)))
+        return found
+
+    def said_at_stall(self, trace_id: int, span_id: int) -> dict | None:
+        return self._stalls.pop((trace_id, span_id), None)
+
+    # -- a finished request's summary ---------------------------------------------------
+    def stage_of_summary(self, s: RequestSummary) -> dict | None:
+        """Where the engines had a request when it ended, from what its summary holds."""
+        end_wall = s.end_ns + s.clock_offset_ns
+        stages = self.stages
+        if stages is None or not s.trace_id:
+            return None
+        found = stages.stage_of(s.trace_id)
+        if found is None and stages.seen_engine_spans and s.attempts:
+            marks = s.attempts[-1].marks
+            sent = marks[_SENT]
+            if sent and not marks[_ANSWERED] and s.end_ns - sent >= self.settle_ns:
+                found = not_opened(sent + s.clock_offset_ns)
+        return None if found is None else found.as_dict(end_wall)
+
+
+def _ended_waiting_for_head(record: RequestRecord) -> bool:
+    attempt = record.attempt
+    return attempt is not None and MARK.FIRST_UPSTREAM_RX_BYTE not in attempt.marks
+
+
+class EngineStageSink:
+    """The tracing observer's sink with where the engines have each request added: a stall
+    span gets the attributes of the stage its log line said, a request summary the stage
+    at its end (its access log line reads it). Used only when the join is on; otherwise
+    the tracing observer writes to the exporter directly and nothing is looked up."""
+
+    def __init__(self, inner, join: EngineStageJoin) -> None:
+        self.inner, self.join = inner, join
+
+    def submit(self, items) -> None:
+        self.inner.submit([self._placed(item) for item in items])
+
+    def submit_now(self, items) -> None:
+        self.inner.submit_now([self._placed(item) for item in items])
+
+    def backlogged(self) -> bool:
+        return self.inner.backlogged()
+
+    def _placed(self, item):
+        if isinstance(item, RequestSummary):
+            stage = self.join.stage_of_summary(item)
+            return item._replace(engine_stage=stage) if stage is not None else item
+        if isinstance(item, SpanData) and sc.STALL_OUTCOME in item.attributes:
+            stage = self.join.said_at_stall(item.trace_id, item.parent_span_id)
+            if stage is not None:
+                item.attributes.update(engine_stage_attributes(stage))
+        return item
+
+
+# ----------------------------------------------------------------------------------
+# From the service's parent to each worker
+# ----------------------------------------------------------------------------------
+def stage_message(changes: dict[int, EngineStage | None], seen_engine_spans: bool) -> dict:
+    """Plain data for the worker link: {"stages": [(trace id, stage tuple or None)], "seen": bool}."""
+    return {"stages": [(trace_id, None if stage is None else _as_tuple(stage)) for trace_id, stage in changes.items()],
+            "seen": seen_engine_spans}
+
+
+def _as_tuple(stage: EngineStage) -> tuple:
+    worker = stage.worker or Worker()
+    return (stage.component, stage.role, stage.stage or "", stage.state, stage.since_ns or 0, worker.service,
+            worker.host, -1 if worker.pid is None else worker.pid, stage.detail, stage.worker is not None)
+
+
+def _from_tuple(fields: tuple) -> EngineStage:
+    component, role, stage, state, since, service, host, pid, detail, has_worker = fields
+    worker = Worker(service, host, None if pid < 0 else pid) if has_worker else None
+    return EngineStage(component, role, stage or None, state, since or None, worker, "spans", detail)
+
+
+class StageFacts:
+    """A worker's stages of its requests, as the service's parent sends them."""
+
+    def __init__(self, max_traces: int) -> None:
+        self.max_traces = max_traces
+        self.stages: dict[int, EngineStage] = {}
+        self.unplaced: dict[int, int] = {}  # trace id -> when it came (monotonic), not claimed yet
+        self.claimed: frozenset[int] = frozenset()
+        self.seen_engine_spans = False
+
+    def update(self, message: dict, now_ns: int) -> None:
+        self.seen_engine_spans = self.seen_engine_spans or bool(message.get("seen"))
+        for trace_id, fields in message.get("stages", ()):
+            if fields is None:
+                self.stages.pop(trace_id, None)
+                continue
+            if trace_id not in self.claimed:
+                if len(self.unplaced) >= self.max_traces:
+                    continue
+                self.unplaced[trace_id] = now_ns
+            self.stages[trace_id] = _from_tuple(fields)
+
+    def stage_of(self, trace_id: int) -> EngineStage | None:
+        return self.stages.get(trace_id)
+
+    def claim(self, trace_ids: Iterable[int], now_ns: int) -> None:
+        """The traces this worker has in flight now: keep theirs, forget the rest."""
+        self.claimed = frozenset(trace_ids)
+        self.unplaced = {t: at for t, at in self.unplaced.items()
+                         if t not in self.claimed and now_ns - at < UNPLACED_KEEP_NS}
+        self.stages = {t: s for t, s in self.stages.items() if t in self.claimed or t in self.unplaced}
+
+
+def in_flight_traces(records: Callable[[], Iterable[RequestRecord]]) -> Callable[[], frozenset[int]]:
+    """The trace ids of the requests in flight, for ``claim``: one pass over the records."""
+    return lambda: frozenset(r.trace_id for r in records() if r.trace_id)

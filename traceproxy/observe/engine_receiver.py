@@ -1,0 +1,239 @@
+"""The engines' spans in: an OTLP receiver over HTTP (``POST /v1/traces``, protobuf) and
+over gRPC (``TraceService/Export``), the span store it fills, and the relay of every
+request, unchanged, to traceproxy's own span destination.
+
+Theory of operation
+-------------------
+SGLang workers launched with ``--enable-trace --otlp-traces-endpoint`` pointed here
+export their spans to traceproxy instead of the collector, and lose nothing: each
+export request's bytes (after HTTP content decoding) are handed as they are to the
+exporter process (``SpanExportPipe.submit_raw``), which sends them to the collector or
+writes them to the span file beside the proxy's own spans. What the join needs is read
+out on the way (``otlp_reader``) and kept in the ``EngineSpanStore``.
+
+One receiver per service: in one process, in the proxy's process; with several
+workers, in the service's parent, which sends each worker the stages that changed
+(``on_changes``, at most every ``FLUSH_S``), as it sends the engine readings.
+
+Answers, as a collector gives them: 200 with an empty ``ExportTraceServiceResponse``;
+400 (gRPC INVALID_ARGUMENT) for a body that is not one (or whose gzip does not inflate);
+413 (RESOURCE_EXHAUSTED) for one over ``MAX_BODY_BYTES``, before it is read or,
+compressed, as soon as it inflates past it; 415 for another content type (OTLP/JSON is
+not taken). Each refusal is counted by
+reason (``rejected``) and its reason is in the answer (HTTP: a ``google.rpc.Status``, as
+OTLP says), never a crash. gRPC itself refuses a message over twice the cap before it
+reaches the handler (uncounted here: gRPC's limit).
+
+Cost: reading a batch (~3 us a span) happens on the event loop; a body over
+``THREAD_BODY_BYTES`` is read in a thread, so one huge request cannot hold the loop.
+The store is bounded (``engine_spans``); the relay is bounded by the exporter's queue,
+counted in spans (``relay_dropped``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from .engine_join import stage_message
+from .engine_spans import EngineSpanStore
+from .export_wire import RawSpans
+from .otlp_proto import length_delimited, varint
+from .otlp_reader import MalformedOtlp, count_spans, read_export_request
+
+log = logging.getLogger("traceproxy.engine_spans")
+
+MAX_BODY_BYTES = 4 << 20  # gRPC's default receive limit, and far past any batch SGLang sends (64 spans)
+THREAD_BODY_BYTES = 64 << 10
+FLUSH_S = 0.1
+SWEEP_S = 1.0
+PROTOBUF = "application/x-protobuf"
+SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+REASONS = ("malformed", "too_large", "unsupported_media_type")
+_INVALID_ARGUMENT, _RESOURCE_EXHAUSTED = 3, 8  # google.rpc.Code
+
+
+class BodyRefused(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineSpans:
+    """The receivers, the store and the relay. ``relay``: a ``SpanExportPipe`` whose
+    exporter writes somewhere (None: spans are kept for the join, relayed nowhere);
+    ``claimed``: the trace ids the proxy has in flight, in this process (None in the
+    service's parent, which does not see the requests)."""
+
+    def __init__(self, http_address, grpc_address, *, max_traces: int, relay=None,
+                 claimed: Callable[[], frozenset[int]] | None = None) -> None:
+        self.http_address, self.grpc_address = http_address, grpc_address
+        self.store = EngineSpanStore(max_traces)
+        self.relay, self.claimed = relay, claimed
+        self.on_changes: list[Callable[[dict], None]] = []
+        self.requests = 0
+        self.rejected = dict.fromkeys(REASONS, 0)
+        self.spans_relayed = self.relay_dropped = 0
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._ticker: asyncio.Task | None = None
+
+    # -- running -------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.http_address is not None:
+            await self._start_http(self.http_address)
+        if self.grpc_address is not None:
+            await self._start_grpc(self.grpc_address)
+        self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="traceproxy-engine-spans")
+
+    async def _start_http(self, address) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/traces", self._http_export)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, address.host, address.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise OSError(exc.errno, f"engines.otlp_receiver {address}: {exc.strerror or exc}") from None
+        self.http_port = site._server.sockets[0].getsockname()[1]
+
+    async def _start_grpc(self, address) -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * MAX_BODY_BYTES)])
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE, {"Export": grpc.unary_unary_rpc_method_handler(self._grpc_export)})  # bytes in, bytes out
+        server.add_generic_rpc_handlers((handler,))
+        target = f"[{address.host}]:{address.port}" if ":" in address.host else f"{address.host}:{address.port}"
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError:
+            port = 0
+        if not port:
+            await self.stop()
+            raise OSError(f"engines.otlp_receiver_grpc {target}: cannot listen there (in use, or not this "
+                          "machine's address)")
+        self._grpc, self.grpc_port = server, port
+        await server.start()
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._grpc is not None:
+            await self._grpc.stop(0)
+            self._grpc = None
+
+    async def _tick(self) -> None:
+        """Send the stages that changed; once a second, learn what is in flight and sweep."""
+        swept = time.monotonic()
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if self.store.changed and self.on_changes:
+                message = stage_message(self.store.take_changes(), self.store.seen_engine_spans)
+                for listener in self.on_changes:
+                    listener(message)
+            if time.monotonic() - swept >= SWEEP_S:
+                swept = time.monotonic()
+                if self.claimed is not None:
+                    self.store.claimed = self.claimed()
+                self.store.sweep(time.monotonic_ns())
+
+    # -- one export request ------------------------------------------------------------
+    async def take(self, body: bytes, peer: str) -> int:
+        """Keep what the join needs and relay the request; the spans it held. Raises BodyRefused."""
+        try:
+            if len(body) > THREAD_BODY_BYTES:
+                batches = await asyncio.to_thread(read_export_request, body)
+            else:
+                batches = read_export_request(body)
+        except MalformedOtlp as exc:
+            raise BodyRefused("malformed", str(exc)) from None
+        spans = count_spans(batches)
+        self.requests += 1
+        self.store.add(batches, peer, time.monotonic_ns())
+        if self.relay is not None and spans:
+            if self.relay.submit_raw(RawSpans(body, spans)):
+                self.spans_relayed += spans
+            else:
+                self.relay_dropped += spans
+        return spans
+
+    def _refused(self, refusal: BodyRefused, where: str) -> None:
+        self.rejected[refusal.reason] += 1
+        log.debug("engine spans refused (%s) from %s: %s", refusal.reason, where, refusal)
+
+    # -- HTTP ----------------------------------------------------------------------------
+    async def _http_export(self, request: web.Request) -> web.Response:
+        peer = _http_peer(request)
+        try:
+            body = await _http_body(request)
+            await self.take(body, peer)
+        except BodyRefused as refusal:
+            self._refused(refusal, peer)
+            status, code = {"malformed": (400, _INVALID_ARGUMENT), "too_large": (413, _RESOURCE_EXHAUSTED),
+                            "unsupported_media_type": (415, _INVALID_ARGUMENT)}[refusal.reason]
+            return web.Response(status=status, body=rpc_status(code, str(refusal)), content_type=PROTOBUF)
+        return web.Response(body=b"", content_type=PROTOBUF)
+
+    # -- gRPC ----------------------------------------------------------------------------
+    async def _grpc_export(self, request: bytes, context) -> bytes:
+        peer = context.peer()
+        try:
+            if len(request) > MAX_BODY_BYTES:
+                raise BodyRefused("too_large", f"a request of {len(request)} bytes, over {MAX_BODY_BYTES}")
+            await self.take(request, peer)
+        except BodyRefused as refusal:
+            self._refused(refusal, peer)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if refusal.reason == "too_large" else \
+                grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(refusal))
+        return b""
+
+    # -- reading -------------------------------------------------------------------------
+    def numbers(self) -> dict:
+        """The ``engine_spans`` object of ``/debug/inflight``."""
+        return {"otlp_http": self.http_port, "otlp_grpc": self.grpc_port, "requests": self.requests,
+                "rejected": dict(self.rejected), "spans_relayed": self.spans_relayed,
+                "relay_dropped": self.relay_dropped, **self.store.numbers()}
+
+
+async def _http_body(request: web.Request) -> bytes:
+    content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if content_type != PROTOBUF:
+        raise BodyRefused("unsupported_media_type",
+                          f"Content-Type {content_type or 'missing'}: this receiver takes {PROTOBUF} only")
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise BodyRefused("too_large", f"a body of {request.content_length} bytes, over {MAX_BODY_BYTES}")
+    body = bytearray()
+    try:
+        # aiohttp inflates a gzip or deflate body as it reads it, a piece at a time
+        # (never a whole bomb at once): the cap applies to what it inflates to.
+        async for piece in request.content.iter_chunked(65536):
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                raise BodyRefused("too_large", f"a body over {MAX_BODY_BYTES} bytes (after content decoding)")
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        raise BodyRefused("malformed", f"a body that cannot be read: {exc.__cause__ or exc}") from None
+    return bytes(body)
+
+
+def _http_peer(request: web.Request) -> str:
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    return f"http:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "http:?"
+
+
+def rpc_status(code: int, message: str) -> bytes:
+    """A ``google.rpc.Status`` (code = 1, message = 2), the body OTLP/HTTP errors carry."""
+    return b"\x08" + varint(code) + length_delimited(b"\x12", message.encode("utf-8", "replace"))

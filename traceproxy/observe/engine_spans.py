@@ -1,0 +1,250 @@
+"""The engines' spans, kept per trace while they can explain a request: the store behind
+the live join (``engine_join.py``); the receivers (``engine_receiver.py``) fill it.
+
+Theory of operation
+-------------------
+``add`` takes the spans of one export request (``otlp_reader``). Only SGLang's request
+spans are kept, and of them only what the join needs (``lifecycle.pd_stages``):
+
+* a stage span (a name of SGLang's stage table): its parent is the worker's
+  scheduler-thread span (``… [TP n] (host:… | pid:…)``), one per request on each worker,
+  exported only when the request ends there; so the parent id groups a worker's stages
+  while the thread span is still open. A nested stage (``decode_loop``, ...) hangs under
+  its open forward stage and is put with the unfinished worker of its role;
+* a thread span: that worker finished the request; it names the role (its thread
+  label), the host and the pid.
+
+Everything else (Bootstrap Room and Req spans, other services' spans) is relayed by
+the receiver but not kept here.
+
+Which worker: the resource's ``service.name``; the host and pid of its thread span once
+that came; before, what earlier thread spans from the same exporter (its connection and
+resource, per role) taught, when they all agree (a collector fanning in several workers
+over one connection teaches nothing); else the resource's ``host.name`` and
+``process.pid`` (``OTEL_RESOURCE_ATTRIBUTES`` sets them); else unknown.
+
+Bounds: at most ``MAX_WORKERS_PER_TRACE`` workers per trace (each a few fields), at most
+``max_traces`` traces. A trace whose every worker finished is dropped ``GRACE_NS`` after
+its last span (later spans of the same request still land in it). When a new trace finds
+the store full, the trace updated longest ago is evicted, unless the proxy has it in
+flight (``claimed``, refreshed by the join); when every trace is claimed, the new trace's
+spans are dropped and counted. So a flood of spans for unknown traces holds at most
+``max_traces`` traces and never evicts a request in flight.
+
+Times: spans carry wall-clock nanoseconds, which the stages keep; the store's own
+bookkeeping (grace, eviction order) uses the monotonic time passed in. No clock is read here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..lifecycle.pd_stages import (DECODE, NESTED_IN, PREFILL, STAGE_ORDER, STAGES, EngineStage, Worker,
+                                   WorkerProgress, holding, role_of_stage, role_of_thread)
+from .otlp_reader import ResourceBatch, SpanFacts
+
+GRACE_NS = 30_000_000_000
+SWEEP_EVERY_NS = 1_000_000_000  # when full, finished traces are looked for at most this often
+MAX_WORKERS_PER_TRACE = 8
+_AMBIGUOUS = ("", None)
+_THREAD_MARK = " (host:"
+
+
+@dataclass(slots=True)
+class _WorkerSpans:
+    role: str = ""
+    ended: list[str] = field(default_factory=list)
+    last_end_ns: int = 0
+    finished: bool = False
+    nested: str = ""
+    exporter: str = ""
+    service: str = ""
+    host: str = ""
+    pid: int | None = None
+
+
+@dataclass(slots=True)
+class _Trace:
+    workers: dict[int, _WorkerSpans] = field(default_factory=dict)
+    updated_ns: int = 0  # monotonic, when its last span came
+    stage: EngineStage | None = None  # what the join reads; recomputed at each update
+
+
+class EngineSpanStore:
+    def __init__(self, max_traces: int) -> None:
+        self.max_traces = max_traces
+        self.traces: dict[int, _Trace] = {}  # insertion order: updated longest ago first
+        self.claimed: frozenset[int] = frozenset()  # trace ids the proxy has in flight (set by the join)
+        self.identities: dict[tuple[str, str], tuple[str, int | None]] = {}  # (exporter, role) -> host, pid
+        self.changed: set[int] = set()  # traces whose stage changed since take_changes
+        self.seen_engine_spans = False  # an engine has exported a stage span here
+        self._swept_ns: int | None = None
+        self.spans_received = 0
+        self.spans_kept = 0
+        self.spans_dropped = 0  # for lack of room: every trace in the store was claimed
+        self.traces_evicted = 0
+
+    # -- taking spans ------------------------------------------------------------------
+    def add(self, batches: list[ResourceBatch], exporter: str, now_ns: int) -> None:
+        """``exporter``: who sent them (the receiver's peer), to learn workers by."""
+        for batch in batches:
+            self.spans_received += len(batch.spans)
+            resource = batch.resource
+            source = f"{exporter}|{resource.get('service.name', '')}|{resource.get('service.instance.id', '')}"
+            for span in batch.spans:
+                if span.name in STAGES:
+                    self._stage(span, resource, source, now_ns)
+                elif _THREAD_MARK in span.name or "thread_label" in span.attributes:
+                    self._thread(span, resource, source, now_ns)
+
+    def _stage(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> None:
+        trace = self._trace(span.trace_id, now_ns)
+        if trace is None:
+            return
+        self.seen_engine_spans = True
+        if span.name in NESTED_IN:
+            worker = self._open_worker_of(trace, span.name, span.parent_span_id, resource, source)
+            if worker is not None:
+                worker.nested = span.name
+        else:
+            worker = self._worker(trace, span.parent_span_id, resource, source)
+            if worker is not None:
+                if span.name not in worker.ended:
+                    worker.ended.append(span.name)
+                worker.role = worker.role or role_of_stage(span.name) or ""
+        if worker is None:
+            return
+        worker.last_end_ns = max(worker.last_end_ns, span.end_ns)
+        self._updated(span.trace_id, trace)
+
+    def _thread(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> None:
+        trace = self._trace(span.trace_id, now_ns, create=False)
+        if trace is None:  # the request's stages never reached us: nothing to explain
+            return
+        worker = self._worker(trace, span.span_id, resource, source)
+        if worker is None:
+            return
+        attrs = span.attributes
+        worker.finished = True
+        worker.role = role_of_thread(str(attrs.get("thread_label") or span.name)) or worker.role
+        worker.host = str(attrs.get("host_id") or worker.host)
+        pid = attrs.get("pid")
+        worker.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else worker.pid
+        worker.last_end_ns = max(worker.last_end_ns, span.end_ns)
+        self._learn(source, worker)
+        self._updated(span.trace_id, trace)
+
+    def _trace(self, trace_id: int, now_ns: int, create: bool = True) -> _Trace | None:
+        trace = self.traces.pop(trace_id, None)  # popped and put back: the dict stays in update order
+        if trace is None:
+            if not create or not self._room(now_ns):
+                if create:
+                    self.spans_dropped += 1
+                return None
+            trace = _Trace()
+        self.traces[trace_id] = trace
+        trace.updated_ns = now_ns
+        self.spans_kept += 1
+        return trace
+
+    def _room(self, now_ns: int) -> bool:
+        if len(self.traces) < self.max_traces:
+            return True
+        if self._swept_ns is None or now_ns - self._swept_ns >= SWEEP_EVERY_NS:
+            self.sweep(now_ns)
+            if len(self.traces) < self.max_traces:
+                return True
+        for trace_id in self.traces:  # updated longest ago first
+            if trace_id not in self.claimed:
+                del self.traces[trace_id]
+                self.changed.discard(trace_id)
+                self.traces_evicted += 1
+                return True
+        return False
+
+    def _worker(self, trace: _Trace, key: int, resource: dict, source: str) -> _WorkerSpans | None:
+        worker = trace.workers.get(key)
+        if worker is None:
+            if len(trace.workers) >= MAX_WORKERS_PER_TRACE:
+                return None
+            worker = trace.workers[key] = _WorkerSpans(exporter=source, service=str(resource.get("service.name", "")))
+            host, pid = resource.get("host.name"), resource.get("process.pid")
+            worker.host = str(host) if host else ""
+            worker.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+        return worker
+
+    def _open_worker_of(self, trace: _Trace, nested: str, key: int, resource: dict,
+                        source: str) -> _WorkerSpans | None:
+        """The unfinished worker a nested stage belongs to: the latest (after a resend) whose
+        role has the stage it is nested in."""
+        parent_stage = NESTED_IN[nested]
+        for worker in reversed(list(trace.workers.values())):
+            if not worker.finished and parent_stage in STAGE_ORDER.get(_role_guess(worker), ()):
+                return worker
+        found = self._worker(trace, key, resource, source)
+        if found is not None:
+            found.role = found.role or role_of_stage(nested) or ""
+        return found
+
+    def _learn(self, source: str, worker: _WorkerSpans) -> None:
+        """Thread spans from one exporter teach its host and pid, per role, while they agree."""
+        if not worker.role or not worker.host:
+            return
+        key, seen = (source, worker.role), (worker.host, worker.pid)
+        known = self.identities.get(key)
+        if known is None and len(self.identities) < self.max_traces:
+            self.identities[key] = seen
+        elif known is not None and known != seen:
+            self.identities[key] = _AMBIGUOUS
+
+    def _updated(self, trace_id: int, trace: _Trace) -> None:
+        stage = holding(self._progress(w) for w in trace.workers.values())
+        if stage != trace.stage:
+            trace.stage = stage
+            self.changed.add(trace_id)
+
+    def _progress(self, worker: _WorkerSpans) -> WorkerProgress:
+        host, pid = worker.host, worker.pid
+        if not worker.finished and (not host or pid is None):
+            learned_host, learned_pid = self.identities.get((worker.exporter, worker.role), _AMBIGUOUS)
+            host, pid = host or learned_host, pid if pid is not None else learned_pid
+        return WorkerProgress(_role_guess(worker), tuple(worker.ended), worker.last_end_ns, worker.finished,
+                              Worker(worker.service, host, pid), worker.nested)
+
+    # -- reading -----------------------------------------------------------------------
+    def stage_of(self, trace_id: int) -> EngineStage | None:
+        trace = self.traces.get(trace_id)
+        return trace.stage if trace is not None else None
+
+    def take_changes(self) -> dict[int, EngineStage | None]:
+        """The stage of every trace that changed since the last call (None: dropped)."""
+        changes = {trace_id: self.stage_of(trace_id) for trace_id in self.changed}
+        self.changed.clear()
+        return changes
+
+    def open_unclaimed(self) -> list[tuple[int, EngineStage]]:
+        """Engine work the proxy has not in flight: traces with a worker that has not finished,
+        not claimed, oldest first."""
+        return [(trace_id, trace.stage) for trace_id, trace in self.traces.items()
+                if trace_id not in self.claimed and trace.stage is not None and trace.stage.state == "in"]
+
+    def sweep(self, now_ns: int) -> None:
+        """Drop the traces past the engines (every worker finished, or ended its last stage)
+        whose last span came more than ``GRACE_NS`` ago."""
+        self._swept_ns = now_ns
+        done = [trace_id for trace_id, trace in self.traces.items()
+                if now_ns - trace.updated_ns > GRACE_NS and trace_id not in self.claimed
+                and (trace.stage is None or trace.stage.state == "ended")]
+        for trace_id in done:
+            del self.traces[trace_id]
+
+    def numbers(self) -> dict:
+        return {"traces": len(self.traces), "spans_received": self.spans_received, "spans_kept": self.spans_kept,
+                "spans_dropped_no_room": self.spans_dropped, "traces_evicted": self.traces_evicted}
+
+
+def _role_guess(worker: _WorkerSpans) -> str:
+    """Its role; before a stage or thread span named it, what its stage names suggest."""
+    if worker.role:
+        return worker.role
+    return DECODE if any(name.startswith("decode_") for name in worker.ended) else PREFILL
