@@ -376,3 +376,48 @@ def test_once_reports_an_answer_of_the_wrong_shape_instead_of_a_traceback(docume
 def test_an_interval_that_cannot_be_slept_is_a_usage_error(interval, capsys):
     code, _, err = _top_in_process(capsys, "--admin", "127.0.0.1:1", "--interval", interval, "--once")
     assert code == 2 and "expected a number of seconds above 0" in err
+
+
+# --- where the engines have each request (engine spans, or gauges by role) ---
+
+
+KV_STUCK = _entry(request_id="req-kv", phase="awaiting_upstream_headers", verdict=STALLED_FBS["verdict"],
+                  engine_stage={"component": "kv_transfer", "role": "prefill", "stage": "prefill_transfer_kv_cache",
+                                "state": "in", "worker": {"service": "sglang", "host": "ab12", "pid": 7},
+                                "since_s": 12.0, "source": "spans"})
+DECODE_BY_GAUGES = _entry(request_id="req-dec", engine_stage={
+    "component": "decode", "role": "decode", "stage": "decode_forward", "state": "in", "worker": None,
+    "since_s": None, "source": "gauges", "detail": "prefill 0, decode 1 running"})
+
+
+def test_the_engine_column_names_the_component_and_stage_and_marks_the_gauges_guess():
+    lines = top.render_table([KV_STUCK, DECODE_BY_GAUGES, HEALTHY], 200, use_color=False)
+    assert "ENGINE" in lines[0]
+    assert "kv_transfer prefill_transfer_kv_cache" in _line_with(lines, "req-kv")
+    assert "~decode decode_forward" in _line_with(lines, "req-dec")
+    assert top.engine_cell(HEALTHY) == "-"
+    # Narrow, the other optional columns go first.
+    narrow = top.render_table([KV_STUCK], 120, use_color=False)
+    assert "ENGINE" in narrow[0] and "CHUNKS" not in narrow[0]
+
+
+def test_without_engine_stages_there_is_no_engine_column():
+    assert "ENGINE" not in top.render_table(ENTRIES, 200, use_color=False)[0]
+
+
+def test_the_header_names_engine_work_nobody_waits_for_and_the_receivers_counts():
+    from traceproxy.top import engine_fields
+
+    inflight = {"correlation": {"orphan": {
+        "outcome": "EOR", "name": "engine_orphan", "blame": "engine", "unexplained": 1, "reported": True,
+        "engine_work_total": 1, "engine_work": [{
+            "trace_id": "3a92ea8bd6837bdabb1d39854ee1490b", "component": "kv_transfer", "role": "prefill",
+            "stage": "prefill_transfer_kv_cache", "state": "in", "worker": {"service": "sglang", "host": "ab",
+                                                                            "pid": 99},
+            "since_s": 75.0, "source": "spans"}]}},
+        "engine_spans": {"spans_received": 120, "traces": 3, "spans_dropped_no_room": 0,
+                         "rejected": {"malformed": 1, "too_large": 0, "unsupported_media_type": 0}}}
+    fields = engine_fields(inflight)
+    assert fields[1] == ("held at the engines, in flight nowhere here: kv_transfer prefill_transfer_kv_cache on "
+                         "sglang pid 99 for 75s (trace 3a92ea8bd6837bdabb1d39854ee1490b)")
+    assert fields[2] == "engine spans: 120 received, 3 traces kept, 0 dropped, 1 bodies refused"

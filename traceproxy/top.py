@@ -6,7 +6,10 @@ line's numbers gathered from every worker at the same time as the entries (an
 admin listener that does not send ``health`` is asked ``GET /healthz`` too). Stalled requests are
 red and marked ``STALL``; requests past half their stall threshold are yellow and
 marked ``slow``. The marker column is there with or without colour, so
-``--no-color`` output (and anything piped through grep) says the same thing.
+``--no-color`` output (and anything piped through grep) says the same thing. With
+engine spans received or gauges labelled by role, the ENGINE column says where the
+engines have each request: the PD component and SGLang stage (``~`` before it when only
+the gauges say so, for the engines as a whole).
 
 Rendering is a set of pure functions (JSON in, lines of text out) and the screen
 is a plain ANSI redraw: home the cursor, write the frame, clear what is left.
@@ -235,6 +238,17 @@ def _upstream_cell(entry: dict) -> str:
     return f"#{conn} {'reused' if entry.get('upstream_reused') else 'new'}"
 
 
+def engine_cell(entry: dict) -> str:
+    """``kv_transfer prefill_transfer_kv_cache``; ``~`` first when the gauges say it, not spans."""
+    stage = entry.get("engine_stage")
+    if not stage:
+        return "-"
+    text = " ".join(part for part in (stage.get("component"), stage.get("stage")) if part)
+    if stage.get("state") == "ended":
+        text += " (ended)"
+    return ("~" if stage.get("source") == "gauges" else "") + text
+
+
 def _out_cell(entry: dict) -> str:
     return byte_count((entry.get("bytes") or {}).get("response_out"))
 
@@ -253,6 +267,7 @@ class Column:
     right: bool = False
     drop_rank: int = 0  # 0: always shown; when narrow, the highest rank goes first
     flexible: bool = False  # takes the width left over, and is cut first
+    only_with: str = ""  # shown only when some entry has this key (a feature that is on)
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -262,6 +277,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("WAIT/AFTER", _wait_cell, 15, right=True),
     Column("VERDICT", _verdict_field("outcome"), 7),
     Column("BLAME", _verdict_field("blame"), 7),
+    Column("ENGINE", engine_cell, 40, drop_rank=1, only_with="engine_stage"),
     Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True),
     Column("REQUEST ID", lambda e: e.get("request_id") or "-", 12),
     Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=2),
@@ -316,14 +332,15 @@ def render_table(entries: list[dict], width: int, use_color: bool = True,
     """The in-flight entries as a header line and one line per request, each at most width visible chars."""
     if not entries:
         return ["(no requests in flight)"]
-    rows = [[c.cell(e) for c in COLUMNS] for e in entries]
-    layout = fit_columns(COLUMNS, rows, width)
-    title = _join([COLUMNS[i].title for i, _ in layout], layout, COLUMNS)
+    columns = tuple(c for c in COLUMNS if not c.only_with or any(c.only_with in e for e in entries))
+    rows = [[c.cell(e) for c in columns] for e in entries]
+    layout = fit_columns(columns, rows, width)
+    title = _join([columns[i].title for i, _ in layout], layout, columns)
     lines = [_paint(clip(title, width), BOLD, use_color)]
     fits = max_rows is None or len(entries) <= max_rows
     shown = len(entries) if fits else max(max_rows - 1, 0)  # keep a line to say how many are hidden
     for entry, row in zip(entries[:shown], rows):
-        line = clip(_join([row[i] for i, _ in layout], layout, COLUMNS), width)
+        line = clip(_join([row[i] for i, _ in layout], layout, columns), width)
         lines.append(_paint(line, ROW_COLORS.get(row_state(entry)), use_color))
     if not fits:
         lines.append(clip(f"... {len(entries) - shown} more not shown (a taller terminal shows them)", width))
@@ -392,7 +409,26 @@ def engine_fields(inflight: dict) -> list[str]:
     if orphan.get("reported"):
         fields.append(f"{orphan['outcome']} {orphan['name']}: {orphan['unexplained']:g} engine requests no client "
                       f"waits on (blame {orphan['blame']})")
+    fields += [_engine_work_field(work) for work in (orphan.get("engine_work") or ())[:ENGINE_WORK_SHOWN]]
+    received = inflight.get("engine_spans")
+    if received:
+        refused = sum((received.get("rejected") or {}).values())
+        fields.append(f"engine spans: {received.get('spans_received', 0)} received, {received.get('traces', 0)} "
+                      f"traces kept, {received.get('spans_dropped_no_room', 0)} dropped, {refused} bodies refused")
     return fields
+
+
+ENGINE_WORK_SHOWN = 3
+
+
+def _engine_work_field(work: dict) -> str:
+    """Engine work no request in flight has: where, on which worker, since when."""
+    worker = work.get("worker") or {}
+    where = " ".join(str(part) for part in (worker.get("service"), f"pid {worker['pid']}" if worker.get("pid")
+                                            is not None else "") if part)
+    since = f" for {duration(work['since_s'])}" if work.get("since_s") is not None else ""
+    return (f"held at the engines, in flight nowhere here: {work.get('component')} {work.get('stage') or ''}"
+            f"{' on ' + where if where else ''}{since} (trace {work.get('trace_id')})")
 
 
 def pack(fields: list[str], width: int, sep: str = "  ") -> list[str]:
