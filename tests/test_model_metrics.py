@@ -16,7 +16,8 @@ from traceproxy.observe.metrics import (E2E_BUCKETS, INTER_TOKEN_BUCKETS, MODEL_
 from traceproxy.observe.service_metrics import merge_models
 
 from .support import RawClient, answers_in_parts, wait_until
-from .test_metrics import scrape
+from .test_metrics import Scrape, scrape
+from .test_workers_view import upstream_process  # noqa: F401 (a fixture)
 
 MS = 1_000_000
 
@@ -234,3 +235,18 @@ def test_the_model_cap_through_the_proxy(fast_upstream, start_proxy):
     assert wait_until(lambda: sum(n for _, n in scrape(proxy).series(count)) == 6)
     assert {labels["model"]: n for labels, n in scrape(proxy).series(count)} == {"a": 2, "b": 1, "other": 2,
                                                                                   "unknown": 1}
+
+
+def test_a_service_of_two_workers_shows_each_models_numbers_once(upstream_process):
+    from .test_workers_view import serving
+
+    with serving(upstream_process, 2) as service:
+        for index in range(8):  # a connection each: the kernel spreads them over the workers
+            body = json.dumps({"model": "m" if index % 2 else "n", "max_tokens": 3}).encode()
+            assert _post(service.port, "/v1/chat/completions", body).status == 200
+        _, text = service.get("/metrics")
+    result = Scrape(text)
+    count = "traceproxy_e2e_request_latency_seconds_count"
+    assert {labels["model"]: n for labels, n in result.series(count)} == {"m": 4, "n": 4}
+    assert result.value("traceproxy_generation_tokens_total", model="m") == 12
+    assert result.value("traceproxy_prompt_tokens_total", model="n") == 32
