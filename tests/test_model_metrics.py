@@ -250,3 +250,15 @@ def test_a_service_of_two_workers_shows_each_models_numbers_once(upstream_proces
     assert {labels["model"]: n for labels, n in result.series(count)} == {"m": 4, "n": 4}
     assert result.value("traceproxy_generation_tokens_total", model="m") == 12
     assert result.value("traceproxy_prompt_tokens_total", model="n") == 32
+
+
+def test_the_model_of_a_long_sdk_body_is_found_with_tracing_off(fast_upstream, start_proxy):
+    # The OpenAI SDK writes the model after the messages, far past the kept start of the body.
+    messages = [{"role": "user", "content": "words " * 50} for _ in range(60)]
+    body = json.dumps({"messages": messages, "model": "m-sdk", "max_tokens": 1}).encode()
+    assert len(body) > 16_000
+    proxy = start_proxy(fast_upstream().url)  # tracing and the access log off
+    assert _post(proxy.port, "/v1/chat/completions", body).status == 200
+    count = "traceproxy_e2e_request_latency_seconds_count"
+    assert wait_until(lambda: scrape(proxy).series(count))
+    assert scrape(proxy).series(count) == [({"model": "m-sdk"}, 1)]

@@ -242,6 +242,10 @@ class ProxyMetrics:
     ``stats``, ``tracing`` ``shed`` (reason -> count). Any may be None.
     """
 
+    # The model label reads the end of a long request body too, where the OpenAI SDKs
+    # write "model" (after the messages): the proxy keeps that much of it (see Fanout).
+    request_body_tail_bytes = 4096
+
     def __init__(self, ctx, watchdog=None, span_export=None, tracing=None) -> None:
         self.ctx = ctx
         self.watchdog = watchdog
