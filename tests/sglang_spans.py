@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
@@ -22,7 +23,6 @@ STAGES = {
     "decode": ("decode_prepare", "decode_bootstrap", "decode_transferred", "decode_waiting", "decode_forward"),
 }
 LABELS = {"prefill": "Prefill Scheduler", "decode": "Decode Scheduler", "unified": "Scheduler"}
-T0 = 1_700_000_000_000_000_000
 
 
 def span_id() -> bytes:
@@ -38,7 +38,7 @@ class Request:
         self.trace_id, self.role, self.pid, self.host = trace_id.to_bytes(16, "big"), role, pid, host
         self.room_id, self.req_id, self.thread_id = span_id(), span_id(), span_id()
         self.parent, self.room, self.rid = parent, room, rid
-        self.clock = T0
+        self.clock = time.time_ns()  # the engine's wall clock, as the proxy's
 
     def _span(self, name: str, parent: bytes, own: bytes | None = None, **attributes) -> Span:
         span = Span(trace_id=self.trace_id, span_id=own or span_id(), parent_span_id=parent, name=name, kind=1,

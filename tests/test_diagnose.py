@@ -607,3 +607,85 @@ def test_the_trace_id_is_named_as_the_key_to_the_engines_logs():
     text = "\n".join(request_lines(found))
     [line] = [line for line in text.splitlines() if "engine logs" in line]
     assert TRACE in line and "vllm-router" in line and "x-request-id" in line, line
+
+
+# ----------------------------------------------------------------------------------
+# The engines' own stage spans (SGLang --enable-trace), merged into the timeline
+# ----------------------------------------------------------------------------------
+def _send_spans(proxy, spans) -> None:
+    """As an engine's OTLP/HTTP exporter: one keep-alive connection to the proxy's receiver."""
+    from .sglang_spans import payload
+
+    connection = _send_spans.connections.setdefault(
+        proxy.engine_side.receiver.http_port,
+        __import__("http.client").client.HTTPConnection("127.0.0.1", proxy.engine_side.receiver.http_port, timeout=5))
+    connection.request("POST", "/v1/traces", payload(spans), {"Content-Type": "application/x-protobuf"})
+    answer = connection.getresponse()
+    answer.read()
+    assert answer.status == 200
+
+
+_send_spans.connections = {}
+
+
+def test_a_hung_request_shows_the_engine_stages_that_ended_and_the_one_it_is_in(loop_thread, tmp_path):
+    from .sglang_spans import Request
+
+    spans = tmp_path / "spans.jsonl"
+    up = loop_thread.run(ScriptedUpstream(never_answers).start())
+    proxy = ProxyServer(_settings(up.url, spans, **{"stall.first_byte": 1.5,
+                                                    "engines.otlp_receiver": "127.0.0.1:0"}), Fanout([]))
+    loop_thread.run(proxy.start())
+    client = RawClient(proxy.port)
+    try:
+        client.request("POST", "/v1/chat/completions", [("Content-Type", "application/json"),
+                                                        ("x-request-id", "hung-in-kv")], CHAT)
+        assert wait_until(lambda: up.received and b"traceparent" in bytes(up.received[-1]))
+        trace_id = int(re.search(rb"traceparent: 00-([0-9a-f]{32})", bytes(up.received[-1])).group(1), 16)
+        done = Request(trace_id + 1, "prefill", pid=314)  # a request that finished taught the worker
+        _send_spans(proxy, done.stages(5) + done.finish())
+        _send_spans(proxy, Request(trace_id, "prefill").stages(4) + Request(trace_id, "decode").stages(2))
+        assert wait_until(lambda: spans.exists() and "stall FBS" in spans.read_text(), timeout=10)
+        out, err = io.StringIO(), io.StringIO()
+        assert run("hung-in-kv", str(spans), out=out, err=err) == 0, err.getvalue()
+        text = out.getvalue()
+        # Its own spans do not name the worker yet (its thread span ends with the request); the
+        # stall span does, as the live join learned it from the worker's finished requests.
+        assert ("engines: when these spans were written the request was in kv_transfer (prefill "
+                "prefill_transfer_kv_cache, sglang; from spans)") in text, text
+        for name in ("prefill_prepare", "prefill_bootstrap", "prefill_waiting", "prefill_forward"):
+            assert f"{name} ended   [engine prefill, sglang]" in text, text
+        assert "decode_bootstrap ended   [engine decode, sglang]" in text
+        assert "blame engine (kv_transfer: prefill prefill_transfer_kv_cache, sglang pid 314; from spans) at" in text
+    finally:
+        client.close()
+        loop_thread.run(proxy.shutdown(grace=0))
+        loop_thread.run(up.stop())
+
+
+def test_engine_stages_from_jaeger_join_the_timeline_without_cutting_the_proxys_waits():
+    # The decode worker's stages as Jaeger keeps them, under its thread span, under the resend.
+    thread = "4444444444444444"
+    engine = [
+        _span(thread, ENGINE, "Decode Scheduler [TP 0] (host:01234567 | pid:77)", 400, 1_500_000,
+              {"span.kind": "internal", "thread_label": "Decode Scheduler", "host_id": "0123456789", "pid": 77},
+              process="p2"),
+        *[_span(f"55555555555555{n:02d}", thread, name, 400 + n * 10, 100_000 + n * 200_000, {}, process="p2")
+          for n, name in enumerate(("decode_prepare", "decode_bootstrap", "decode_transferred", "decode_waiting",
+                                    "decode_forward"))],
+    ]
+    document = {"data": [{**JAEGER_TRACE["data"][0], "spans": JAEGER_TRACE["data"][0]["spans"] + engine}]}
+    [found] = find_requests(jaeger_spans(document), "req-42")
+    text = "\n".join(request_lines(found))
+    assert ("engines: every worker finished; the last stage that ended: decode (decode decode_forward ended, "
+            "sglang-decode host 01234567 pid 77; from spans)") in text, text
+    assert "decode_transferred ended   [engine decode, sglang-decode]" in text
+    # The proxy's longest wait is still the one between its own marks.
+    assert "last_upstream_rx_header_byte   [attempt 2 (resend 1)]   <- longest wait" in text
+
+
+def test_without_engine_spans_the_report_is_unchanged(traced):
+    spans, responses = traced
+    out, err = io.StringIO(), io.StringIO()
+    assert run(_trace_id(responses[0]), str(spans), out=out, err=err) == 0
+    assert "engines:" not in out.getvalue() and "[engine " not in out.getvalue()

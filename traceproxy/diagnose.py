@@ -9,7 +9,11 @@ upstream attempt (resends), the stalls, and the outcome with its blame and error
 then the spans of other services below the proxy's (a router's, the engines' under
 it, at any depth) where the source holds them, and the trace id to search the
 engines' logs by: the one key every router passes on to both engines (vllm-router
-replaces the request id they see with its own).
+replaces the request id they see with its own). The engines' own stage spans (SGLang
+``--enable-trace``, relayed by traceproxy's engine span receiver or written by a
+collector) are merged into the timeline, each stage's end a line, and the report says
+which PD component, stage and worker had the request when the spans were written
+(``diagnose_engines``).
 
 Two sources, mapped to the same ``Span`` shape:
 
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from . import diagnose_engines
 from .config import SCHEMA
 from .lifecycle.marks import Mark
 from .observe import semconv as sc
@@ -151,6 +156,7 @@ class RequestSpans:
     stalls: list[Span] = field(default_factory=list)
     downstream: list[Span] = field(default_factory=list)  # depth first, each parent before its children
     depth: dict[str, int] = field(default_factory=dict)  # span id -> 1 for an attempt's child, 2 below it, ...
+    engine: list[Span] = field(default_factory=list)  # the engines' stage and thread spans of its trace, by end
 
     @property
     def start_ns(self) -> int:
@@ -434,6 +440,7 @@ def _attach_children(found: RequestSpans, spans: list[Span]) -> None:
     found.attempts = sorted((s for s in same_trace if s.kind == "client" and s.parent_id == found.server_span_id),
                             key=_attempt_order)
     found.downstream, found.depth = _descendants(found.attempts, same_trace)
+    found.engine = diagnose_engines.engine_spans(same_trace, found.trace_id)
     found.stalls.sort(key=lambda s: s.end_ns)
 
 
@@ -497,6 +504,7 @@ def request_lines(found: RequestSpans) -> list[str]:
     lines += [line for attempt in found.attempts for line in _attempt_lines(attempt)]
     lines += _timeline_lines(found)
     lines += _stall_lines(found)
+    lines += diagnose_engines.summary_lines(found.engine)
     lines += _downstream_lines(found)
     lines.append(_join_key_line(found))
     return lines
@@ -647,6 +655,7 @@ def timeline_entries(found: RequestSpans) -> list[tuple[int, str, str]]:
             code, phase = stall.attributes.get(sc.STALL_OUTCOME), stall.attributes.get(sc.STALL_PHASE, "-")
             entries += [(stall.start_ns, f"stall {code} wait began ({phase})", "stall span"),
                         (stall.end_ns, f"stall detected: {code}", "stall span")]
+    entries += diagnose_engines.timeline_entries(found.engine)
     return sorted(entries, key=lambda e: (e[0], _MARK_ORDER.get(e[1], len(_MARK_ORDER))))
 
 
@@ -673,12 +682,13 @@ def _timeline_lines(found: RequestSpans) -> list[str]:
                    "request began")
     lines = [f"  timeline ({heading}):",
              f"    {'from start':>14} {'gap':>14}  mark"]
-    # Gaps run from mark to mark: a stall event in the middle of a wait shows how long
-    # it had lasted, but does not cut the wait in two (the longest wait is a mark's).
+    # Gaps run from mark to mark: a stall event or an engine stage's end in the middle of
+    # a wait shows how far it had got, but does not cut the wait in two (the longest wait
+    # is a mark's).
     gaps, marks, previous_mark = [], [], start
-    for when, what, _ in entries:
+    for when, what, where in entries:
         gaps.append(when - previous_mark)
-        if not what.startswith("stall "):
+        if not what.startswith("stall ") and not where.startswith(diagnose_engines.ENGINE_WHERE):
             marks.append(len(gaps) - 1)
             previous_mark = when
     longest = max(marks, key=lambda index: gaps[index], default=-1)
@@ -719,8 +729,22 @@ def _stalls_from_events(server: Span) -> list[str]:
 def _stalls_from_spans(stalls: list[Span]) -> list[str]:
     return [f"{s.attributes.get(sc.STALL_OUTCOME, '-')} ({s.attributes.get(sc.OUTCOME_NAME, '-')}) in "
             f"{s.attributes.get(sc.STALL_PHASE, '-')}: detected after {_seconds(s.attributes.get(sc.STALL_WAITED))}, "
-            f"blame {s.attributes.get(sc.BLAME, '-')} at {wall_clock(s.end_ns)}"
+            f"blame {s.attributes.get(sc.BLAME, '-')}{_engine_at_stall(s)} at {wall_clock(s.end_ns)}"
             + (f": {s.status_message}" if s.status_message else "") for s in stalls]
+
+
+def _engine_at_stall(stall: Span) -> str:
+    """`` (kv_transfer: prefill prefill_transfer_kv_cache, sglang pid 7; from spans)``, when the
+    stall span says where the engines had the request."""
+    a = stall.attributes
+    if sc.ENGINE_COMPONENT not in a:
+        return ""
+    where = " ".join(str(part) for part in (a.get(sc.ENGINE_ROLE), a.get(sc.ENGINE_STAGE)) if part)
+    worker = " ".join(str(part) for part in (a.get(sc.ENGINE_WORKER_SERVICE), a.get(sc.ENGINE_WORKER_PID) is not None
+                                             and f"pid {a[sc.ENGINE_WORKER_PID]}") if part)
+    detail = f"; {a[sc.ENGINE_DETAIL]}" if a.get(sc.ENGINE_DETAIL) else ""
+    return (f" ({a[sc.ENGINE_COMPONENT]}: {where}{', ' + worker if worker else ''}{detail}; "
+            f"from {a.get(sc.ENGINE_SOURCE, '-')})")
 
 
 def _downstream_lines(found: RequestSpans) -> list[str]:
