@@ -132,7 +132,22 @@ def test_by_default_a_half_close_after_a_whole_request_is_a_disconnect_the_acces
     line = json.loads(log.read_text().splitlines()[0])
     assert (line["outcome"], line["blame"], line["status"]) == ("DC", "client", None)
     # The line says what happened and which key would have answered it.
-    assert "half-closed" in line["error"] and "limits.client_half_close" in line["error"], line["error"]
+    assert line["error"] == ("client closed the connection, or its sending side (FIN), after its whole request, "
+                             "before the response was complete: taken as leaving (limits.client_half_close = abort)")
+
+
+def test_a_plain_close_after_a_whole_request_is_not_called_a_half_close(held, start_proxy):
+    # A close and a half-close are the same FIN to the proxy: the error must be true of both.
+    rec = Recorder()
+    proxy = start_proxy(held.up.url, observers=[rec])
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(GET)
+        assert wait_until(lambda: held.up.connections == 1)
+    assert held.up.closed.wait(5)
+    assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.DC
+    assert rec.done[0].error.startswith("client closed the connection, or its sending side (FIN), after its whole "
+                                        "request"), rec.done[0].error
+    assert "half-closed" not in rec.done[0].error
 
 
 # ---------------------------------------------------------------------------------
@@ -189,7 +204,7 @@ def test_answer_still_takes_a_fin_before_the_request_is_complete_as_a_disconnect
         received, _ = _read_to_the_end(sock)
     assert received == b""
     assert wait_until(lambda: len(rec.done) == 1) and rec.done[0].outcome is Flag.DC
-    assert "half-closed" not in rec.done[0].error  # it left mid-request, nothing to answer
+    assert "after its whole request" not in rec.done[0].error  # it left mid-request, nothing to answer
 
 
 def test_answer_lets_the_engine_go_when_the_half_closed_client_then_resets(held, start_proxy):

@@ -70,8 +70,10 @@ CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 # within the second in which the engine must see an abandoned request's connection close.
 PEER_CHECK_INTERVAL = 0.25
 # How a FIN after a whole request, taken as leaving, is recorded (see eof_received).
-HALF_CLOSE_TAKEN_AS_LEAVING = ("client half-closed the connection (FIN) after its whole request, before {what}: "
-                               "taken as leaving (limits.client_half_close = abort)")
+# A FIN is all the proxy sees either way: a client that closed its whole connection and
+# one that only shut its sending side look the same until something is written to it.
+HALF_CLOSE_TAKEN_AS_LEAVING = ("client closed the connection, or its sending side (FIN), after its whole request, "
+                               "before {what}: taken as leaving (limits.client_half_close = abort)")
 
 
 class ClientConnection(asyncio.Protocol):
