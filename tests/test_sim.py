@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import selectors
 import signal
@@ -395,6 +396,35 @@ def test_decode_waits_for_its_prefill_room_in_one_process(start_worker):
     prefill, decode = start_worker("prefill"), start_worker("decode")
     _pair_and_check(prefill.port, prefill.bootstrap_port, decode, room=7)
     assert gauge(prefill, "sglang:num_prefill_inflight_queue_reqs") == 0
+
+
+def test_a_decode_whose_client_left_as_its_prefill_failed_ends_quietly(start_worker, loop_thread, caplog):
+    # At a deployment's stop the router's connections close as the prefill lets go of its
+    # requests and fails their rooms: a waiting decode can learn of the failure before
+    # aiohttp cancels it for its lost client. Writing the failure then finds the
+    # connection closing: the client is gone, which is no error of the worker's.
+    caplog.set_level("INFO", logger="traceproxy.sim")
+    prefill, decode = start_worker("prefill"), start_worker("decode")
+    client = RawClient(decode.port)
+    client.request("POST", "/generate", JSON, generate_body(room=5, bootstrap_port=prefill.bootstrap_port, stream=True))
+    assert wait_until(lambda: gauge(decode, "sglang:num_decode_prealloc_queue_reqs") == 1, timeout=5)
+
+    async def fail_the_room_then_lose_the_client() -> int:
+        prefill.rooms.update(prefill.rooms.get(5), failed="prefill let go")  # decode wakes first ...
+        closed = 0
+        for handler in decode._runner.server.connections:  # ... then learns its client is gone
+            if handler.transport is not None and handler.transport.get_extra_info("peername")[1] == \
+                    client.sock.getsockname()[1]:
+                handler.transport.close()
+                closed += 1
+        return closed
+
+    assert loop_thread.run(fail_the_room_then_lose_the_client()) == 1
+    assert wait_until(lambda: gauge(decode, "sglang:num_decode_prealloc_queue_reqs") == 0, timeout=5)
+    assert wait_until(lambda: any("room=5" in r.getMessage() for r in caplog.records
+                                  if r.name == "traceproxy.sim.decode"), timeout=5)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    client.close()
 
 
 def test_vllm_decode_pulls_the_kv_cache_its_prefill_named_in_one_process(start_worker):

@@ -90,6 +90,13 @@ def _peer(request: web.Request) -> str:
     return f"{peername[0]}:{peername[1]}" if peername else ""
 
 
+def _closed(request: web.Request) -> web.Response:
+    """What a handler returns once its client is gone: the connection closes, nothing is sent."""
+    if request.transport is not None:
+        request.transport.close()
+    return web.Response(status=503)
+
+
 def trace_id_of(traceparent: str) -> str:
     parts = traceparent.split("-")
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
@@ -365,8 +372,10 @@ class SimWorker:
             job.result = "client_gone" if job.result == "ok" else job.result
             raise
         except ConnectionError:
+            # A write found the client (the router) gone: nothing is left to answer, and it is
+            # no error of the worker's (re-raised, aiohttp would log one with a traceback).
             job.result = "client_gone" if job.result == "ok" else job.result
-            raise
+            return _closed(request)
         finally:
             job.stage.leave()
             if job.result != "ok":
