@@ -518,7 +518,5 @@ def test_an_event_stream_cut_in_two_anywhere_ends_ok():
               one_or_two_reads)
 
 
-@pytest.mark.xfail(strict=True, reason="the SSE end is looked for in the last two pieces of body data only: a "
-                                       "'data: [DONE]' spread over more reads is judged NDN")
 def test_an_event_stream_whose_end_comes_a_byte_per_read_ends_ok():
     check_chunked_response(byte_by_byte(SSE_STREAM), SSE_EVENTS, b"Content-Type: text/event-stream")

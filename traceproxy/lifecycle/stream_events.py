@@ -149,6 +149,13 @@ class EventScanner:
         return (0 < self._done_at == self.events and not self._skipping
                 and (pending is None or not pending.strip(b"\n")))
 
+    @property
+    def ended(self) -> bool:
+        """The stream said it is over: data: [DONE] came, or a finish reason (engines
+        that send no [DONE] end with one). Only events that ended (their blank line
+        came) count: an event cut off at the body's end is not one."""
+        return self.done or bool(self._payload.finish_reasons)
+
     def summary(self) -> StreamSummary:
         p = self._payload
         return StreamSummary(self.events, self.output_events, self.heartbeats, self.errors, self.done, p.model,

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .flags import Outcome
 from .marks import MARK, UPSTREAM_MARKS, Mark
+
+if TYPE_CHECKING:
+    from .stream_events import EventScanner
 
 _client_ids = itertools.count(1)
 _upstream_ids = itertools.count(1)
@@ -142,8 +145,8 @@ class RequestRecord:
     http_version: str = "1.1"
     marks: dict[Mark, int] = field(default_factory=dict)
     attempts: list[Attempt] = field(default_factory=list)
-    # Counts. Body bytes only; "chunks" are upstream body deliveries (reads), which
-    # for SSE approximate token events without parsing them.
+    # Counts. Body bytes only; "chunks" are upstream body deliveries (a chunk of a
+    # chunked body, or what one read brought).
     downstream_rx_body_bytes: int = 0
     upstream_rx_body_bytes: int = 0
     upstream_rx_chunks: int = 0
@@ -169,6 +172,17 @@ class RequestRecord:
     request_body_tail: bytes = b""
     response_tail: tuple[bytes, bytes, bytes] = (b"", b"", b"")
     max_chunk_gap_ns: int = 0
+    # An event stream's tokens (a text/event-stream response whose body is not coded):
+    # its scanner (``stream_events.EventScanner``: the counts of output, heartbeat and
+    # error events, [DONE], and in its summary() the model, the engine's token counts,
+    # finish reasons and the first in-band error), and when the first and the last
+    # event with output arrived and the longest wait between two of them. The stall
+    # clock of such a stream counts from the last output event, not the last byte
+    # (see attribution). None and 0 for any other response.
+    stream_events: EventScanner | None = None
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+    max_token_gap_ns: int = 0
     stalls: list[StallEntry] = field(default_factory=list)
     # What can end this request early, for the watchdog's abort action; cleared when
     # it ends (owner <-> record is a reference cycle while it is set).

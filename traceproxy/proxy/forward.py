@@ -35,13 +35,14 @@ import time
 from typing import TYPE_CHECKING
 
 from ..lifecycle.deadlines import client_took_more, expiry, next_deadline
+from ..lifecycle.endings import close_reason, judge_clean_ending, lost_connection, where
 from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK, Mark
 from ..lifecycle.timeline import RequestRecord
 from . import headers as H
 from . import tracecontext as tc
 from .bodies import inject_rid, wants_rid
-from .endings import END, Ending, close_reason, judge_clean_ending, lost_connection, where
+from .endings import END, Ending
 from .linger import drainable
 from .local_reply import body_size, error_response
 from .relay import ResponseRelay
@@ -333,7 +334,7 @@ class Exchange:
         if ending is END.COMPLETE:
             response.awaiting_client_drain = False
             self.stamp(time.monotonic_ns(), MARK.LAST_DOWNSTREAM_TX_BYTE)
-            outcome, detail = judge_clean_ending(self.record, response.declared_length, response.event_stream)
+            outcome, detail = judge_clean_ending(self.record, response.declared_length)
         elif ending is END.CLIENT_HAD_ITS_STREAM:
             self.release_upstream(reusable=False)
             # OK as judged when it left: what came after is nobody's response.

@@ -12,10 +12,18 @@ client's acknowledgements for the send deadline. Ending the exchange is not its
 business: it calls ``Exchange.end``, and forwards the events that concern the request
 as a whole (a lost connection, a protocol error, the upstream's write pause).
 
+A 200 ``text/event-stream`` response whose body has no content coding is judged on
+its tokens: every piece of its body goes through its ``EventScanner`` (the record's
+``stream_events``), and a piece that completed an event with output stamps the
+record's ``last_token_ns`` (and ``first_token_ns``, ``max_token_gap_ns``), from which
+the stall verdicts count (see lifecycle.attribution); how it ended is judged from the
+scanner too (see lifecycle.endings). Any other response costs one attribute test per
+piece for this.
+
 State, the response's: whether its head went out, its framing, the length promised,
-whether it is an event stream, what one read produced, whether the client is still to
-take its tail; while the client's connection is full, how much it had taken and when;
-and whether the client left once it had the whole stream.
+whether it is an event stream and its scanner, what one read produced, whether the
+client is still to take its tail; while the client's connection is full, how much it
+had taken and when; and whether the client left once it had the whole stream.
 
 Hazards
 -------
@@ -31,9 +39,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..lifecycle.endings import had_the_whole_stream
 from ..lifecycle.marks import MARK
+from ..lifecycle.stream_events import OUTPUT, EventScanner
 from . import headers as H
-from .endings import END, last_event_is_done
+from .endings import END
 
 if TYPE_CHECKING:
     from .forward import Exchange
@@ -41,7 +51,7 @@ if TYPE_CHECKING:
 
 class ResponseRelay:
     __slots__ = ("exchange", "record", "client", "ctx", "started", "framing", "chunked", "declared_length", "event_stream",
-                 "client_out", "awaiting_client_drain", "upstream_paused", "client_taken", "client_taken_ns",
+                 "events", "client_out", "awaiting_client_drain", "upstream_paused", "client_taken", "client_taken_ns",
                  "client_gone")
 
     def __init__(self, exchange: Exchange) -> None:
@@ -54,6 +64,9 @@ class ResponseRelay:
         self.chunked = False  # framing is CHUNKED: read once per chunk, so a plain bool
         self.declared_length: int | None = None  # Content-Length we promised the client
         self.event_stream = False
+        # An event stream's scanner (the record's stream_events): None for any other
+        # response, which is then judged on bytes (one attribute test per chunk).
+        self.events: EventScanner | None = None
         self.client_out: list[bytes] = []  # what one upstream read produced for the client
         self.awaiting_client_drain = False  # complete upstream; the client has not taken it all
         self.upstream_paused = False  # upstream reads paused: the client is not reading
@@ -86,6 +99,8 @@ class ResponseRelay:
         if framing == H.ResponseFraming.LENGTH and length.isdigit():
             self.declared_length = int(length)
         self.event_stream = parts.event_stream
+        if parts.event_stream and status == 200 and not _coded(parts):
+            self.events = record.stream_events = EventScanner()
         # Keep the client connection only if its request was read to the end and
         # the response has a length the client can see.
         keep_alive = exchange.keep_client_alive = (
@@ -117,6 +132,14 @@ class ResponseRelay:
         record.upstream_rx_chunks += 1
         record.upstream_rx_body_bytes += len(data)
         record.last_upstream_rx_ns = now
+        events = self.events
+        if events is not None and events.feed(data) & OUTPUT:  # an event with output: a token came now
+            last = record.last_token_ns
+            if last is None:
+                record.first_token_ns = now
+            elif now - last > record.max_token_gap_ns:
+                record.max_token_gap_ns = now - last
+            record.last_token_ns = now
         if self.chunked:
             self.client_out.extend(H.chunk_pieces(data))  # flush_client joins once per read
         else:
@@ -179,10 +202,9 @@ class ResponseRelay:
         return -1 if unsent is None else self.record.downstream_tx_body_bytes - unsent
 
     def had_the_whole_stream(self) -> bool:
-        """The client, closing, had its whole event stream but the chunked terminator:
-        data: [DONE] was the last event, and it acknowledged every byte written."""
-        return (self.event_stream and self.record.status == 200 and last_event_is_done(self.record)
-                and self.client.unsent() == 0)
+        """The client, closing, had its whole event stream but the chunked terminator
+        (see lifecycle.endings.had_the_whole_stream)."""
+        return self.events is not None and had_the_whole_stream(self.record, self.client.unsent())
 
     def cut(self) -> None:
         """The response started and fails: end it short, so that the client can tell."""
@@ -209,3 +231,11 @@ class ResponseRelay:
     def upstream_write_resumed(self) -> None:
         if self.exchange is not None:
             self.exchange.upstream_write_resumed()
+
+
+def _coded(parts: H.ResponseParts) -> bool:
+    """The body has a content coding (gzip, ...): its events cannot be read as they pass."""
+    if b"content-encoding:" not in parts.end_to_end_lines.lower():
+        return False
+    return any(name.lower() == b"content-encoding" and value.strip().lower() not in (b"", b"identity")
+               for name, value in parts.end_to_end)
