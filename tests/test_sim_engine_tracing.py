@@ -223,6 +223,18 @@ def test_export_settings_sglang_would_refuse_are_one_line_errors(capsys, monkeyp
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("protocol, endpoint, message", [
+    ("grpc", "collector", "over gRPC, HOST:PORT such as 127.0.0.1:4317"),
+    ("grpc", "127.0.0.1:70000", "over gRPC, HOST:PORT such as 127.0.0.1:4317"),
+    ("http/protobuf", "127.0.0.1:4318", "over http/protobuf, an http(s):// URL"),
+])
+def test_an_endpoint_the_protocol_cannot_use_is_a_one_line_error(capsys, monkeypatch, protocol, endpoint, message):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+    assert cli_main(["sim", "worker", "--role", "decode", "--otlp-endpoint", endpoint]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------------
 # 2. behind the real routers in PD mode, traceproxy in front
 # ----------------------------------------------------------------------------------

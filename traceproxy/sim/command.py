@@ -127,11 +127,14 @@ def _hang_after(text: str) -> int | tuple[int, int]:
 
 
 def _check_export_settings(endpoint: str | None) -> None:
-    """With an endpoint, the export variables must be ones SGLang accepts (a ValueError names the bad one)."""
-    from .otel import configured_endpoint, export_settings
+    """With an endpoint, the export variables must be ones SGLang accepts (a ValueError names the bad
+    one), and an endpoint given here one the protocol's exporter takes."""
+    from .otel import check_endpoint, configured_endpoint, export_settings
 
     if configured_endpoint(endpoint) is not None:
-        export_settings()
+        protocol, _, _ = export_settings()
+        if endpoint:
+            check_endpoint(protocol, endpoint)
 
 
 def _check_rates(args: argparse.Namespace) -> None:

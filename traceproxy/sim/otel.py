@@ -94,6 +94,27 @@ def _whole_number(environ: Mapping[str, str], name: str, default: int, most: int
     return int(raw)
 
 
+def check_endpoint(protocol: str, endpoint: str) -> None:
+    """An explicit endpoint the exporter of ``protocol`` can use, else a ValueError saying what it takes."""
+    if protocol == "http/protobuf":
+        if not _http_url(endpoint):
+            raise ValueError(f"--otlp-endpoint {endpoint!r}: over http/protobuf, an http(s):// URL such as "
+                             "http://127.0.0.1:4318 (or its /v1/traces URL)")
+        return
+    host, sep, port = endpoint.rpartition(":")
+    if not (_http_url(endpoint) or (sep and host and "/" not in endpoint and port.isdigit() and 0 < int(port) < 65536)):
+        raise ValueError(f"--otlp-endpoint {endpoint!r}: over gRPC, HOST:PORT such as 127.0.0.1:4317 "
+                         "(or http://HOST:PORT)")
+
+
+def _http_url(endpoint: str) -> bool:
+    try:
+        parts = urlsplit(endpoint)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is no number from 0 to 65535
+        return False
+
+
 def _exporter(protocol: str, explicit: str | None):
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
