@@ -10,6 +10,11 @@ whose turn that is, since when, and which stall it would be if it went on:
 * connecting, or the request sent (or the upstream not taking it) and no response
   header, or a header and no body byte yet: the engine side (router queue, prefill);
 * response started, upstream silent and the client reading: the engine (decode);
+* an event stream (``record.stream_events``) is judged on its tokens, not its bytes:
+  until its first event with output it is the first byte's wait (FBS, from the
+  response head), then silence counts from the last event with output (MSS).
+  Heartbeats (comments, empty deltas, pings) never move either clock, so a stream
+  of pings is a stall like a silent one (issue 23);
 * upstream bytes waiting because the client's transport is paused: the client;
 * upstream bytes received later than the last write to the client while the client
   is not paused: the proxy itself (a check on our own forwarding).
@@ -88,15 +93,24 @@ def _awaiting_upstream(r: RequestRecord, phase: Phase) -> Verdict:
 def _streaming(r: RequestRecord, phase: Phase) -> Verdict:
     if r.downstream_paused_since_ns is not None:
         return Verdict(phase, Flag.DNR, r.downstream_paused_since_ns, "client_drain")
-    if r.upstream_rx_chunks == 0:
-        # Headers came, no token yet: engines that answer headers at once (SGLang
-        # without the PD router) are still in prefill. Same stall as no headers.
-        return Verdict(phase, Flag.FBS, r.when(Mark.LAST_UPSTREAM_RX_HEADER_BYTE), "first_byte")
-    last_rx = _first(r.last_upstream_rx_ns, r.when(Mark.LAST_UPSTREAM_RX_HEADER_BYTE))
+    head = r.when(Mark.LAST_UPSTREAM_RX_HEADER_BYTE)
+    # Headers came, no token yet: engines that answer headers at once (SGLang
+    # without the PD router) are still in prefill, whatever pings they send. Same
+    # stall as no headers.
+    if r.stream_events is None:
+        if r.upstream_rx_chunks == 0:
+            return Verdict(phase, Flag.FBS, head, "first_byte")
+    elif r.last_token_ns is None:
+        return Verdict(phase, Flag.FBS, head, "first_byte")
+    last_rx = _first(r.last_upstream_rx_ns, head)
+    # Our own forwarding is judged on bytes, tokens or not: a byte received later
+    # than our last write to a client that is reading is held by the proxy.
     last_tx = r.last_downstream_tx_ns
     if last_tx is not None and last_rx > last_tx:
         return Verdict(phase, Flag.PFS, last_rx, "stream_gap")
-    return Verdict(phase, Flag.MSS, last_rx, "stream_gap")
+    # The engine's last sign of progress: an event stream's last event with output,
+    # else its last byte.
+    return Verdict(phase, Flag.MSS, last_rx if r.stream_events is None else r.last_token_ns, "stream_gap")
 
 
 def _draining(r: RequestRecord, phase: Phase) -> Verdict:

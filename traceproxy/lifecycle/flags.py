@@ -131,12 +131,14 @@ class Flag:
     )
     FBS = Outcome(
         "FBS", "first_byte_stall", Blame.ENGINE,
-        "The request went upstream and no response header arrived (router queue or prefill).",
+        "The request went upstream and no response header arrived (router queue or prefill); for an event "
+        "stream, no event with output arrived (heartbeats do not count).",
         504,
     )
     MSS = Outcome(
         "MSS", "mid_stream_stall", Blame.ENGINE,
-        "The response started and the upstream went silent between chunks (decode).",
+        "The response started and the upstream went silent between chunks (decode); for an event stream, "
+        "sent no event with output, whatever heartbeats it sent.",
         504,
     )
     DNR = Outcome(
