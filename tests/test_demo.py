@@ -131,7 +131,6 @@ def test_the_demo_runs_behind_each_router_names_it_and_expects_what_it_does(demo
     assert f"traceproxy demo --router {name} --scenario healthy" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="in-band stream errors are not yet judged")
 def test_behind_smg_a_decode_reset_is_an_engine_failure_not_ok(demo_behind):
     result = demo_behind("smg")
     row = _table_row(result.stdout, BY_KEY["decode-reset"].title)

@@ -158,7 +158,6 @@ def test_smg_reads_the_load_each_worker_reports(smg):
     smg.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="in-band stream errors are not yet judged")
 def test_smg_in_band_stream_error_is_an_engine_failure(smg, start_proxy):
     smg.reset()
     done = Done()

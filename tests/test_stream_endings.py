@@ -1,5 +1,6 @@
-"""How an event stream ended, judged from its events end to end: a client that leaves at
-data: [DONE] had its stream however the [DONE] was read."""
+"""How an event stream ended, judged from its events end to end: an in-band error is an
+upstream failure blamed on the engine (USE), whatever the stream did after it, and a
+client that leaves at data: [DONE] had its stream however the [DONE] was read."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import socket
 
 import h11
 
-from .support import wait_until
+from .otlp_receiver import OtlpHttpReceiver
+from .support import RawClient, admin_get, wait_until
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 TOKENS = [b'data: {"choices":[{"index":0,"delta":{"content":"t%d"},"finish_reason":null}]}\n\n' % i
           for i in range(3)]
+# What smg 1.13 sends when decode's connection fails mid-stream.
+SMG_ERROR = (b'data: {"error":{"message":"Stream error: error decoding response body: unexpected EOF",'
+             b'"type":"stream_error"}}\n\n')
 DONE = b"data: [DONE]\n\n"
 POST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nx-request-id: %s\r\nContent-Length: 2\r\n\r\n{}")
 
@@ -72,6 +77,53 @@ def sends(*writes: bytes, pause: float = 0.0, then_end: bool = True):
         await reader.read(1)
 
     return handler
+
+
+def test_an_in_band_error_then_done_is_an_engine_failure_and_the_client_gets_it_unchanged(scripted_upstream,
+                                                                                         start_proxy):
+    events = TOKENS + [SMG_ERROR, DONE]
+    with OtlpHttpReceiver() as receiver:
+        proxy = start_proxy(scripted_upstream(sends(*(chunk(e) for e in events))).url,
+                            **{"tracing.exporter": "otlp", "tracing.otlp_endpoint": receiver.endpoint,
+                               "tracing.otlp_protocol": "http/protobuf"})
+        done = ended(proxy)
+        response = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}")
+        assert response.status == 200 and response.complete and response.body == b"".join(events)
+        assert wait_until(lambda: done)
+        record = done[0]
+        assert record.outcome.code == "USE" and record.outcome.blame.value == "engine"
+        assert record.error == ("the upstream reported in its event stream that the response failed: "
+                                "Stream error: error decoding response body: unexpected EOF")
+        assert 'traceproxy_requests_total{status="200",outcome="USE",blame="engine"} 1' in admin_get(proxy, "/metrics")
+        assert wait_until(lambda: receiver.find(trace_id=record.trace_id), timeout=10)
+        server = next(s for s in receiver.find(trace_id=record.trace_id) if s.span.kind == 2)  # SERVER
+        assert server.span.status.code == 2 and "unexpected EOF" in server.span.status.message  # ERROR
+        assert server.attributes["traceproxy.outcome"] == "USE"
+
+
+def test_a_client_that_leaves_after_an_in_band_error_did_not_fail_the_request(scripted_upstream, start_proxy):
+    # The openai SDK raises at the error event and closes: the upstream had said the
+    # response failed, so the request is not the client's disconnect.
+    proxy = start_proxy(scripted_upstream(sends(*(chunk(e) for e in TOKENS + [SMG_ERROR]), then_end=False)).url)
+    done = ended(proxy)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(POST % b"leaves-1")
+        read_body_until(sock, b"stream_error")
+    assert wait_until(lambda: done)
+    assert done[0].outcome.code == "USE"
+    assert "unexpected EOF; then client closed the connection" in done[0].error
+
+
+def test_a_client_that_leaves_at_done_after_an_in_band_error_did_not_have_a_whole_response(scripted_upstream,
+                                                                                         start_proxy):
+    proxy = start_proxy(scripted_upstream(sends(*(chunk(e) for e in TOKENS + [SMG_ERROR, DONE]),
+                                                then_end=False)).url)
+    done = ended(proxy)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(POST % b"leaves-2")
+        read_body_until(sock, DONE)
+    assert wait_until(lambda: done)
+    assert done[0].outcome.code == "USE"
 
 
 def test_a_client_leaving_at_done_that_came_a_byte_per_read_had_its_whole_stream(scripted_upstream, start_proxy):

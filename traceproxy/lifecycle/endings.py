@@ -7,8 +7,12 @@ Theory of operation
 reason alone does not:
 
 * a response that ended cleanly is checked against the proxy's own framing (PFE) and,
-  for an event stream, against what its events said (``judge_clean_ending``): a
-  stream that never said it was over ([DONE] or a finish reason) is NDN;
+  for an event stream, against what its events said (``judge_clean_ending``): an
+  in-band error is an upstream failure (USE), a stream that never said it was over
+  ([DONE] or a finish reason) is NDN;
+* a client that left once the upstream had said in band that the response failed did
+  not fail it (``judge_client_leaving``): the request is USE, not DC, and not OK when
+  it left at [DONE];
 * a client that closed may have had its whole stream (``had_the_whole_stream``);
 * a lost upstream connection is resent, or is UC, URX or SRC (``lost_connection``).
 
@@ -33,10 +37,32 @@ def judge_clean_ending(record: RequestRecord, declared_length: int | None) -> tu
     events = record.stream_events
     if events is None or record.status != 200:
         return Flag.OK, None
+    if events.errors:
+        return Flag.USE, stream_error(record)
     if not events.ended:
         return Flag.NDN, (f"SSE stream of {events.events} events ({record.upstream_rx_chunks} chunks) ended without "
                           f"data: [DONE] or a finish reason")
     return Flag.OK, None
+
+
+def judge_client_leaving(record: RequestRecord, outcome: Outcome, detail: str | None) -> tuple[Outcome, str | None]:
+    """A client that left (DC), or left with its whole stream (OK): after an in-band
+    error the upstream had said the response failed, so the request is USE, blame
+    engine, with what the client did after it. The openai SDK, for one, raises at the
+    error event and closes; smg sends [DONE] after it."""
+    events = record.stream_events
+    if events is None or not events.errors or record.status != 200:
+        return outcome, detail
+    then = f"; then {detail}" if detail else "; then the client closed the connection after data: [DONE]"
+    return Flag.USE, stream_error(record) + then
+
+
+def stream_error(record: RequestRecord) -> str:
+    """The error of a stream whose upstream reported one in band (see ``Flag.USE``)."""
+    events = record.stream_events
+    message = events.error if events is not None else None
+    return (f"the upstream reported in its event stream that the response failed: "
+            f"{message if message is not None else 'an error event'}")
 
 
 def had_the_whole_stream(record: RequestRecord, unsent: int | None) -> bool:

@@ -173,6 +173,12 @@ class Flag:
         "NDN", "stream_without_done", Blame.ENGINE,
         "An SSE response ended cleanly but without data: [DONE] (the stream may be incomplete).",
     )
+    USE = Outcome(
+        "USE", "upstream_stream_error", Blame.ENGINE,
+        "The upstream reported inside its event stream that the response failed: an event whose JSON is a "
+        "top-level error (as smg sends when an engine fails mid-stream), whether the stream then ended cleanly "
+        "or the client left after it. The client got the bytes unchanged.",
+    )
     PFE = Outcome(
         "PFE", "proxy_framing_error", Blame.PROXY,
         "The proxy wrote a response whose framing does not match what it sent (a proxy bug).",

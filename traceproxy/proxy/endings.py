@@ -21,18 +21,21 @@ class Ending(enum.Enum):
     """Why an exchange ends: what its client is sent, and what becomes of its upstream connection."""
 
     # The response was complete upstream and the client took it: OK, or PFE (our own
-    # framing came out short or long) or NDN (an event stream without its end).
+    # framing came out short or long), NDN (an event stream without its end) or USE
+    # (an event stream whose upstream said in band that it failed).
     # The upstream connection was released (to the pool, or closed) when it completed.
     COMPLETE = ("the whole response", "released when the response completed", True)
     # A failure, a timeout, an abort: the client gets an error reply, or sees its
     # response cut (no clean end). The upstream connection is reset, so that the engine
     # sees it at once, even behind request bytes it has not read.
     FAILED = ("an error reply, or its response cut", "reset", True)
-    # The client closed (DC): nothing can be sent. The upstream connection is reset.
+    # The client closed (DC; USE after an in-band error): nothing can be sent. The
+    # upstream connection is reset.
     CLIENT_LEFT = ("nothing: it is gone", "reset", True)
-    # The client left once it had its stream's end (data: [DONE]): OK, as judged when it
-    # left. Whatever happens after is nobody's response; the upstream connection is
-    # pooled if its last bytes came in time, else closed.
+    # The client left once it had its stream's end (data: [DONE]): OK (USE after an
+    # in-band error), as judged when it left. Whatever happens after is nobody's
+    # response; the upstream connection is pooled if its last bytes came in time, else
+    # closed.
     CLIENT_HAD_ITS_STREAM = ("nothing more: it had the whole stream", "pooled if its last bytes came, else closed", True)
     # A pipelined request whose turn never came (the connection is closing): nothing of
     # it was sent anywhere, and nothing is written for it (bytes after a response that

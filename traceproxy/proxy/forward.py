@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..lifecycle.deadlines import client_took_more, expiry, next_deadline
-from ..lifecycle.endings import close_reason, judge_clean_ending, lost_connection, where
+from ..lifecycle.endings import close_reason, judge_clean_ending, judge_client_leaving, lost_connection, where
 from ..lifecycle.flags import Flag, Outcome
 from ..lifecycle.marks import MARK, Mark
 from ..lifecycle.timeline import RequestRecord
@@ -337,9 +337,13 @@ class Exchange:
             outcome, detail = judge_clean_ending(self.record, response.declared_length)
         elif ending is END.CLIENT_HAD_ITS_STREAM:
             self.release_upstream(reusable=False)
-            # OK as judged when it left: what came after is nobody's response.
+            # OK as judged when it left (USE after an in-band error): what came after is
+            # nobody's response.
             self.stamp_once(MARK.LAST_DOWNSTREAM_TX_BYTE, self.record.last_downstream_tx_ns or time.monotonic_ns())
+            outcome, detail = judge_client_leaving(self.record, Flag.OK, None)
         elif ending.resets_upstream:
+            if ending is END.CLIENT_LEFT:
+                outcome, detail = judge_client_leaving(self.record, outcome, detail)
             self._give_up_upstream(outcome)
             if ending is END.FAILED:
                 drain = self._answer_failure(outcome, detail, status)
