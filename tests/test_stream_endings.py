@@ -9,6 +9,7 @@ import socket
 
 import h11
 
+from .fake_transport import ProxyHarness
 from .otlp_receiver import OtlpHttpReceiver
 from .support import RawClient, admin_get, wait_until
 
@@ -141,3 +142,12 @@ def test_a_client_leaving_at_done_that_came_a_byte_per_read_had_its_whole_stream
     assert wait_until(lambda: done)
     assert done[0].outcome.code == "OK", (done[0].outcome, done[0].error)
     assert done[0].upstream_rx_chunks > 3  # it did come in pieces
+
+
+def test_a_head_request_to_an_event_stream_is_answered_ok_not_as_a_stream_without_its_end():
+    # The head of an event stream, and no body, as HEAD asks: there are no events to miss.
+    with ProxyHarness() as h:
+        h.client_sends(b"HEAD /v1/events HTTP/1.1\r\nHost: a.test\r\n\r\n")
+        h.upstream_sends(SSE_HEAD)
+        assert h.outcomes == [("/v1/events", "OK", 200)]
+        assert h.done.records[0].stream_events is None

@@ -12,8 +12,8 @@ client's acknowledgements for the send deadline. Ending the exchange is not its
 business: it calls ``Exchange.end``, and forwards the events that concern the request
 as a whole (a lost connection, a protocol error, the upstream's write pause).
 
-A 200 ``text/event-stream`` response whose body has no content coding is judged on
-its tokens: every piece of its body goes through its ``EventScanner`` (the record's
+A 200 ``text/event-stream`` response with a body (not to HEAD) that has no content
+coding is judged on its tokens: every piece of its body goes through its ``EventScanner`` (the record's
 ``stream_events``), and a piece that completed an event with output stamps the
 record's ``last_token_ns`` (and ``first_token_ns``, ``max_token_gap_ns``), from which
 the stall verdicts count (see lifecycle.attribution); how it ended is judged from the
@@ -99,7 +99,7 @@ class ResponseRelay:
         if framing == H.ResponseFraming.LENGTH and length.isdigit():
             self.declared_length = int(length)
         self.event_stream = parts.event_stream
-        if parts.event_stream and status == 200 and not _coded(parts):
+        if parts.event_stream and status == 200 and head.method != "HEAD" and not _coded(parts):
             self.events = record.stream_events = EventScanner()
         # Keep the client connection only if its request was read to the end and
         # the response has a length the client can see.
