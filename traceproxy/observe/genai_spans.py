@@ -78,7 +78,7 @@ class GenAIEvidence(NamedTuple):
 def evidence(record) -> tuple:
     """The request's ``GenAIEvidence`` as a plain tuple; () when it has none (no event
     stream, no conversation id)."""
-    events = getattr(record, "stream_events", None)
+    events = record.stream_events
     conversation = getattr(record, "conversation_id", "") or ""
     if events is None:
         return (-1, 0, 0, 0, 0, None, None, None, (), conversation) if conversation else ()

@@ -300,7 +300,7 @@ class ProxyMetrics:
             numbers = self.models[label] = ModelNumbers()
         trace_id, request_id = record.trace_id, record.request_id
         numbers.e2e.count_raw_with_exemplar(end - start, trace_id, request_id, end, failed)
-        events = getattr(record, "stream_events", None)  # an event stream's scanner
+        events = record.stream_events  # an event stream's scanner
         if events is not None:
             stream = events.summary()
             numbers.heartbeats += stream.heartbeats
