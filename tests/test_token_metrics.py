@@ -116,3 +116,22 @@ def test_per_model_histograms_carry_exemplars_in_openmetrics(fast_upstream, star
         assert found.get(family), family
         for labels, exemplar in found[family]:
             assert labels["model"] == "m" and int(exemplar.labels["trace_id"], 16) == trace_id
+
+
+def test_the_openai_sdk_streaming_a_long_conversation_is_counted_under_its_model(fast_upstream, start_proxy):
+    import openai
+
+    proxy = start_proxy(fast_upstream().url)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="x", max_retries=0, timeout=10)
+    # The SDK writes the model after the messages, past the start of the body the proxy keeps.
+    messages = [{"role": "user", "content": "words " * 50} for _ in range(60)]
+    stream = client.chat.completions.create(model="m-sdk", messages=messages, max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True})
+    assert len([chunk for chunk in stream if chunk.choices and chunk.choices[0].delta.content]) == 4
+    client.close()
+    count = "traceproxy_time_to_first_token_seconds_count"
+    assert wait_until(lambda: _model_value(scrape(proxy), count, "m-sdk") == 1)
+    result = scrape(proxy)
+    assert _model_value(result, "traceproxy_generation_tokens_total", "m-sdk") == 4  # the engine's usage
+    assert _model_value(result, "traceproxy_prompt_tokens_total", "m-sdk") == 8
+    assert _model_value(result, "traceproxy_inter_token_latency_seconds_count", "m-sdk") == 4
