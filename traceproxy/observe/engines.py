@@ -64,9 +64,11 @@ log = logging.getLogger("traceproxy.engines")
 # An engine's exposition is tens to hundreds of KiB; far past that, the URL is wrong.
 MAX_BODY_BYTES = 4 << 20
 ROLES = ("router", "prefill", "decode")
-# A router's requests in flight: requests received minus responses sent (sglang-router, smg).
+# A router's requests in flight (sglang-router, smg): HTTP requests received minus responses
+# sent. Hazard: sglang-router 0.3.2 counts no response for a request whose client left first,
+# so after such requests the difference stays above the truth (its per-worker
+# smg_worker_requests_active does not have that fault, but counts /generate only).
 ROUTER_REQUESTS, ROUTER_RESPONSES = "smg_http_requests_total", "smg_http_responses_total"
-ROUTER_ACTIVE = "smg_worker_requests_active"  # per worker: without the totals, the largest is a floor
 
 
 @dataclass
@@ -74,33 +76,31 @@ class Endpoint:
     url: str
     role: str = ""  # router, prefill, decode; "" unlabelled
     gauges: dict[str, float] = field(default_factory=dict)
+    router_running: float | None = None  # a router's requests in flight (ROUTER_REQUESTS - ROUTER_RESPONSES)
     scraped_ns: int | None = None  # last successful scrape
     error: str | None = None  # the last scrape's failure; None when it succeeded
     errors: int = 0  # failed scrapes
 
 
-def _parse(body: bytes, role: str = "") -> dict[str, float]:
-    """The kept gauges of one answer (a router's, with its request and response totals);
-    raises ValueError for an answer that is not Prometheus text (an HTML page at a wrong
-    URL must not read as engines holding nothing)."""
+def _parse(body: bytes) -> dict[str, float]:
+    """The kept gauges of one answer; raises ValueError for an answer that is not
+    Prometheus text (an HTML page at a wrong URL must not read as engines holding nothing)."""
     text = body.decode("utf-8")
-    keep = correlation.is_kept if role != "router" else _kept_for_router
-    gauges = prometheus_totals(text, keep, finite_only=True)
+    gauges = prometheus_totals(text, correlation.is_kept, finite_only=True)
     if not gauges and text.strip() and not prometheus_totals(text) and \
             not any(line.startswith("#") for line in text.splitlines()):
         raise ValueError("the answer holds no Prometheus samples (is this a /metrics URL?)")
     return gauges
 
 
-def _kept_for_router(name: str) -> bool:
-    return correlation.is_kept(name) or name in (ROUTER_REQUESTS, ROUTER_RESPONSES)
-
-
-def router_running(gauges: dict[str, float]) -> float:
-    """A router's requests in flight, from one endpoint's gauges."""
-    if ROUTER_REQUESTS in gauges and ROUTER_RESPONSES in gauges:
-        return max(gauges[ROUTER_REQUESTS] - gauges[ROUTER_RESPONSES], 0.0)
-    return gauges.get(ROUTER_ACTIVE, 0.0)
+def _parse_for(body: bytes, role: str) -> tuple[dict[str, float], float | None]:
+    """``_parse``, and for a router endpoint its requests in flight."""
+    gauges = _parse(body)
+    if role != "router":
+        return gauges, None
+    totals = prometheus_totals(body.decode("utf-8"), (ROUTER_REQUESTS, ROUTER_RESPONSES).__contains__,
+                               finite_only=True)
+    return gauges, max(totals.get(ROUTER_REQUESTS, 0.0) - totals.get(ROUTER_RESPONSES, 0.0), 0.0)
 
 
 def by_role(endpoints: Iterable[Endpoint]) -> tuple[dict[str, dict[str, float]], float | None]:
@@ -112,7 +112,7 @@ def by_role(endpoints: Iterable[Endpoint]) -> tuple[dict[str, dict[str, float]],
         if ep.scraped_ns is None or not ep.role:
             continue
         if ep.role == "router":
-            running = (running or 0.0) + router_running(ep.gauges)
+            running = (running or 0.0) + (ep.router_running or 0.0)
             continue
         totals = roles.setdefault(ep.role, {})
         for name, short in correlation.WORK_GAUGES.items():
@@ -252,13 +252,13 @@ class EngineScraper(EngineReadings):
             body = await asyncio.wait_for(self._get(ep.url), self.timeout)
             # Parsed in a thread: even a body at the size cap is tens of milliseconds of
             # Python, which on the loop would hold up every request for that long.
-            gauges = await asyncio.to_thread(_parse, body, ep.role)
+            gauges, running = await asyncio.to_thread(_parse_for, body, ep.role)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of one endpoint is that endpoint's state
             self._failed(ep, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return
-        ep.gauges, ep.scraped_ns = gauges, time.monotonic_ns()
+        ep.gauges, ep.router_running, ep.scraped_ns = gauges, running, time.monotonic_ns()
         if ep.error is not None:
             log.info("engine metrics %s answer again", ep.url)
         ep.error = None
