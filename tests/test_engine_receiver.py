@@ -20,7 +20,7 @@ from traceproxy.observe.engine_receiver import MAX_BODY_BYTES
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 from .sglang_spans import Request, export_request, payload, random_trace_id
-from .support import admin_get, wait_until
+from .support import RawClient, admin_get, wait_until
 
 EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 PROTOBUF = [("Content-Type", "application/x-protobuf")]
@@ -165,6 +165,20 @@ def test_relayed_spans_land_in_the_span_file_and_diagnose_reads_them(start_proxy
     assert [s.name for s in spans][:5] == ["decode_prepare", "decode_bootstrap", "decode_transferred",
                                            "decode_waiting", "decode_forward"]
     assert {s.service for s in spans} == {"sglang"} and len(spans) == 8
+
+
+def test_a_collector_that_fans_out_to_traceproxy_is_not_sent_the_spans_back(start_proxy, fast_upstream):
+    with OtlpHttpReceiver() as collector:
+        proxy = start_proxy(fast_upstream().url, **RECEIVERS, **{
+            "tracing.exporter": "otlp", "tracing.otlp_endpoint": collector.endpoint,
+            "tracing.otlp_protocol": "http/protobuf", "engines.otlp_receiver_relay": False})
+        trace_id = random_trace_id()
+        assert post(proxy, payload(Request(trace_id, "prefill").stages(2)))[0] == 200
+        assert receiver(proxy).store.stage_of(trace_id) is not None  # kept for the join
+        # The proxy's own spans still go out; the engines' do not come back.
+        assert RawClient(proxy.port).roundtrip("GET", "/v1/models").status == 200
+        assert wait_until(lambda: collector.spans())
+        assert not collector.find(trace_id=trace_id) and engine_spans(proxy)["spans_relayed"] == 0
 
 
 def test_without_a_span_destination_spans_are_kept_and_not_relayed(proxy):

@@ -92,9 +92,11 @@ def _join(settings: Settings, stages, readings):
                            clock_offset_ns=time.time_ns() - time.monotonic_ns())
 
 
-def _relay_for(span_export, export_config):
-    """The exporter the receiver relays to: the proxy's own, when its spans go somewhere."""
-    return span_export if export_config is not None and export_config.exporter != "off" else None
+def _relay_for(settings: Settings, span_export, export_config):
+    """The exporter the receiver relays to: the proxy's own, when its spans go somewhere and
+    the engines' spans are to be relayed there."""
+    relays = settings.engines.otlp_receiver_relay and export_config is not None and export_config.exporter != "off"
+    return span_export if relays else None
 
 
 # ----------------------------------------------------------------------------------
@@ -132,7 +134,7 @@ async def start_local(settings: Settings, ctx, link, span_export, export_config)
     scraper = _scraper(settings, counting(ctx.in_flight.values))
     receiver = None
     if receiving(settings):
-        receiver = _receiver(settings, _relay_for(span_export, export_config), traces)
+        receiver = _receiver(settings, _relay_for(settings, span_export, export_config), traces)
         await receiver.start()
         scraper.receiver = receiver
         scraper.traces_in_flight = _async(traces)
@@ -214,7 +216,7 @@ async def start_service(settings: Settings, links, export_config) -> ServiceEngi
     receiver = relay = None
     try:
         if receiving(settings):
-            relay = await _parent_relay(export_config)
+            relay = await _parent_relay(export_config if settings.engines.otlp_receiver_relay else None)
             receiver = _receiver(settings, relay, None)
             receiver.on_changes.append(lambda message: links.tell_readings({"stages": message}))
             await receiver.start()

@@ -320,6 +320,11 @@ class Engines:
         "--otlp-traces-endpoint HOST:PORT), as otlp_receiver; off disables it.")
     otlp_receiver_public: bool = setting(
         boolean(), False, "Allow the OTLP receivers on a non-loopback address.")
+    otlp_receiver_relay: bool = setting(
+        boolean(), True,
+        "Relay every request the receivers take to traceproxy's span destination (the collector, or the "
+        "span file). false when the engines' spans reach that destination another way: a collector that "
+        "fans them out to traceproxy and to the backend would get them back, and send them round again.")
     span_traces: int = setting(
         integer(16), 10000,
         "Traces whose engine spans are kept for the join, at most; past it the one updated longest ago "
