@@ -154,24 +154,30 @@ def trailed(head: bytes, trailers: bytes) -> bytes:
     return head + b"5\r\nhello\r\n0\r\n" + trailers + b"\r\n"
 
 
-def test_request_trailers_at_the_limit_cut_in_two_anywhere_are_accepted():
+def section_plans(message: bytes) -> list[tuple[bytes, ...]]:
+    """``read_plans``, and three reads: the middle one from a cut in the framing before
+    the trailer section (after the last body data, inside the last chunk's line) to
+    each cut after it (see cut_offsets), among them the section with the first byte of
+    the empty line that ends it."""
+    section_start = message.index(b"\r\n0") + 5
+    firsts = [message.index(b"hello") + 5, section_start - 3, section_start - 2, section_start]
+    return [*read_plans(message), *((message[:a], message[a:b], message[b:])
+                                    for a in firsts for b in cut_offsets(message) if b > a)]
+
+
+def test_request_trailers_at_the_limit_are_accepted_however_they_are_cut():
+    # Only the trailer field lines count: not the CRLF after the last data, nor the
+    # last chunk's line, which once counted with them when they spanned three reads.
     def accepted(reads):
         with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
             h.client_sends(*reads)
             h.upstream_sends(OK_2)
             assert h.outcomes == [("/v1/chat", "OK", 200)]
 
-    each_plan(trailed(CHUNKED_HEAD, trailer_section(HEAD_LIMIT)), accepted, one_or_two_reads)
-
-
-@pytest.mark.xfail(strict=True, reason="spread over three reads or more, the trailer section is counted with the "
-                                       "chunk framing before it (CRLF after the last data, the last chunk's size "
-                                       "line): trailers at the limit get 431, accepted when in one read")
-def test_request_trailers_at_the_limit_arriving_a_byte_per_read_are_accepted():
-    with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
-        h.client_sends(*byte_by_byte(trailed(CHUNKED_HEAD, trailer_section(HEAD_LIMIT))))
-        h.upstream_sends(OK_2)
-        assert h.outcomes == [("/v1/chat", "OK", 200)]
+    message = trailed(CHUNKED_HEAD, trailer_section(HEAD_LIMIT))
+    accepted((message[:-len(trailer_section(HEAD_LIMIT)) - 7], b"\r\n0\r\n" + trailer_section(HEAD_LIMIT) + b"\r",
+              b"\n"))
+    each_plan(message, accepted, section_plans)
 
 
 def test_request_trailers_one_byte_over_the_limit_are_refused_however_they_are_cut():
@@ -179,9 +185,71 @@ def test_request_trailers_one_byte_over_the_limit_are_refused_however_they_are_c
         with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
             h.client_sends(*reads)
             assert [(code, status) for _, code, status in h.outcomes] == [("DPE", 431)]
-            assert bytes(h.client.written).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+            written = bytes(h.client.written)
+            assert written.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+            assert b"request trailers exceed %d bytes" % HEAD_LIMIT in written
 
-    each_plan(trailed(CHUNKED_HEAD, trailer_section(HEAD_LIMIT + 1)), refused)
+    each_plan(trailed(CHUNKED_HEAD, trailer_section(HEAD_LIMIT + 1)), refused, section_plans)
+
+
+def test_chunk_extensions_never_count_toward_the_limit_however_they_are_cut():
+    # llhttp reads chunk extensions without keeping them, and the proxy re-chunks the
+    # body without them: 2000 bytes of them, on a chunk and on the last chunk, are
+    # accepted, as they always were in one read (a byte per read they once got 431).
+    extension = b";ext=" + b"e" * 1995
+    message = (CHUNKED_HEAD + b"5" + extension + b"\r\nhello\r\n0" + extension + b"\r\n"
+               + trailer_section(HEAD_LIMIT) + b"\r\n")
+
+    def accepted(reads):
+        with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
+            h.client_sends(*reads)
+            _, body = head_and_rest(bytes(h.upstream().written))
+            assert dechunk(body) == (b"hello", b"", b"")
+            h.upstream_sends(OK_2)
+            assert h.outcomes == [("/v1/chat", "OK", 200)]
+
+    each_plan(message, accepted)
+
+
+def lookalike_plans(message: bytes) -> list[tuple[bytes, ...]]:
+    """``read_plans``, and three reads: up to the end of the body data (or a byte more),
+    then each cut after it (the framing after body data alone in a read)."""
+    data_end = message.index(b"X-Short: 1") + 10
+    return [*read_plans(message), *((message[:a], message[a:b], message[b:])
+                                    for a in (data_end, data_end + 1) for b in cut_offsets(message) if b > a)]
+
+
+def test_body_data_that_looks_like_trailers_never_counts_however_it_is_cut():
+    # A trailer section is found from the bytes (llhttp gives no offsets): body data
+    # shaped like a last chunk and a long trailer section is data all the same.
+    lookalike = b"\r\n0\r\n" + trailer_section(2 * HEAD_LIMIT) + b"X-Short: 1"
+    message = CHUNKED_HEAD + b"%x\r\n%s\r\n0\r\nX-Checksum: abc\r\n\r\n" % (len(lookalike), lookalike)
+
+    def accepted(reads):
+        with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
+            h.client_sends(*reads)
+            _, body = head_and_rest(bytes(h.upstream().written))
+            assert dechunk(body) == (lookalike, b"", b"")
+            h.upstream_sends(OK_2)
+            assert h.outcomes == [("/v1/chat", "OK", 200)]
+
+    each_plan(message, accepted, lookalike_plans)
+
+
+def test_a_chunked_request_whose_head_is_near_the_limit_is_not_refused_for_its_first_chunk_line():
+    # The read that ends the head is not chunk framing or trailers: its head bytes once
+    # counted as such when the first chunk's data was still to come in a later read.
+    start = b"POST /v1/chat HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\nX-Pad: "
+    head = start + b"p" * (HEAD_LIMIT - 8 - len(start) - 4) + b"\r\n\r\n"
+    message = head + b"5;ext=v\r\nhello\r\n0\r\n\r\n"
+
+    def accepted(reads):
+        with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
+            h.client_sends(*reads)
+            h.upstream_sends(OK_2)
+            assert h.outcomes == [("/v1/chat", "OK", 200)]
+
+    each_plan(message, accepted)
 
 
 def test_a_request_after_trailers_cut_anywhere_is_answered_after_the_first():
@@ -349,7 +417,7 @@ def test_a_trailer_that_never_ends_is_refused_once_past_the_limit(read_size):
             h.client_sends(b"v" * read_size)
             sent += read_size
         assert [(code, status) for _, code, status in h.outcomes] == [("DPE", 431)]
-        assert b"request chunk framing or trailers exceed %d bytes" % HEAD_LIMIT in h.client.written
+        assert b"request trailers exceed %d bytes" % HEAD_LIMIT in h.client.written
         assert sent <= HEAD_LIMIT + read_size
 
 
@@ -429,40 +497,65 @@ def test_interim_responses_cut_anywhere_are_consumed_and_the_final_one_forwarded
     each_plan(response, check)
 
 
-def test_response_trailers_at_the_limit_cut_in_two_anywhere_are_consumed():
+def test_response_trailers_at_the_limit_are_consumed_however_they_are_cut():
     # Response trailers are not forwarded: the client's chunked body ends with the
-    # proxy's own last chunk.
+    # proxy's own last chunk. Only the field lines count (see the request's case).
     def consumed(reads):
         with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
             exchange_with_response(reads, h=h)
             assert dechunk(head_and_rest(bytes(h.client.written))[1]) == (b"hello", b"", b"")
             assert h.outcomes == [("/v1/models?x=1", "OK", 200)]
+            assert h.upstream().calls == []  # kept for the next request
 
-    each_plan(trailed(CHUNKED_RESPONSE_HEAD, trailer_section(HEAD_LIMIT)), consumed, one_or_two_reads)
-
-
-@pytest.mark.xfail(strict=True, reason="spread over three reads or more, response trailers are counted with the "
-                                       "chunk framing before them: trailers at the limit are a 502 (UPE), "
-                                       "consumed when in one read")
-def test_response_trailers_at_the_limit_arriving_a_byte_per_read_are_consumed():
-    with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
-        exchange_with_response(byte_by_byte(trailed(CHUNKED_RESPONSE_HEAD, trailer_section(HEAD_LIMIT))), h=h)
-        assert h.outcomes == [("/v1/models?x=1", "OK", 200)]
+    each_plan(trailed(CHUNKED_RESPONSE_HEAD, trailer_section(HEAD_LIMIT)), consumed, section_plans)
 
 
-@pytest.mark.xfail(strict=True, reason="response trailers are held to limits.max_header_bytes only when they "
-                                       "span three reads or more: past the limit in one read, they are consumed "
-                                       "and the response ends OK")
-def test_response_trailers_past_the_limit_are_a_502_however_they_are_cut():
+def assert_response_refused_for_its_trailers(h: ProxyHarness) -> None:
+    """A 502 (UPE) while nothing of the response reached the client, else the response
+    cut short (no last chunk, the connection closed); the upstream connection never reused."""
+    written = bytes(h.client.written)
+    [(_, code, status)] = h.outcomes
+    assert code == "UPE" and not written.endswith(b"0\r\n\r\n")
+    if written.startswith(b"HTTP/1.1 502 "):
+        assert status == 502 and b"response trailers exceed %d bytes" % HEAD_LIMIT in written
+    else:
+        assert status == 200 and written.startswith(b"HTTP/1.1 200 OK\r\n") and "close" in h.client.calls
+    assert h.upstream().calls == ["abort"]
+
+
+def test_response_trailers_one_byte_over_the_limit_are_a_502_however_they_are_cut():
     def refused(reads):
         with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
             exchange_with_response(reads, h=h)
-            assert [(code, status) for _, code, status in h.outcomes] == [("UPE", 200)]
-            # The response had started: it is cut short, without its last chunk.
-            assert not bytes(h.client.written).endswith(b"0\r\n\r\n")
-            assert "close" in h.client.calls
+            assert_response_refused_for_its_trailers(h)
+
+    each_plan(trailed(CHUNKED_RESPONSE_HEAD, trailer_section(HEAD_LIMIT + 1)), refused, section_plans)
+
+
+def test_response_trailers_past_the_limit_are_a_502_however_they_are_cut():
+    # In one or two reads they were once consumed, and the connection pooled.
+    def refused(reads):
+        with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
+            exchange_with_response(reads, h=h)
+            assert_response_refused_for_its_trailers(h)
 
     each_plan(trailed(CHUNKED_RESPONSE_HEAD, trailer_section(3 * HEAD_LIMIT)), refused)
+
+
+def test_response_chunk_extensions_and_lookalike_data_never_count_however_they_are_cut():
+    lookalike = b"\r\n0\r\n" + trailer_section(2 * HEAD_LIMIT) + b"X-Short: 1"
+    extension = b";ext=" + b"e" * 1995
+    body = (b"%x%s\r\n%s\r\n" % (len(lookalike), extension, lookalike)
+            + b"0" + extension + b"\r\nX-Checksum: abc\r\n\r\n")
+
+    def consumed(reads):
+        with ProxyHarness(**{"limits.max_header_bytes": HEAD_LIMIT}) as h:
+            exchange_with_response(reads, h=h)
+            assert dechunk(head_and_rest(bytes(h.client.written))[1]) == (lookalike, b"", b"")
+            assert h.outcomes == [("/v1/models?x=1", "OK", 200)]
+            assert h.upstream().calls == []
+
+    each_plan(CHUNKED_RESPONSE_HEAD + body, consumed, lookalike_plans)
 
 
 def response_head_of_size(size: int) -> bytes:

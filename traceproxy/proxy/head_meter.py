@@ -16,16 +16,19 @@ client connection) counts them from the reads themselves:
 * A head still incomplete at the end of a read is held to ``limits.max_header_bytes``
   there (``head_too_long``). A head that ends in the read it began in is sized only
   when that read is longer than the limit (``head_exceeds``): most heads never are.
-* The bytes of a chunked body that carry no body data (size lines, extensions,
-  trailers) are held to the same limit between body bytes (``framing_too_long``), and a
-  trailer section that came whole in one read by its lines (``trailers_exceed``).
+* A chunked body's trailer section is held to the same limit by its field lines
+  alone, never its chunk framing (see trailers.py): at the body's end by the lines
+  llhttp handed over (``trailers_exceed``), and between body reads by a
+  ``TrailerWatch`` over the reads that carry no body data (``trailers_too_long``),
+  since httptools gathers a field until its line ends.
 * The request line is kept while a head spans reads, so that a line without a version
   (HTTP/0.9's) is refused where it ends, and what ends the line when it is not
   ``HTTP/`` is found (``unexpected_protocol``).
 
 The client connection tells it where reads, heads and bodies begin (``read_begins``,
-``head_begins``, ``in_head``, ``chunked_body_begins``, ``body_seen``, ``chunked``); it
-never sees the parser. The header lines and target it needs are passed in.
+``head_begins``, ``in_head``, ``chunked_body_begins``, ``body_seen``, ``chunked``) and
+which read last carried body data (``since_body``); it never sees the parser. The
+header lines and target it needs are passed in.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import re
 from typing import TYPE_CHECKING
 
 from . import headers as H
+from .trailers import TrailerWatch
 
 if TYPE_CHECKING:
     from .forward import Exchange
@@ -43,13 +47,14 @@ _METHOD_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
 
 
 def field_lines_size(fields: H.Headers) -> int:
-    """``name: value`` lines as llhttp read them, CRLF-ended (without the whitespace it strips)."""
+    """``name: value`` lines as llhttp read them, CRLF-ended (without the whitespace it
+    strips before a value: as trailers.field_size counts them from the bytes)."""
     return sum(len(name) + len(value) + 4 for name, value in fields)
 
 
 class HeadMeter:
     __slots__ = ("max_head_bytes", "_line_room", "data", "begun", "_at_request_start", "_continued", "in_head",
-                 "head_bytes", "_head_tail", "line", "head_start", "body_seen", "chunked", "_framing_bytes",
+                 "head_bytes", "_head_tail", "line", "head_start", "body_seen", "chunked", "since_body",
                  "_head_fields")
 
     def __init__(self, max_head_bytes: int, max_target_bytes: int) -> None:
@@ -68,12 +73,13 @@ class HeadMeter:
         self.line = b""  # the request line's bytes from earlier reads, when it spans reads
         # Where it began in the read it began in; None: not known (see head_begins).
         self.head_start: int | None = 0
-        # A chunked body being read: body bytes in the read being fed, framing and
-        # trailer bytes since the last body bytes, and the head's header lines (what
-        # llhttp hands over after them are trailers).
+        # A chunked body being read: whether the read being fed carried body bytes (or
+        # ended its head); the last read that did (set by the reader at the end of such a
+        # read), or the watch over the reads of chunk framing or trailers alone since
+        # then; and the head's header lines (what llhttp hands over after them are trailers).
         self.body_seen = False
         self.chunked = False
-        self._framing_bytes = 0
+        self.since_body: bytes | TrailerWatch = b""
         self._head_fields = 0
 
     # -- what the client connection reports ------------------------------------------
@@ -94,8 +100,9 @@ class HeadMeter:
 
     def chunked_body_begins(self, fields: int) -> None:
         """The head passed, with ``fields`` header lines, and a chunked body follows (until
-        the message completes: ``chunked`` is cleared then)."""
-        self.chunked, self._framing_bytes, self._head_fields = True, 0, fields
+        the message completes: ``chunked`` is cleared then). The read that ended the head
+        is where its framing is looked for from (as one that carried body bytes)."""
+        self.chunked, self.body_seen, self._head_fields = True, True, fields
 
     # -- heads -----------------------------------------------------------------------
     def head_too_long(self) -> bool:
@@ -205,19 +212,17 @@ class HeadMeter:
         return method.decode("ascii") if _METHOD_TOKEN.fullmatch(method) else None
 
     # -- chunked bodies ----------------------------------------------------------------
-    def framing_too_long(self) -> bool:
-        """Counts chunked-body bytes that carry no body: chunk-size lines, extensions
-        and the trailer section, whose field values httptools gathers until they end."""
-        if self.body_seen:
-            self._framing_bytes = 0  # what follows the body in this read: at most one read
-            return False
-        self._framing_bytes += len(self.data)
-        return self._framing_bytes > self.max_head_bytes
+    def trailers_too_long(self) -> bool:
+        """A read of a chunked body that carried no body bytes: the trailer section so
+        far is past the limit (chunk sizes and extensions never count: see trailers.py)."""
+        watch = self.since_body
+        if watch.__class__ is bytes:
+            watch = self.since_body = TrailerWatch(watch)
+        return watch.read(self.data) > self.max_head_bytes
 
     def trailers_exceed(self, headers: H.Headers) -> bool:
-        """A trailer section that came whole in one read is not seen by the per-read
-        count (see framing_too_long): llhttp hands its fields over as header lines.
-        Asked at the end of a chunked body."""
+        """The trailer section is past the limit, by the field lines llhttp handed over
+        (the same count as trailers_too_long's). Asked at the end of a chunked body."""
         return (len(headers) > self._head_fields
                 and field_lines_size(headers[self._head_fields:]) > self.max_head_bytes)
 

@@ -159,12 +159,14 @@ class RequestReader:
             if meter.line_without_version():
                 return 505, unsupported_version("0.9")
         elif meter.chunked:
-            if not meter.body_seen:
-                # Chunk-size lines, extensions or trailers only: the client is still
-                # sending, and the body timeout runs between reads, as nginx's does.
-                self.parsing.last_downstream_rx_ns = time.monotonic_ns()
-            if meter.framing_too_long():
-                return 431, f"request chunk framing or trailers exceed {self._max_head_bytes} bytes"
+            if meter.body_seen:
+                meter.since_body = meter.data  # where its framing is looked for from (see trailers.py)
+                return None
+            # Chunk framing or trailers alone: the client is still sending, and the body
+            # timeout runs between reads, as nginx's does.
+            self.parsing.last_downstream_rx_ns = time.monotonic_ns()
+            if meter.trailers_too_long():
+                return 431, f"request trailers exceed {self._max_head_bytes} bytes"
         return None
 
     def _read_no_more(self) -> None:
@@ -288,7 +290,7 @@ class RequestReader:
         if meter.chunked:
             if meter.trailers_exceed(self.headers):
                 raise H.BadRequest(431, f"request trailers exceed {self._max_head_bytes} bytes")
-            meter.chunked = False
+            meter.chunked, meter.since_body = False, b""
         exchange = self.parsing_exchange
         self.parsing, self.parsing_exchange = None, None
         exchange.request_done()

@@ -51,6 +51,11 @@ Hazards this module exists for
   response is only declared complete after ``feed_data`` returns: releasing the
   connection from inside a parser callback would let the rest of the same buffer
   be parsed as the *next* user's response.
+* Trailers. A response's trailer section is held to ``limits.max_header_bytes`` by its
+  field lines alone (never its chunk framing), however the reads cut it: at the body's
+  end from the bytes, and between body reads by a watch over the reads that carry no
+  body data (httptools gathers a field until its line ends). A read with body data
+  costs nothing for it; the end of a chunked body costs one test (see trailers.py).
 * Repeated heads. An engine answers with the same head bytes response after
   response (an SSE head has no length). When a response's first read starts with
   the bytes of the last head parsed in full, it is fed to a second parser that
@@ -76,6 +81,7 @@ from ..lifecycle.timeline import UpstreamConnectionRecord
 from . import headers as H
 from . import sockets
 from .timer import Timer
+from .trailers import NO_TRAILERS_END, TrailerWatch, section_at_end
 
 if TYPE_CHECKING:
     from .sides import ConnectionWaiter, UpstreamUser
@@ -143,6 +149,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._known_head_parser: httptools.HttpResponseParser | None = None
         self._known_head: KnownHead | None = None  # the head the current response repeats
         self._first_read: bytes | None = None  # of a response parsed in full, until its head is
+        # The response's body, when its head says chunked (set with each final head): the
+        # last read that carried body bytes (or ended the head), or the watch over the
+        # reads of chunk framing or trailers alone since then (see trailers.py).
+        self._chunked_body = False
+        self._since_body: bytes | TrailerWatch = b""
         self._reset_response(head_only=False)
         # While connecting: who it is being opened for, and the connect timeout. The
         # connection is handed over from connection_made.
@@ -210,6 +221,14 @@ class UpstreamConnection(asyncio.Protocol):
                 return
             self._extra_message = True  # garbage after a complete response: never reuse
         if not self._awaiting and self.user is user:
+            if self._chunked_body and not data.endswith(NO_TRAILERS_END) and section_at_end(
+                    data, self._since_body, self._body_seen or awaiting_head) > self.pool.max_head_bytes:
+                # Not judged when bytes came after the response in this read (the
+                # connection is never reused then): where it ended in the read is not known.
+                if not self._extra_message:
+                    self._refuse_trailers(user)
+                    return
+            self._since_body = b""  # no read outlives its response on an idle connection
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
             if self._awaiting > _IN_BODY:
@@ -218,15 +237,11 @@ class UpstreamConnection(asyncio.Protocol):
                 _, self._head_so_far, self._head_prefix = self._walk_heads(data)
                 self._head_tail = (self._head_tail + data[-3:])[-3:] if self._head_so_far else b""
                 user.upstream_first_byte()  # the head spans reads: its first byte came now
-            elif self._body_seen or awaiting_head:  # (the head's own bytes are not framing)
-                self._body_seen, self._bytes_since_body = False, 0
-            else:
-                # Chunk framing or trailers only, which httptools gathers until a line ends.
-                self._bytes_since_body += len(data)
-                if self._bytes_since_body > self.pool.max_head_bytes:
-                    user.upstream_protocol_error(
-                        f"response chunk framing or trailers exceed {self.pool.max_head_bytes} bytes")
-                    return
+            elif self._body_seen or awaiting_head:
+                self._since_body = data  # two stores, not a tuple: one instruction fewer a read
+                self._body_seen = False
+            elif self._trailers_too_long(user, data):  # chunk framing or trailers alone
+                return
             user.flush_client()
 
     def connect_timed_out(self, task: asyncio.Task) -> None:
@@ -341,7 +356,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_tail = b""  # the last bytes of the last read, while a head spans reads
         self._head_so_far = 0  # bytes of the head in progress at the end of the last read
         self._head_prefix = b""  # its first bytes: a 1xx status line, or the final head's
-        self._bytes_since_body = 0  # bytes of the reads since the last body bytes, after the head
 
     def _walk_heads(self, data: bytes) -> tuple[bool, int, bytes]:
         """Walk the heads ``data`` holds or goes on with (1xx heads, then the final one):
@@ -369,6 +383,19 @@ class UpstreamConnection(asyncio.Protocol):
                 return False, 0, b""  # the final head ended here: the body follows
             position = search_from = stop  # a 1xx head ended: the next one begins here
             size, prefix = 0, b""
+
+    # -- trailer sections (see trailers.py) ---------------------------------------------
+    def _trailers_too_long(self, user: UpstreamUser, data: bytes) -> bool:
+        """A read of a chunked body with no body bytes: httptools gathers a trailer field
+        until its line ends, so a section past the limit cannot wait for the body's end."""
+        watch = self._since_body
+        if watch.__class__ is bytes:
+            watch = self._since_body = TrailerWatch(watch)
+        return watch.read(data) > self.pool.max_head_bytes and self._refuse_trailers(user)
+
+    def _refuse_trailers(self, user: UpstreamUser) -> bool:
+        user.upstream_protocol_error(f"response trailers exceed {self.pool.max_head_bytes} bytes")
+        return True
 
     def _reusable(self) -> bool:
         return not self._extra_message and self.phase is not _CLOSED and self._keep_alive
@@ -419,11 +446,13 @@ class UpstreamConnection(asyncio.Protocol):
         self._awaiting = _IN_BODY
         no_body = self._head_only or status in (204, 304)
         self._close_delimited = not (no_body or parts.chunked or parts.content_length is not None)
+        self._chunked_body = parts.chunked
         self.user.upstream_response_head(status, reason, parts)
         # Read keep-alive now: llhttp resets its flags once the message completes.
         self._keep_alive = self._parser.should_keep_alive()
         if no_body:
             self._awaiting = _COMPLETE
+            self._chunked_body = False
 
     def on_body(self, body: bytes) -> None:
         awaiting = self._awaiting
