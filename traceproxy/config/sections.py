@@ -129,8 +129,9 @@ class Limits:
         "to make room. Lowered at startup, with a warning, to what the open-file limit can hold.")
     max_header_bytes: int = setting(
         integer(1024), 65536,
-        "A request head larger than this gets 431; a response head or trailer section larger than "
-        "this from the upstream is a 502.")
+        "A request head or trailer section larger than this gets 431; a response head or trailer "
+        "section larger than this from the upstream is a 502. A trailer section counts its field "
+        "lines, never chunk framing.")
     max_target_bytes: int = setting(integer(64), 8192, "A request target longer than this gets 414.")
     # abort | answer
     client_half_close: str = setting(
