@@ -87,20 +87,29 @@ class EngineSpanStore:
     # -- taking spans ------------------------------------------------------------------
     def add(self, batches: list[ResourceBatch], exporter: str, now_ns: int) -> None:
         """``exporter``: who sent them (the receiver's peer), to learn workers by."""
+        touched: dict[int, _Trace] = {}
         for batch in batches:
             self.spans_received += len(batch.spans)
             resource = batch.resource
             source = f"{exporter}|{resource.get('service.name', '')}|{resource.get('service.instance.id', '')}"
             for span in batch.spans:
                 if span.name in STAGES:
-                    self._stage(span, resource, source, now_ns)
+                    trace = self._stage(span, resource, source, now_ns)
                 elif _THREAD_MARK in span.name or "thread_label" in span.attributes:
-                    self._thread(span, resource, source, now_ns)
+                    trace = self._thread(span, resource, source, now_ns)
+                else:
+                    continue
+                if trace is not None:
+                    touched[span.trace_id] = trace
+        # Once per trace and request, not per span: a decode worker's batch is mostly one
+        # request's decode_loop steps.
+        for trace_id, trace in touched.items():
+            self._updated(trace_id, trace)
 
-    def _stage(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> None:
+    def _stage(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> _Trace | None:
         trace = self._trace(span.trace_id, now_ns)
         if trace is None:
-            return
+            return None
         self.seen_engine_spans = True
         if span.name in NESTED_IN:
             worker = self._open_worker_of(trace, span.name, span.parent_span_id, resource, source)
@@ -113,17 +122,17 @@ class EngineSpanStore:
                     worker.ended.append(span.name)
                 worker.role = worker.role or role_of_stage(span.name) or ""
         if worker is None:
-            return
+            return None
         worker.last_end_ns = max(worker.last_end_ns, span.end_ns)
-        self._updated(span.trace_id, trace)
+        return trace
 
-    def _thread(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> None:
+    def _thread(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> _Trace | None:
         trace = self._trace(span.trace_id, now_ns, create=False)
         if trace is None:  # the request's stages never reached us: nothing to explain
-            return
+            return None
         worker = self._worker(trace, span.span_id, resource, source)
         if worker is None:
-            return
+            return None
         attrs = span.attributes
         worker.finished = True
         worker.role = role_of_thread(str(attrs.get("thread_label") or span.name)) or worker.role
@@ -132,7 +141,7 @@ class EngineSpanStore:
         worker.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else worker.pid
         worker.last_end_ns = max(worker.last_end_ns, span.end_ns)
         self._learn(source, worker)
-        self._updated(span.trace_id, trace)
+        return trace
 
     def _trace(self, trace_id: int, now_ns: int, create: bool = True) -> _Trace | None:
         trace = self.traces.pop(trace_id, None)  # popped and put back: the dict stays in update order
