@@ -16,8 +16,10 @@ path of the proxy changes.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import os
 import time
 
 from .config import ConfigError, Settings
@@ -162,8 +164,6 @@ class _ClaimTimer:
     """Once a second, a worker's stage facts learn which traces it has in flight."""
 
     def __init__(self, facts, traces) -> None:
-        import asyncio
-
         self.facts, self.traces = facts, traces
         self._loop = asyncio.get_running_loop()
         self._handle = self._loop.call_later(CLAIM_EVERY_S, self._claim)
@@ -187,7 +187,7 @@ def _log_receiver(receiver) -> None:
     where = [f"{kind} {host}:{port}" for kind, host, port in (
         ("http", receiver.http_address.host if receiver.http_address else "", receiver.http_port),
         ("grpc", receiver.grpc_address.host if receiver.grpc_address else "", receiver.grpc_port)) if port]
-    log.info("engine spans: OTLP receiver on %s (pid %d)", ", ".join(where), __import__("os").getpid())
+    log.info("engine spans: OTLP receiver on %s (pid %d)", ", ".join(where), os.getpid())
 
 
 # ----------------------------------------------------------------------------------

@@ -67,6 +67,8 @@ def test_a_request_no_engine_opened_is_the_routers():
     stage = not_opened(5)
     assert (stage.component, stage.role, stage.stage, stage.since_ns, stage.source) == ("router", "router", None, 5,
                                                                                          "spans")
+    assert stage.words() == "router (no engine has opened it; from spans)"
+    assert from_gauges({"prefill": {}}, 1, False).words() == "router (prefill 0, router 1 running; from gauges)"
 
 
 def test_every_stage_has_a_component_and_roles_are_read_from_names():

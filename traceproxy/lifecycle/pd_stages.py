@@ -168,14 +168,15 @@ class EngineStage:
         return out
 
     def words(self) -> str:
-        """``kv_transfer (prefill prefill_transfer_kv_cache, sglang host 1a2b3c4d pid 12)``, for log lines."""
-        where = " ".join(part for part in (self.role, self.stage or "", "ended" if self.state == "ended" else "")
-                         if part)
+        """``kv_transfer (prefill prefill_transfer_kv_cache, sglang host 1a2b3c4d pid 12; from spans)``,
+        for log lines."""
+        role = self.role if self.role != self.component or self.stage else ""
+        parts = [" ".join(part for part in (role, self.stage or "", "ended" if self.state == "ended" else "")
+                          if part)]
         if self.worker is not None:
-            where += f", {self.worker}"
-        if self.detail:
-            where += f"; {self.detail}"
-        return f"{self.component} ({where}; from {self.source})"
+            parts[0] += f", {self.worker}" if parts[0] else str(self.worker)
+        parts += [self.detail, f"from {self.source}"]
+        return f"{self.component} ({'; '.join(part for part in parts if part)})"
 
 
 def position(progress: WorkerProgress) -> tuple[str, str]:
@@ -214,7 +215,7 @@ _ROLE_PREFERENCE = {PREFILL: 0, UNIFIED: 1, DECODE: 2}
 
 def not_opened(since_ns: int) -> EngineStage:
     """A request the proxy sent upstream that no engine has opened (no span of it): the router has it."""
-    return EngineStage(ROUTER, "router", None, "in", since_ns, None, "spans")
+    return EngineStage(ROUTER, "router", None, "in", since_ns, None, "spans", "no engine has opened it")
 
 
 # ----------------------------------------------------------------------------------

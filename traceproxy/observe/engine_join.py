@@ -65,10 +65,10 @@ class EngineStageJoin:
     def stage_of(self, record: RequestRecord, now_ns: int) -> EngineStage | None:
         """Where the engines have ``record`` now (monotonic ``now_ns``); None when nothing says."""
         phase = phase_of(record)
-        if phase not in UPSTREAM_PHASES and phase is not Phase.DONE:
+        if phase not in UPSTREAM_PHASES:
             return None
         found = self._from_spans(record, phase, now_ns)
-        if found is not None or phase is Phase.DONE:
+        if found is not None:
             return found
         readings = self.readings
         if readings is None or not readings.by_role:
@@ -80,13 +80,10 @@ class EngineStageJoin:
         if stages is None or not record.trace_id:
             return None
         found = stages.stage_of(record.trace_id)
-        if found is not None or not stages.seen_engine_spans:
+        if found is not None or not stages.seen_engine_spans or phase not in _WAITING_FOR_HEAD:
             return found
         sent = record.attempt.marks.get(MARK.FIRST_UPSTREAM_TX_BYTE) if record.attempt is not None else None
-        if sent is None or (phase not in _WAITING_FOR_HEAD and not _ended_waiting_for_head(record)):
-            return None
-        until = record.end_ns if phase is Phase.DONE else now_ns
-        if until - sent < self.settle_ns:
+        if sent is None or now_ns - sent < self.settle_ns:
             return None
         return not_opened(sent + self.clock_offset_ns)
 
@@ -125,11 +122,6 @@ class EngineStageJoin:
             if sent and not marks[_ANSWERED] and s.end_ns - sent >= self.settle_ns:
                 found = not_opened(sent + s.clock_offset_ns)
         return None if found is None else found.as_dict(end_wall)
-
-
-def _ended_waiting_for_head(record: RequestRecord) -> bool:
-    attempt = record.attempt
-    return attempt is not None and MARK.FIRST_UPSTREAM_RX_BYTE not in attempt.marks
 
 
 class EngineStageSink:

@@ -140,8 +140,9 @@ class EngineSpans:
         swept = time.monotonic()
         while True:
             await asyncio.sleep(FLUSH_S)
-            if self.store.changed and self.on_changes:
-                message = stage_message(self.store.take_changes(), self.store.seen_engine_spans)
+            changes = self.store.take_changes()  # taken even with nobody to tell: the set stays bounded
+            if changes and self.on_changes:
+                message = stage_message(changes, self.store.seen_engine_spans)
                 for listener in self.on_changes:
                     listener(message)
             if time.monotonic() - swept >= SWEEP_S:
