@@ -98,8 +98,8 @@ def traced_proxy(traced_deployment, start_proxy):
                                                            "stall.stream_gap": STALL_AFTER})
     # One request through, healthy: the workers' finished spans name them (host, pid) from now on.
     assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat(2)).status == 200
-    store = proxy.engine_side.receiver.store
-    assert wait_until(lambda: {role for _, role in store.identities} >= {"prefill", "decode"}, timeout=10)
+    assert wait_until(lambda: json.loads(admin_get(proxy, "/debug/inflight")).get("engine_spans", {}).get(
+        "workers_known", 0) >= 2, timeout=10)
     harness.clear()
     return harness, proxy
 

@@ -3,7 +3,11 @@ for one process, for a worker of several, and for the service's parent.
 
 What runs where (``docs/decisions/0028``: one view of the service):
 
-* one process: everything here, in the proxy's process;
+* one process: the scraper and the join in the proxy's process; the engine span
+  receivers in a process of their own (``observe.engine_receiver_proc``), at the
+  exporter's lower priority, which sends the proxy the stages that changed as a
+  service's parent sends its workers: taking the engines' exports is CPU the proxy's
+  loop would otherwise give up;
 * several workers: the parent scrapes the gauges and receives the engine spans, once
   for the service, and sends each worker the readings and the stages that changed
   over its link (``workers.py``, as ``engines`` messages); each worker joins them with
@@ -134,16 +138,26 @@ async def start_local(settings: Settings, ctx, link, span_export, export_config)
     from .observe.engines import counting
 
     scraper = _scraper(settings, counting(ctx.in_flight.values))
-    receiver = None
+    receiver = timer = facts = None
     if receiving(settings):
-        receiver = _receiver(settings, _relay_for(settings, span_export, export_config), traces)
+        from .observe.engine_join import StageFacts
+        from .observe.engine_receiver_proc import EngineReceiverProcess
+
+        engines = settings.engines
+        facts = StageFacts(engines.span_traces)
+        receiver = EngineReceiverProcess(engines.otlp_receiver, engines.otlp_receiver_grpc,
+                                         max_traces=engines.span_traces, facts=facts,
+                                         relay=_relay_for(settings, span_export, export_config),
+                                         nice=settings.tracing.exporter_nice)
         await receiver.start()
+        timer = _ClaimTimer(facts, traces)
+        scraper.stage_facts = facts
         scraper.receiver = receiver
         scraper.traces_in_flight = _async(traces)
         _log_receiver(receiver)
-    scraper.join = _join(settings, receiver.store if receiver is not None else None, scraper)
+    scraper.join = _join(settings, facts, scraper)
     scraper.start()
-    return LocalEngines(scraper, scraper, receiver)
+    return LocalEngines(scraper, scraper, receiver, timer)
 
 
 def _start_worker(settings: Settings, link, traces) -> LocalEngines:

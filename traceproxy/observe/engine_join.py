@@ -158,17 +158,18 @@ class EngineStageSink:
 # ----------------------------------------------------------------------------------
 def stage_message(changes: dict[int, EngineStage | None], seen_engine_spans: bool) -> dict:
     """Plain data for the worker link: {"stages": [(trace id, stage tuple or None)], "seen": bool}."""
-    return {"stages": [(trace_id, None if stage is None else _as_tuple(stage)) for trace_id, stage in changes.items()],
+    return {"stages": [(trace_id, None if stage is None else stage_tuple(stage)) for trace_id, stage in changes.items()],
             "seen": seen_engine_spans}
 
 
-def _as_tuple(stage: EngineStage) -> tuple:
+def stage_tuple(stage: EngineStage) -> tuple:
+    """An engine-span stage as plain data, for a pipe or the worker link."""
     worker = stage.worker or Worker()
     return (stage.component, stage.role, stage.stage or "", stage.state, stage.since_ns or 0, worker.service,
             worker.host, -1 if worker.pid is None else worker.pid, stage.detail, stage.worker is not None)
 
 
-def _from_tuple(fields: tuple) -> EngineStage:
+def stage_from_tuple(fields: tuple) -> EngineStage:
     component, role, stage, state, since, service, host, pid, detail, has_worker = fields
     worker = Worker(service, host, None if pid < 0 else pid) if has_worker else None
     return EngineStage(component, role, stage or None, state, since or None, worker, "spans", detail)
@@ -194,7 +195,7 @@ class StageFacts:
                 if len(self.unplaced) >= self.max_traces:
                     continue
                 self.unplaced[trace_id] = now_ns
-            self.stages[trace_id] = _from_tuple(fields)
+            self.stages[trace_id] = stage_from_tuple(fields)
 
     def stage_of(self, trace_id: int) -> EngineStage | None:
         return self.stages.get(trace_id)

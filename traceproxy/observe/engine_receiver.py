@@ -203,6 +203,11 @@ class EngineSpans:
         return b""
 
     # -- reading -------------------------------------------------------------------------
+    def open_work(self) -> list:
+        """(trace id, EngineStage) of the traces with a worker that has not finished, oldest
+        first, that no request in flight here has (all of them where that is not known)."""
+        return self.store.open_unclaimed()
+
     def numbers(self) -> dict:
         """The ``engine_spans`` object of ``/debug/inflight``."""
         return {"otlp_http": self.http_port, "otlp_grpc": self.grpc_port, "requests": self.requests,

@@ -249,7 +249,8 @@ class EngineSpanStore:
 
     def numbers(self) -> dict:
         return {"traces": len(self.traces), "spans_received": self.spans_received, "spans_kept": self.spans_kept,
-                "spans_dropped_no_room": self.spans_dropped, "traces_evicted": self.traces_evicted}
+                "spans_dropped_no_room": self.spans_dropped, "traces_evicted": self.traces_evicted,
+                "workers_known": sum(1 for known in self.identities.values() if known != _AMBIGUOUS)}
 
 
 def _role_guess(worker: _WorkerSpans) -> str:

@@ -17,8 +17,8 @@ join (``engine_join``) can still name the PD component where the engines hold wo
 
 When engine spans are received (``receiver``: ``engine_receiver.EngineSpans``), the
 engine work no request in flight explains, idle for ``orphan_after``, is named by worker
-and stage (``unexplained``): in ``/debug/inflight`` and, when an orphan is reported, in
-its log line. With spans and no metrics URL the scraper exists for that alone, and
+and stage (``unexplained``): in ``/debug/inflight`` and, while an orphan is reported, in
+a log line each. With spans and no metrics URL the scraper exists for that alone, and
 scrapes nothing.
 
 Nothing here is on the request path: requests never await a scrape, and what the
@@ -188,6 +188,7 @@ class EngineScraper(EngineReadings):
         self.receiver = None  # engine_receiver.EngineSpans, when engine spans are received in this process
         # The trace ids in flight in the service (None: a worker did not say), for unexplained().
         self.traces_in_flight: Callable[[], Awaitable[frozenset[int] | None]] | None = None
+        self._named: set[int] = set()  # engine work named in the orphan episode under way
         self.count_at_engines = count_at_engines
         self.interval, self.timeout = interval, timeout
         self.orphan_after_ns = int(orphan_after * 1e9)
@@ -227,10 +228,11 @@ class EngineScraper(EngineReadings):
         await asyncio.gather(*(self._scrape(ep) for ep in self.endpoints.values()))
         self._derive()
         if self.work is not None:
-            reported = self.orphan.reported
             self._check_orphans(await self.count_at_engines(), time.monotonic_ns())
-            if self.orphan.reported and not reported:
+            if self.orphan.reported:
                 await self._name_orphans()
+            else:
+                self._named.clear()
         message = self.message()
         for listener in self.on_readings:
             listener(message)
@@ -298,13 +300,19 @@ class EngineScraper(EngineReadings):
             log.warning("engine orphan %s cleared; engines: %s", correlation.ORPHAN.code, self.summary)
 
     async def _name_orphans(self) -> None:
-        """The engine work no request in flight explains, by worker and stage, when spans say."""
+        """While an orphan is reported, each engine work no request in flight explains, by
+        worker and stage, once, when spans say. The requests in flight are asked for (all the
+        workers', with several) only when there is such work not named yet."""
         if self.receiver is None or self.traces_in_flight is None:
+            return
+        now = time.time_ns()
+        if not [trace_id for trace_id, _ in self.unexplained(frozenset(self._named), now)]:
             return
         in_flight = await self.traces_in_flight()
         if in_flight is None:  # a worker did not say: a partial list would name requests in flight
             return
-        for trace_id, stage in self.unexplained(in_flight, time.time_ns()):
+        for trace_id, stage in self.unexplained(in_flight | self._named, now):
+            self._named.add(trace_id)
             log.warning("engine orphan %s: trace_id=%032x is held at the engines and in flight nowhere in the "
                         "proxy: %s", correlation.ORPHAN.code, trace_id, stage.words())
 
@@ -314,7 +322,7 @@ class EngineScraper(EngineReadings):
         stage ended). Empty without spans."""
         if self.receiver is None:
             return []
-        return [(trace_id, stage) for trace_id, stage in self.receiver.store.open_unclaimed()
+        return [(trace_id, stage) for trace_id, stage in self.receiver.open_work()
                 if trace_id not in in_flight and stage.since_ns is not None
                 and now_wall_ns - stage.since_ns >= self.orphan_after_ns]
 
