@@ -42,7 +42,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from .engine_join import stage_message
-from .engine_spans import EngineSpanStore
+from .engine_spans import EngineSpanStore, keep
 from .export_wire import RawSpans
 from .otlp_proto import length_delimited, varint
 from .otlp_reader import MalformedOtlp, count_spans, read_export_request
@@ -156,9 +156,9 @@ class EngineSpans:
         """Keep what the join needs and relay the request; the spans it held. Raises BodyRefused."""
         try:
             if len(body) > THREAD_BODY_BYTES:
-                batches = await asyncio.to_thread(read_export_request, body)
+                batches = await asyncio.to_thread(read_export_request, body, keep)
             else:
-                batches = read_export_request(body)
+                batches = read_export_request(body, keep)
         except MalformedOtlp as exc:
             raise BodyRefused("malformed", str(exc)) from None
         spans = count_spans(batches)

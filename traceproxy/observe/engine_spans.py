@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ..lifecycle.pd_stages import (DECODE, NESTED_IN, PREFILL, STAGE_ORDER, STAGES, EngineStage, Worker,
                                    WorkerProgress, holding, role_of_stage, role_of_thread)
-from .otlp_reader import ResourceBatch, SpanFacts
+from .otlp_reader import IDS, SKIP, WHOLE, ResourceBatch, SpanFacts
 
 GRACE_NS = 30_000_000_000
 SWEEP_EVERY_NS = 1_000_000_000  # when full, finished traces are looked for at most this often
@@ -89,16 +89,27 @@ class EngineSpanStore:
         """``exporter``: who sent them (the receiver's peer), to learn workers by."""
         touched: dict[int, _Trace] = {}
         for batch in batches:
-            self.spans_received += len(batch.spans)
+            self.spans_received += batch.received or len(batch.spans)
             resource = batch.resource
             source = f"{exporter}|{resource.get('service.name', '')}|{resource.get('service.instance.id', '')}"
+            nested: dict[int, SpanFacts] = {}  # per trace, its last nested stage: all the others say
             for span in batch.spans:
-                if span.name in STAGES:
+                name = span.name
+                if name in NESTED_IN:
+                    last = nested.get(span.trace_id)
+                    if last is None or span.end_ns >= last.end_ns:
+                        nested[span.trace_id] = span
+                    continue
+                if name in STAGES:
                     trace = self._stage(span, resource, source, now_ns)
-                elif _THREAD_MARK in span.name or "thread_label" in span.attributes:
+                elif _THREAD_MARK in name or "thread_label" in span.attributes:
                     trace = self._thread(span, resource, source, now_ns)
                 else:
                     continue
+                if trace is not None:
+                    touched[span.trace_id] = trace
+            for span in nested.values():  # after the top-level stages, which name the workers' roles
+                trace = self._stage(span, resource, source, now_ns)
                 if trace is not None:
                     touched[span.trace_id] = trace
         # Once per trace and request, not per span: a decode worker's batch is mostly one
@@ -251,6 +262,14 @@ class EngineSpanStore:
         return {"traces": len(self.traces), "spans_received": self.spans_received, "spans_kept": self.spans_kept,
                 "spans_dropped_no_room": self.spans_dropped, "traces_evicted": self.traces_evicted,
                 "workers_known": sum(1 for known in self.identities.values() if known != _AMBIGUOUS)}
+
+
+def keep(name: str) -> int:
+    """What the store reads of a span, by its name (``otlp_reader.read_export_request``):
+    a stage's ids and times, a scheduler thread's attributes too, nothing of the rest."""
+    if name in STAGES:
+        return IDS
+    return WHOLE if _THREAD_MARK in name else SKIP
 
 
 def _role_guess(worker: _WorkerSpans) -> str:

@@ -16,14 +16,15 @@ name a worker (``KEPT_RESOURCE_ATTRIBUTES``). Events and links are parsed (the C
 parser does) but never turned into Python objects.
 
 Hazards:
-- The input is anyone's bytes: what does not parse, and a span whose trace id is not
-  16 bytes or whose span id is not 8, raises ``MalformedOtlp``, which the receivers
+- The input is anyone's bytes: what does not parse, and a kept span whose trace id is
+  not 16 bytes or whose span id is not 8, raises ``MalformedOtlp``, which the receivers
   answer with 400 (gRPC: INVALID_ARGUMENT), as a collector does.
 - Text is protobuf's to decode (invalid UTF-8 in a string field fails the parse).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
@@ -50,30 +51,49 @@ class SpanFacts(NamedTuple):
 
 class ResourceBatch(NamedTuple):
     resource: dict  # the kept resource attributes
-    spans: list[SpanFacts]
+    spans: list[SpanFacts]  # the kept spans
+    received: int = 0  # every span of the resource, kept or not
 
 
-def read_export_request(data: bytes) -> list[ResourceBatch]:
-    """The resources of one request, each with its spans; raises ``MalformedOtlp``."""
+# What a ``keep`` function answers for a span's name.
+SKIP, IDS, WHOLE = 0, 1, 2  # left out; ids, name, times and status; and its kept attributes too
+
+
+def read_export_request(data: bytes, keep: Callable[[str], int] | None = None) -> list[ResourceBatch]:
+    """The resources of one request, each with its spans; raises ``MalformedOtlp``.
+
+    ``keep``: for each span's name, ``SKIP``, ``IDS`` or ``WHOLE`` (None: every span whole).
+    Building a span's facts is most of the cost, and most of an engine's spans need no
+    attribute read."""
     try:
         request = ExportTraceServiceRequest.FromString(data)
     except (DecodeError, ValueError) as exc:
         raise MalformedOtlp(f"not an OTLP ExportTraceServiceRequest ({exc})") from None
-    return [ResourceBatch(_kept(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES),
-                          [_span(span) for scope_spans in resource_spans.scope_spans for span in scope_spans.spans])
-            for resource_spans in request.resource_spans]
+    batches = []
+    for resource_spans in request.resource_spans:
+        kept, received = [], 0
+        for scope_spans in resource_spans.scope_spans:
+            spans = scope_spans.spans
+            received += len(spans)
+            for span in spans:
+                how = WHOLE if keep is None else keep(span.name)
+                if how:
+                    kept.append(_span(span, how == WHOLE))
+        batches.append(ResourceBatch(_kept(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES), kept,
+                                     received))
+    return batches
 
 
 def count_spans(batches: list[ResourceBatch]) -> int:
-    return sum(len(batch.spans) for batch in batches)
+    return sum(batch.received for batch in batches)
 
 
-def _span(span) -> SpanFacts:
+def _span(span, whole: bool = True) -> SpanFacts:
     trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
     if len(trace_id) != 16 or len(span_id) != 8 or len(parent) not in (0, 8):
         raise MalformedOtlp(f"span {span.name!r}: trace_id of {len(trace_id)} bytes, span_id of {len(span_id)}, "
                             f"parent_span_id of {len(parent)} (expected 16, 8 and 8 or none)")
-    attributes = _kept(span.attributes, KEPT_SPAN_ATTRIBUTES) if span.attributes else {}
+    attributes = _kept(span.attributes, KEPT_SPAN_ATTRIBUTES) if whole and span.attributes else {}
     return SpanFacts(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"),
                      int.from_bytes(parent, "big") if parent else 0, span.name, span.start_time_unix_nano,
                      span.end_time_unix_nano, attributes, span.status.code)
