@@ -425,3 +425,84 @@ def test_any_bytes_split_anywhere_give_the_same_summary(seed, limit):
     # And it goes on: the next event is found and judged.
     events = pieces.events
     assert pieces.feed(b"\n\n" + content("z")) and pieces.events > events
+
+
+# ----------------------------------------------------------------------------------
+# feed_pieces: the pieces of one upstream read at once, the same as one at a time
+# ----------------------------------------------------------------------------------
+def one_at_a_time(pieces: list[bytes], primed: bool) -> tuple[int, EventScanner]:
+    scanner = EventScanner()
+    if primed:
+        kinds(scanner, *PRIMERS)
+    mask = 0
+    for piece in pieces:
+        mask |= scanner.feed(piece)
+    return mask, scanner
+
+
+def all_at_once(pieces: list[bytes], primed: bool) -> tuple[int, EventScanner]:
+    scanner = EventScanner()
+    if primed:
+        kinds(scanner, *PRIMERS)
+    return scanner.feed_pieces(pieces), scanner
+
+
+@pytest.mark.parametrize("primed", [False, True], ids=["fresh", "after-three-tokens"])
+@pytest.mark.parametrize("event,kind", [c[1:] for c in EVENTS], ids=[c[0] for c in EVENTS])
+def test_the_pieces_of_one_read_are_judged_as_one_at_a_time(event, kind, primed):
+    for pieces in ([event], [content("a"), event], [content("a"), content("b"), event, content("c")],
+                   [event, event, content("d")]):
+        mask, scanner = all_at_once(pieces, primed)
+        expected_mask, expected = one_at_a_time(pieces, primed)
+        assert mask == expected_mask and mask & kind
+        assert scanner.summary() == expected.summary()
+
+
+@pytest.mark.parametrize("chunk,kind,counts", [c[1:] for c in LOOKALIKES], ids=[c[0] for c in LOOKALIKES])
+def test_pieces_that_only_look_like_the_usual_event_among_usual_ones(chunk, kind, counts):
+    scanner = EventScanner()
+    kinds(scanner, *PRIMERS)
+    assert scanner.feed_pieces([content("a"), chunk, content("b")]) == O | kind
+    assert (scanner.output_events - 5, scanner.heartbeats) == counts
+
+
+def test_usual_events_in_one_piece_are_each_counted_among_pieces():
+    scanner = EventScanner()
+    kinds(scanner, *PRIMERS)
+    assert scanner.feed_pieces([content("a"), content("b") + content("c"), content("d") + b": ping\n\n"]) == O | H
+    assert (scanner.output_events, scanner.heartbeats) == (3 + 4, 1)
+
+
+def test_the_usual_events_bytes_are_learnt_again_when_the_output_moves():
+    # Reasoning first, then content: the bytes before the value differ, and so does
+    # where the value sits. Each kind of event is still judged right, one at a time or
+    # a read at a time.
+    reasoning = [chat('{"role":null,"content":null,"reasoning_content":%s,"tool_calls":null}' % json.dumps(t))
+                 for t in ("Let", " me", " think", "")]
+    body = [*reasoning[:3], reasoning[3], *PRIMERS, content(""), content("x"), chat("{}", finish='"stop"'),
+            b"data: [DONE]\n\n"]
+    for size in (1, 2, 3, len(body)):
+        scanner = EventScanner()
+        for at in range(0, len(body), size):
+            scanner.feed_pieces(body[at:at + size])
+        summary = scanner.summary()
+        assert (summary.output_events, summary.heartbeats, summary.done) == (8, 2, True), size
+        assert summary.finish_reasons == ("stop",) and scanner.ends_with_done
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_any_bytes_in_pieces_of_reads_give_the_same_summary(seed):
+    import random
+
+    rng = random.Random(seed)
+    body = b"".join(rng.choice(FRAGMENTS + [content("t%d" % i) for i in range(8)]) for _ in range(rng.randrange(5, 80)))
+    whole = EventScanner()
+    whole.feed(body)
+    reads = EventScanner()
+    cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randrange(1, 30))))
+    pieces = [body[start:end] for start, end in zip([0, *cuts], [*cuts, len(body)])]
+    while pieces:
+        take = rng.randrange(1, 6)
+        reads.feed_pieces(pieces[:take])
+        pieces = pieces[take:]
+    assert reads.summary() == whole.summary()

@@ -53,16 +53,21 @@ Engines send one event per chunk, and write the same fields around the text in
 every event. So once an event was judged in full, the scanner knows the bytes that
 carried output (``"content":"``), where they sit from the event's start, and where
 the null finish reason sits (from the start, or from the end when it follows the
-text). A piece that is one whole event of one data line, with those bytes there, a
-value that is not empty and the null finish reason there, is counted as output in
-``feed`` itself: about ten byte tests and bounded searches, no copy, no call. Any
-other piece goes the general way, which learns the positions again; ``/generate``
-events (they repeat the whole text) and CRLF streams always go that way, at about
-three times the cost. An event counted in ``feed`` itself is read no further: usage
-it carries (vLLM's ``continuous_usage_stats``) is not read, the engine's last usage
-(in its final or usage-only event, judged in full) is; and of a second choice in the
-same event (``n > 1``) only the output is seen, not a finish reason. A partial
-event is held in a ``bytearray`` until its end arrives.
+text); and once such an event was counted, the bytes before its value (``data:
+{"id":...,"delta":{"content":"``), which an engine repeats while its stream lasts.
+A piece that is one whole event of one data line, starting with those bytes, with a
+value that is not empty and the null finish reason there, is counted as output with
+no call: a few byte tests, one slice and two comparisons (``feed`` for one piece,
+``feed_pieces`` for all the pieces of one upstream read, which also spares a call
+per piece). Python's cost per operation is the floor here, not the bytes: a method
+call on bytes costs about what scanning a few hundred of them does. Any other piece
+goes the general way, which learns the positions again; ``/generate`` events (they
+repeat the whole text) and CRLF streams always go that way, at about three times
+the cost. An event counted with no call is read no further: usage it carries
+(vLLM's ``continuous_usage_stats``) is not read, the engine's last usage (in its
+final or usage-only event, judged in full) is; and of a second choice in the same
+event (``n > 1``) only the output is seen, not a finish reason. A partial event is
+held in a ``bytearray`` until its end arrives.
 
 It does not know the clock, the stall thresholds, the request body's ``model``, or
 whether the response is an event stream at all: the caller feeds only
@@ -77,6 +82,10 @@ from typing import Callable, NamedTuple
 from .event_payloads import DONE, ERROR, HEARTBEAT, KIND_NAMES, OUTPUT, PayloadJudge, null_at
 
 __all__ = ["DONE", "ERROR", "HEARTBEAT", "KIND_NAMES", "OUTPUT", "EventScanner", "StreamSummary"]
+
+# What no piece starts with: bytes.startswith(()) is False (the usual event's prefix
+# until one is learnt; see EventScanner._learn_prefix).
+_NO_PREFIX: tuple = ()
 
 # An event longer than this is not held: the rest of it is skipped to its end, and it
 # counts as output (not known to be a heartbeat). A /generate event repeats the whole
@@ -107,8 +116,9 @@ class EventScanner:
     """One response body's events, judged as they complete. One scanner per response."""
 
     __slots__ = ("_payload", "_max_event_bytes", "_pending", "_held_cr", "_skipping", "_skip_after_newline",
-                 "_hot", "_hot_at", "_hot_value_at", "_finish_null", "_finish_at", "_armed", "_done_at",
-                 "events", "output_events", "heartbeats", "errors", "done", "last_output_event", "oversized_events")
+                 "_hot", "_hot_at", "_hot_value_at", "_prefix", "_finish_null", "_finish_at", "_finish_slice",
+                 "_armed", "_done_at", "events", "output_events", "heartbeats", "errors", "done", "last_output_event",
+                 "oversized_events")
 
     def __init__(self, decode: Callable[[bytes], object] = json.loads, max_event_bytes: int = MAX_EVENT_BYTES):
         self._payload = PayloadJudge(decode)
@@ -126,6 +136,10 @@ class EventScanner:
         self._hot_value_at = 0  # _hot_at + len(_hot)
         self._finish_null = b""
         self._finish_at = 0
+        self._finish_slice = slice(0, 0)  # where _finish_null sits in a piece of one event
+        # The bytes of the usual event up to its value's first byte (_hot_value_at),
+        # learnt from an event counted inline (see _learn_prefix).
+        self._prefix: bytes | tuple = _NO_PREFIX
         self._armed: bytes | None = None  # _hot, for feed's own check, while nothing is held
         self.events = 0
         self.output_events = 0
@@ -165,23 +179,55 @@ class EventScanner:
     # ------------------------------------------------------------------------------
     # Chunks in, events out
     # ------------------------------------------------------------------------------
+    def feed_pieces(self, pieces: list[bytes]) -> int:
+        """``feed`` for each of ``pieces`` in order (one upstream read's), with the usual
+        events among the first of them counted in one pass; the kinds they completed."""
+        usual = 0
+        hot = self._armed
+        if hot is not None:
+            value, finish, null, prefix = self._hot_value_at, self._finish_slice, self._finish_null, self._prefix
+            for data in pieces:
+                # As in feed: one whole usual event, its value not empty, no finish reason.
+                end = len(data) - 2
+                if not (value < end and data[value] != 34 and data[-1] == 10 and data[end] == 10):
+                    break
+                rest = data[value:end]
+                if not (10 not in rest and 13 not in rest and data[finish] == null
+                        and (data.startswith(prefix) or self._learn_prefix(data, value, hot))):
+                    break
+                prefix = self._prefix
+                usual += 1
+            if usual:
+                self.events = events = self.events + usual
+                self.output_events += usual
+                self.last_output_event = events
+                if usual == len(pieces):
+                    return OUTPUT
+        kinds = OUTPUT if usual else 0
+        for data in pieces[usual:] if usual else pieces:
+            kinds |= self.feed(data)
+        return kinds
+
     def feed(self, data: bytes) -> int:
         """Scan one chunk of the body; the kinds of events it completed (0: none)."""
         hot = self._armed
         if hot is not None:
             # The usual chunk, judged here with no call: one whole event of one data
-            # line, holding the pattern that carried output last time ('"content":"')
-            # where it was then, with a value that is not empty, and a null finish
-            # reason where it was then (see _judged_inline).
+            # line, ending in its blank line, that starts with the bytes the usual event
+            # had before its value (so the pattern that carried output last time,
+            # '"content":"', is where it was then), with a value that is not empty, no
+            # line ending after it, and a null finish reason where it was then (see
+            # _judged_inline). A CR or LF raw inside a JSON string is not valid JSON.
             end = len(data) - 2
             value = self._hot_value_at
-            if (value < end and data[value] != 34 and data.startswith(hot, self._hot_at)
-                    and data.find(b"\n") == end and data[-1] == 10 and 13 not in data
-                    and data.startswith(b"data:") and data.startswith(self._finish_null, self._finish_at)):
-                self.events = events = self.events + 1
-                self.output_events += 1
-                self.last_output_event = events
-                return OUTPUT
+            if value < end and data[value] != 34 and data[-1] == 10 and data[end] == 10:
+                rest = data[value:end]
+                if (10 not in rest and 13 not in rest and data[self._finish_slice] == self._finish_null
+                        and (data.startswith(self._prefix) or self._learn_prefix(data, value, hot))):
+                    self.events = events = self.events + 1
+                    self.output_events += 1
+                    self.last_output_event = events
+                    return OUTPUT
         elif not data:
             return 0
         if self._held_cr or 13 in data:  # CR: "in" with an int is one memchr, no method call
@@ -228,6 +274,17 @@ class EventScanner:
         self._armed = self._hot if clean and self._finish_null and self._payload.hot is self._hot else None
         return seen
 
+    def _learn_prefix(self, data: bytes, value: int, hot: bytes) -> bool:
+        """A piece of one event line, its value not empty, no finish reason: when it is
+        a data line with the pattern that carried output where it was last time, its
+        bytes up to the value are the usual event's from now on (True)."""
+        prefix = data[:value]
+        if (prefix.startswith(b"data:") and data.startswith(hot, self._hot_at)
+                and 10 not in prefix and 13 not in prefix):
+            self._prefix = prefix
+            return True
+        return False
+
     def _judged_inline(self, buf, start: int, end: int, hot: bytes) -> bool:
         """The usual event, one data line in ``buf[start:end]``, judged without the
         general path: True (and counted) when it holds the pattern that carried output
@@ -239,7 +296,7 @@ class EventScanner:
         is found is kept for the next event. The quoted key name cannot occur unescaped
         inside a string, so a match there is the key itself."""
         if hot is not self._hot:  # a new key carried output: where it sits is learnt anew
-            self._hot, self._hot_at, self._hot_value_at = hot, 0, 0
+            self._hot, self._hot_at, self._hot_value_at, self._prefix = hot, 0, 0, _NO_PREFIX
         at = start + self._hot_at
         value = at + len(hot)
         if value >= end or not buf.startswith(hot, at):
@@ -249,6 +306,7 @@ class EventScanner:
             self._hot_at = at - start
             value = at + len(hot)
             self._hot_value_at = value - start
+            self._prefix = _NO_PREFIX  # learnt again, for the value's new place
         if buf[value] == _QUOTE:
             return False
         null, where = self._finish_null, self._finish_at
@@ -258,8 +316,9 @@ class EventScanner:
             if at >= 0:
                 if not null_at(buf, at + 15, end):
                     return False
-                self._finish_null = bytes(buf[at:at + (21 if buf[at + 16] == 32 else 20)])
-                self._finish_at = at - start if at < value else at - end - 2
+                self._finish_null = null = bytes(buf[at:at + (21 if buf[at + 16] == 32 else 20)])
+                self._finish_at = where = at - start if at < value else at - end - 2
+                self._finish_slice = slice(where, (where + len(null)) or None)
         self.events += 1
         self.output_events += 1
         self.last_output_event = self.events

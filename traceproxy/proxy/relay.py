@@ -13,12 +13,13 @@ business: it calls ``Exchange.end``, and forwards the events that concern the re
 as a whole (a lost connection, a protocol error, the upstream's write pause).
 
 A 200 ``text/event-stream`` response with a body (not to HEAD) that has no content
-coding is judged on its tokens: every piece of its body goes through its ``EventScanner`` (the record's
-``stream_events``), and a piece that completed an event with output stamps the
-record's ``last_token_ns`` (and ``first_token_ns``, ``max_token_gap_ns``), from which
-the stall verdicts count (see lifecycle.attribution); how it ended is judged from the
-scanner too (see lifecycle.endings). Any other response costs one attribute test per
-piece for this.
+coding is judged on its tokens: the pieces of its body one upstream read brought go
+through its ``EventScanner`` (the record's ``stream_events``) together, when the
+read is written to the client, and a read that completed an event with output stamps
+the record's ``last_token_ns`` (and ``first_token_ns``, ``max_token_gap_ns``), from
+which the stall verdicts count (see lifecycle.attribution); how it ended is judged
+from the scanner too (see lifecycle.endings). Any other response costs one attribute
+test per piece for this.
 
 State, the response's: whether its head went out, its framing, the length promised,
 whether it is an event stream and its scanner, what one read produced, whether the
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
 
 class ResponseRelay:
     __slots__ = ("exchange", "record", "client", "ctx", "started", "framing", "chunked", "declared_length", "event_stream",
-                 "events", "client_out", "awaiting_client_drain", "upstream_paused", "client_taken", "client_taken_ns",
-                 "client_gone")
+                 "events", "event_pieces", "client_out", "awaiting_client_drain", "upstream_paused", "client_taken",
+                 "client_taken_ns", "client_gone")
 
     def __init__(self, exchange: Exchange) -> None:
         self.exchange: Exchange | None = exchange  # None once it ended
@@ -67,6 +68,7 @@ class ResponseRelay:
         # An event stream's scanner (the record's stream_events): None for any other
         # response, which is then judged on bytes (one attribute test per chunk).
         self.events: EventScanner | None = None
+        self.event_pieces: list[bytes] = []  # its pieces in the read being parsed
         self.client_out: list[bytes] = []  # what one upstream read produced for the client
         self.awaiting_client_drain = False  # complete upstream; the client has not taken it all
         self.upstream_paused = False  # upstream reads paused: the client is not reading
@@ -132,14 +134,8 @@ class ResponseRelay:
         record.upstream_rx_chunks += 1
         record.upstream_rx_body_bytes += len(data)
         record.last_upstream_rx_ns = now
-        events = self.events
-        if events is not None and events.feed(data) & OUTPUT:  # an event with output: a token came now
-            last = record.last_token_ns
-            if last is None:
-                record.first_token_ns = now
-            elif now - last > record.max_token_gap_ns:
-                record.max_token_gap_ns = now - last
-            record.last_token_ns = now
+        if self.events is not None:
+            self.event_pieces.append(data)  # judged once per read (see flush_client)
         if self.chunked:
             self.client_out.extend(H.chunk_pieces(data))  # flush_client joins once per read
         else:
@@ -147,12 +143,25 @@ class ResponseRelay:
         record.downstream_tx_body_bytes += len(data)
 
     def flush_client(self) -> None:
-        """Write everything gathered during one upstream read in one call."""
+        """Write everything gathered during one upstream read in one call, and judge
+        the events it brought."""
         out = self.client_out
         if out:
             self.client_out = []
             self.client.write(out[0] if len(out) == 1 else b"".join(out))
-            self.record.last_downstream_tx_ns = time.monotonic_ns()
+            self.record.last_downstream_tx_ns = now = time.monotonic_ns()
+            pieces = self.event_pieces
+            if pieces:
+                kinds = self.events.feed_pieces(pieces)
+                pieces.clear()
+                if kinds & OUTPUT:  # an event with output: a token came now
+                    record = self.record
+                    last = record.last_token_ns
+                    if last is None:
+                        record.first_token_ns = now
+                    elif now - last > record.max_token_gap_ns:
+                        record.max_token_gap_ns = now - last
+                    record.last_token_ns = now
 
     def upstream_response_complete(self, reusable: bool) -> None:
         exchange = self.exchange
