@@ -1,9 +1,9 @@
 """Token judgement transcripts: an event stream's pieces at fake times in, the verdict out.
 
 For a ``text/event-stream`` response the stall clock counts from the last event with
-output, never from a heartbeat (issue 23). Each piece is stamped as the response relay
-stamps it: the byte clock always, the token clock when the scanner says the piece
-completed an event with output."""
+output, never from a heartbeat (issue 23). Each piece stands for one upstream read, and
+is stamped as the response relay stamps a read: the byte clock always, the token clock
+when the scanner says the read completed an event with output."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def generate(text: str, tokens: int) -> bytes:
 
 
 def streamed(*pieces: tuple[float, bytes]) -> RequestRecord:
-    """A request whose 200 event-stream head came at HEAD_AT and whose body pieces came
-    at the given seconds, each stamped as proxy/relay.py stamps it."""
+    """A request whose 200 event-stream head came at HEAD_AT and whose body came in
+    reads at the given seconds, each stamped as proxy/relay.py stamps a read."""
     record = RequestRecord(connection=ClientConnectionRecord(peer="p", opened_ns=0), sequence=1, idle_gap_ns=None)
     record.new_attempt()
     for second, mark in enumerate((Mark.FIRST_DOWNSTREAM_RX_BYTE, Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE,
