@@ -228,3 +228,11 @@ def test_an_engine_orphan_names_the_worker_and_stage_of_the_work_nobody_waits_fo
     [work] = orphan["engine_work"]
     assert (work["trace_id"], work["component"], work["stage"], work["worker"]["pid"]) == (
         "%032x" % pinned, "kv_transfer", "prefill_transfer_kv_cache", 99)
+
+
+def test_unlabelled_metrics_urls_alone_put_nothing_on_the_request_path(start_proxy, fast_upstream, gauge_server):
+    proxy = start_proxy(fast_upstream().url, **{"engines.metrics_urls": [gauge_server.url("prefill")],
+                                                "tracing.exporter": "console"})
+    assert proxy.engine_side.readings.join is None
+    assert type(proxy.tracing.sink).__name__ == "SpanExportPipe"  # not wrapped: nothing looked up per request
+    assert RawClient(proxy.port).roundtrip("GET", "/v1/models").status == 200

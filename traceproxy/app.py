@@ -253,7 +253,8 @@ class ProxyServer:
 
             if side.readings.scraping:
                 self.tracing.engines = side.readings
-            self.tracing.sink = EngineStageSink(self.tracing.sink, side.readings.join)
+            if side.readings.join is not None:
+                self.tracing.sink = EngineStageSink(self.tracing.sink, side.readings.join)
 
     def _start_prober(self) -> None:
         """The fresh-connection stall probe, only when ``probe_on_stall`` is on."""

@@ -92,6 +92,10 @@ def _receiver(settings: Settings, relay, claimed):
 
 
 def _join(settings: Settings, stages, readings):
+    """The join, when engine spans or gauges by role can place a request: with unlabelled
+    metrics URLs alone, none (and the request path is as it was)."""
+    if stages is None and not role_urls(settings):
+        return None
     from .observe.engine_join import EngineStageJoin
 
     return EngineStageJoin(stages, readings, settle_s=settings.engines.span_settle,
