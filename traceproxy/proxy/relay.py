@@ -37,6 +37,7 @@ Hazards
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,8 @@ from .endings import END
 
 if TYPE_CHECKING:
     from .forward import Exchange
+
+log = logging.getLogger("traceproxy.relay")
 
 
 class ResponseRelay:
@@ -152,7 +155,13 @@ class ResponseRelay:
             self.record.last_downstream_tx_ns = now = time.monotonic_ns()
             pieces = self.event_pieces
             if pieces:
-                kinds = self.events.feed_pieces(pieces)
+                try:
+                    kinds = self.events.feed_pieces(pieces)
+                except Exception:  # a scanner bug must not cost the response: bytes judge it from here
+                    log.exception("event stream scanner failed; request %s judged on bytes from now",
+                                  self.record.request_id)
+                    self.events = self.record.stream_events = None
+                    kinds = 0
                 pieces.clear()
                 if kinds & OUTPUT:  # an event with output: a token came now
                     record = self.record
