@@ -202,10 +202,10 @@ def _async(call):
 
 
 def _log_receiver(receiver) -> None:
-    where = [f"{kind} {host}:{port}" for kind, host, port in (
-        ("http", receiver.http_address.host if receiver.http_address else "", receiver.http_port),
-        ("grpc", receiver.grpc_address.host if receiver.grpc_address else "", receiver.grpc_port)) if port]
-    log.info("engine spans: OTLP receiver on %s (pid %d)", ", ".join(where), os.getpid())
+    where = [f"{kind} {address.host}:{port}" for kind, address, port in (
+        ("http", receiver.http_address, receiver.http_port), ("grpc", receiver.grpc_address, receiver.grpc_port))
+        if port]
+    log.info("engine spans: OTLP receiver on %s (pid %d)", ", ".join(where), receiver.pid)
 
 
 # ----------------------------------------------------------------------------------

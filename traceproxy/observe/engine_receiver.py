@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -203,6 +204,10 @@ class EngineSpans:
         return b""
 
     # -- reading -------------------------------------------------------------------------
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
     def open_work(self) -> list:
         """(trace id, EngineStage) of the traces with a worker that has not finished, oldest
         first, that no request in flight here has (all of them where that is not known)."""

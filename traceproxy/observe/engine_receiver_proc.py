@@ -122,6 +122,10 @@ class EngineReceiverProcess:
             self._reader.close()
 
     # -- reading ---------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def numbers(self) -> dict:
         """The ``engine_spans`` object of ``/debug/inflight`` (the receiver's counts, as of its
         last report; what it relayed and dropped, counted here)."""
