@@ -162,7 +162,7 @@ def _decode_reset(router: RouterKind, plain: Expectation) -> Expectation:
         return Expectation(failure_of=Blame.ENGINE, note=(
             f"{router.name} {router.version} reports decode's reset inside a clean stream: an SSE error event, "
             "then [DONE] and a proper end; that is still an upstream failure, blamed on the engine"),
-            if_said_ok="traceproxy said OK: it does not judge an in-band error event a failure yet")
+            if_said_ok="traceproxy said OK: it took the in-band error event for a success")
     return replace(plain, note=f"{router.name} cuts the client's stream when decode's connection goes")
 
 
