@@ -132,19 +132,19 @@ def test_spans_of_other_shapes_are_not_kept():
 # ----------------------------------------------------------------------------------
 # the store: bounds
 # ----------------------------------------------------------------------------------
-def test_a_flood_of_unknown_traces_keeps_the_store_bounded_and_the_claimed_traces():
-    claimed = random_trace_id()
-    store = store_with(Request(claimed, "prefill").stages(3), max_traces=50)
-    store.claimed = frozenset({claimed})
+def test_a_flood_of_traces_keeps_the_store_bounded_and_work_stuck_at_the_engines_last():
+    stuck = random_trace_id()
+    store = store_with(Request(stuck, "prefill").stages(4), max_traces=50)
+    for n in range(1000):  # healthy requests: their engines finish them
+        done = Request(random_trace_id(), "decode")
+        store.add(read_export_request(payload(done.stages(5) + done.finish())), PEER, n)
+    assert len(store.traces) == 50 and store.stage_of(stuck) is not None
+    assert store.traces_evicted == 1000 + 1 - 50 and store.spans_dropped == 0  # nothing lost: they were done
+    # A flood of work that never finishes (spans for unknown traces): the oldest goes, and is counted.
     for n in range(1000):
-        store.add(read_export_request(payload(Request(random_trace_id(), "decode").stages(2))), PEER, n)
-    assert len(store.traces) == 50
-    assert store.stage_of(claimed) is not None  # in flight: never evicted
-    assert store.traces_evicted == 1000 + 1 - 50 and store.spans_dropped == 0
-    # Every trace claimed: a new trace's spans are dropped, and counted.
-    store.claimed = frozenset(store.traces)
-    store.add(read_export_request(payload(Request(random_trace_id(), "decode").stages(2))), PEER, 2000)
-    assert store.spans_dropped == 2 and len(store.traces) == 50  # its two stage spans
+        store.add(read_export_request(payload(Request(random_trace_id(), "decode").stages(2))), PEER, 2000 + n)
+    assert len(store.traces) == 50 and store.stage_of(stuck) is None
+    assert store.spans_dropped == 4 + 2 * (1000 - 50)  # the stuck trace's four, then each evicted one's two
 
 
 def test_a_trace_the_engines_finished_is_dropped_after_the_grace_an_open_one_is_not():
@@ -155,7 +155,7 @@ def test_a_trace_the_engines_finished_is_dropped_after_the_grace_an_open_one_is_
     assert done in store.traces
     store.sweep(GRACE_NS + 1)
     assert done not in store.traces and hung in store.traces
-    assert [t for t, _ in store.open_unclaimed()] == [hung]
+    assert [t for t, _ in store.open_traces()] == [hung]
 
 
 def test_changes_are_taken_once_each():

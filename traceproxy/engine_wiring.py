@@ -83,12 +83,12 @@ def _scraper(settings: Settings, count_at_engines):
     return scraper
 
 
-def _receiver(settings: Settings, relay, claimed):
+def _receiver(settings: Settings, relay):
     from .observe.engine_receiver import EngineSpans
 
     engines = settings.engines
     return EngineSpans(engines.otlp_receiver, engines.otlp_receiver_grpc, max_traces=engines.span_traces,
-                       relay=relay, claimed=claimed)
+                       relay=relay)
 
 
 def _join(settings: Settings, stages, readings):
@@ -235,7 +235,7 @@ async def start_service(settings: Settings, links, export_config) -> ServiceEngi
     try:
         if receiving(settings):
             relay = await _parent_relay(export_config if settings.engines.otlp_receiver_relay else None)
-            receiver = _receiver(settings, relay, None)
+            receiver = _receiver(settings, relay)
             receiver.on_changes.append(lambda message: links.tell_readings({"stages": message}))
             await receiver.start()
             scraper.receiver = receiver

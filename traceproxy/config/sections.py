@@ -328,9 +328,10 @@ class Engines:
         "fans them out to traceproxy and to the backend would get them back, and send them round again.")
     span_traces: int = setting(
         integer(16), 10000,
-        "Traces whose engine spans are kept for the join, at most; past it the one updated longest ago "
-        "that no request in flight has goes first, and when every one is in flight new spans are dropped "
-        "(counted). A trace the engines finished is dropped 30 s after its last span.")
+        "Traces whose engine spans are kept for the join, at most. A trace the engines finished is "
+        "dropped 30 s after its last span; past the bound, the one the engines finished longest ago goes "
+        "first, and only when every kept trace still has work at the engines the one updated longest ago "
+        "(its spans counted as dropped for lack of room).")
     span_settle: float = setting(
         seconds(), 2.0,
         "A request sent upstream this long ago with no response yet, of which no engine has exported a "

@@ -67,16 +67,15 @@ class BodyRefused(Exception):
 
 
 class EngineSpans:
-    """The receivers, the store and the relay. ``relay``: a ``SpanExportPipe`` whose
-    exporter writes somewhere (None: spans are kept for the join, relayed nowhere);
-    ``claimed``: the trace ids the proxy has in flight, in this process (None in the
-    service's parent, which does not see the requests)."""
+    """The receivers, the store and the relay. ``relay``: what takes a ``RawSpans`` to
+    traceproxy's span destination (``submit_raw``: a ``SpanExportPipe``, or the pipe to the
+    proxy from the receivers' own process); None: spans are kept for the join, relayed
+    nowhere."""
 
-    def __init__(self, http_address, grpc_address, *, max_traces: int, relay=None,
-                 claimed: Callable[[], frozenset[int]] | None = None) -> None:
+    def __init__(self, http_address, grpc_address, *, max_traces: int, relay=None) -> None:
         self.http_address, self.grpc_address = http_address, grpc_address
         self.store = EngineSpanStore(max_traces)
-        self.relay, self.claimed = relay, claimed
+        self.relay = relay
         self.on_changes: list[Callable[[dict], None]] = []
         self.requests = 0
         self.rejected = dict.fromkeys(REASONS, 0)
@@ -137,7 +136,7 @@ class EngineSpans:
             self._grpc = None
 
     async def _tick(self) -> None:
-        """Send the stages that changed; once a second, learn what is in flight and sweep."""
+        """Send the stages that changed; once a second, sweep."""
         swept = time.monotonic()
         while True:
             await asyncio.sleep(FLUSH_S)
@@ -148,8 +147,6 @@ class EngineSpans:
                     listener(message)
             if time.monotonic() - swept >= SWEEP_S:
                 swept = time.monotonic()
-                if self.claimed is not None:
-                    self.store.claimed = self.claimed()
                 self.store.sweep(time.monotonic_ns())
 
     # -- one export request ------------------------------------------------------------
@@ -209,9 +206,9 @@ class EngineSpans:
         return os.getpid()
 
     def open_work(self) -> list:
-        """(trace id, EngineStage) of the traces with a worker that has not finished, oldest
-        first, that no request in flight here has (all of them where that is not known)."""
-        return self.store.open_unclaimed()
+        """(trace id, EngineStage) of the traces with a worker that has not finished, updated
+        longest ago first (whether a request in flight has them is the caller's to judge)."""
+        return self.store.open_traces()
 
     def numbers(self) -> dict:
         """The ``engine_spans`` object of ``/debug/inflight``."""

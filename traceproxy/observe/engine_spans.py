@@ -24,12 +24,16 @@ over one connection teaches nothing); else the resource's ``host.name`` and
 ``process.pid`` (``OTEL_RESOURCE_ATTRIBUTES`` sets them); else unknown.
 
 Bounds: at most ``MAX_WORKERS_PER_TRACE`` workers per trace (each a few fields), at most
-``max_traces`` traces. A trace whose every worker finished is dropped ``GRACE_NS`` after
-its last span (later spans of the same request still land in it). When a new trace finds
-the store full, the trace updated longest ago is evicted, unless the proxy has it in
-flight (``claimed``, refreshed by the join); when every trace is claimed, the new trace's
-spans are dropped and counted. So a flood of spans for unknown traces holds at most
-``max_traces`` traces and never evicts a request in flight.
+``max_traces`` traces. A trace past the engines (every worker finished, or ended its
+last stage) is dropped ``GRACE_NS`` after its last span (later spans of the same request
+still land in it). When a new trace finds the store full, the trace past the engines
+updated longest ago goes first (nothing is lost: its request is done there); only when
+every kept trace still has work at the engines does the one updated longest ago go, and
+its spans count as dropped for lack of room (``spans_dropped``). So a flood of spans for
+unknown traces holds at most ``max_traces`` traces, and work stuck at the engines (the
+leak an engine orphan is) outlives any number of healthy requests. The stages of the
+requests in flight are kept apart, by each proxy process (``engine_join.StageFacts``):
+the store's evictions never take them from the live view.
 
 Times: spans carry wall-clock nanoseconds, which the stages keep; the store's own
 bookkeeping (grace, eviction order) uses the monotonic time passed in. No clock is read here.
@@ -68,20 +72,21 @@ class _Trace:
     workers: dict[int, _WorkerSpans] = field(default_factory=dict)
     updated_ns: int = 0  # monotonic, when its last span came
     stage: EngineStage | None = None  # what the join reads; recomputed at each update
+    spans: int = 0  # the spans it was built from
 
 
 class EngineSpanStore:
     def __init__(self, max_traces: int) -> None:
         self.max_traces = max_traces
         self.traces: dict[int, _Trace] = {}  # insertion order: updated longest ago first
-        self.claimed: frozenset[int] = frozenset()  # trace ids the proxy has in flight (set by the join)
+        self._past: dict[int, None] = {}  # the traces past the engines, updated longest ago first
         self.identities: dict[tuple[str, str], tuple[str, int | None]] = {}  # (exporter, role) -> host, pid
         self.changed: set[int] = set()  # traces whose stage changed since take_changes
         self.seen_engine_spans = False  # an engine has exported a stage span here
         self._swept_ns: int | None = None
         self.spans_received = 0
         self.spans_kept = 0
-        self.spans_dropped = 0  # for lack of room: every trace in the store was claimed
+        self.spans_dropped = 0  # for lack of room: of traces evicted with work still at the engines
         self.traces_evicted = 0
 
     # -- taking spans ------------------------------------------------------------------
@@ -157,30 +162,33 @@ class EngineSpanStore:
     def _trace(self, trace_id: int, now_ns: int, create: bool = True) -> _Trace | None:
         trace = self.traces.pop(trace_id, None)  # popped and put back: the dict stays in update order
         if trace is None:
-            if not create or not self._room(now_ns):
-                if create:
-                    self.spans_dropped += 1
+            if not create:
                 return None
+            self._make_room(now_ns)
             trace = _Trace()
         self.traces[trace_id] = trace
         trace.updated_ns = now_ns
+        trace.spans += 1
         self.spans_kept += 1
         return trace
 
-    def _room(self, now_ns: int) -> bool:
+    def _make_room(self, now_ns: int) -> None:
         if len(self.traces) < self.max_traces:
-            return True
+            return
         if self._swept_ns is None or now_ns - self._swept_ns >= SWEEP_EVERY_NS:
             self.sweep(now_ns)
             if len(self.traces) < self.max_traces:
-                return True
-        for trace_id in self.traces:  # updated longest ago first
-            if trace_id not in self.claimed:
-                del self.traces[trace_id]
-                self.changed.discard(trace_id)
-                self.traces_evicted += 1
-                return True
-        return False
+                return
+        trace_id = next(iter(self._past)) if self._past else next(iter(self.traces))
+        trace = self._drop(trace_id)
+        self.traces_evicted += 1
+        if trace_id not in self._past and (trace.stage is None or trace.stage.state != "ended"):
+            self.spans_dropped += trace.spans
+
+    def _drop(self, trace_id: int) -> _Trace:
+        self._past.pop(trace_id, None)
+        self.changed.discard(trace_id)
+        return self.traces.pop(trace_id)
 
     def _worker(self, trace: _Trace, key: int, resource: dict, source: str) -> _WorkerSpans | None:
         worker = trace.workers.get(key)
@@ -219,6 +227,9 @@ class EngineSpanStore:
 
     def _updated(self, trace_id: int, trace: _Trace) -> None:
         stage = holding(self._progress(w) for w in trace.workers.values())
+        self._past.pop(trace_id, None)
+        if stage is not None and stage.state == "ended":
+            self._past[trace_id] = None
         if stage != trace.stage:
             trace.stage = stage
             self.changed.add(trace_id)
@@ -242,21 +253,19 @@ class EngineSpanStore:
         self.changed.clear()
         return changes
 
-    def open_unclaimed(self) -> list[tuple[int, EngineStage]]:
-        """Engine work the proxy has not in flight: traces with a worker that has not finished,
-        not claimed, oldest first."""
+    def open_traces(self) -> list[tuple[int, EngineStage]]:
+        """Work at the engines: the traces with a worker that has not finished, updated
+        longest ago first."""
         return [(trace_id, trace.stage) for trace_id, trace in self.traces.items()
-                if trace_id not in self.claimed and trace.stage is not None and trace.stage.state == "in"]
+                if trace.stage is not None and trace.stage.state == "in"]
 
     def sweep(self, now_ns: int) -> None:
-        """Drop the traces past the engines (every worker finished, or ended its last stage)
-        whose last span came more than ``GRACE_NS`` ago."""
+        """Drop the traces past the engines whose last span came more than ``GRACE_NS`` ago."""
         self._swept_ns = now_ns
-        done = [trace_id for trace_id, trace in self.traces.items()
-                if now_ns - trace.updated_ns > GRACE_NS and trace_id not in self.claimed
-                and (trace.stage is None or trace.stage.state == "ended")]
-        for trace_id in done:
-            del self.traces[trace_id]
+        for trace_id in list(self._past):  # updated longest ago first
+            if now_ns - self.traces[trace_id].updated_ns <= GRACE_NS:
+                break
+            self._drop(trace_id)
 
     def numbers(self) -> dict:
         return {"traces": len(self.traces), "spans_received": self.spans_received, "spans_kept": self.spans_kept,
