@@ -239,3 +239,14 @@ def test_a_receiver_port_that_is_taken_is_an_error_naming_its_key(start_proxy, f
             start_proxy(fast_upstream().url, **{"engines.otlp_receiver": f"127.0.0.1:{taken.getsockname()[1]}"})
     finally:
         taken.close()
+
+
+def test_serve_check_names_the_receivers_and_nothing_when_they_are_off():
+    from traceproxy.app import check_settings
+
+    on = default_settings().replace(**{"engines.otlp_receiver": "127.0.0.1:4318",
+                                       "engines.otlp_receiver_grpc": "[::1]:4317", "tracing.exporter": "off"})
+    assert dict(check_settings(on))["engine spans"] == "OTLP/HTTP 127.0.0.1:4318/v1/traces, OTLP/gRPC [::1]:4317"
+    kept = on.replace(**{"engines.otlp_receiver_relay": False})
+    assert dict(check_settings(kept))["engine spans"].endswith("(kept for the join, relayed nowhere)")
+    assert "engine spans" not in dict(check_settings(default_settings().replace(**{"tracing.exporter": "off"})))

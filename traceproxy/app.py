@@ -25,7 +25,7 @@ from .admin import ServiceAdmin, build_admin_app
 from .allocator import tune_allocator
 from .config import ConfigError, HostPort, Settings, check_appendable, check_http_endpoint, named_setting
 from .destinations import access_log_destination, admin_url, spans_destination
-from .engine_wiring import check_receiver_exposure
+from .engine_wiring import check_receiver_exposure, engine_receivers
 from .lifecycle.hooks import Fanout
 from .lifecycle.stall import THRESHOLD_KEYS, StallThresholds
 from .observe.metrics import ProxyMetrics
@@ -104,13 +104,15 @@ def check_settings(settings: Settings, environ=os.environ) -> list[tuple[str, st
     check_request_id_headers(settings)
     check_receiver_exposure(settings)
     fit_to_open_file_limit(settings, _open_file_limit(raised=True))  # its warning, as serve would log it
-    return [
+    effective = [
         ("listen", str(settings.listen)),
         ("upstream", str(settings.upstream)),
         ("admin", admin_url(settings.admin)),
         ("spans", spans_destination(export, environ)),
         ("access log", access_log_destination(settings.access_log.path)),
     ]
+    receivers = engine_receivers(settings)
+    return effective + ([("engine spans", receivers)] if receivers else [])
 
 
 def check_request_id_headers(settings: Settings) -> None:

@@ -63,6 +63,16 @@ def check_receiver_exposure(settings: Settings) -> None:
                 "or set engines.otlp_receiver_public = true")
 
 
+def engine_receivers(settings: Settings) -> str:
+    """``OTLP/HTTP 127.0.0.1:4318/v1/traces, OTLP/gRPC 127.0.0.1:4317``; empty when both are off."""
+    engines = settings.engines
+    found = [f"{kind} {address}{path}" for kind, address, path in (
+        ("OTLP/HTTP", engines.otlp_receiver, "/v1/traces"), ("OTLP/gRPC", engines.otlp_receiver_grpc, ""))
+        if address is not None]
+    relayed = "" if engines.otlp_receiver_relay else " (kept for the join, relayed nowhere)"
+    return ", ".join(found) + relayed if found else ""
+
+
 def _is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True
