@@ -64,7 +64,8 @@ class Request:
         return [self._span(f"{label} [TP 0] (host:{self.host[:8]} | pid:{self.pid})", self.req_id, self.thread_id,
                            tp_rank=0, host_id=self.host, pid=self.pid, thread_label=label),
                 self._span(f"{self.role} Req {self.rid[:8]}", self.room_id, self.req_id, rid=self.rid),
-                self._span(f"Bootstrap Room {hex(self.room)}", self.parent, self.room_id, bootstrap_room=hex(self.room))]
+                self._span(f"Bootstrap Room {hex(self.room)}", self.parent, self.room_id,
+                           bootstrap_room=hex(self.room))]
 
 
 def export_request(spans: list[Span], service: str = "sglang", **resource) -> ExportTraceServiceRequest:

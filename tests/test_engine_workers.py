@@ -41,7 +41,8 @@ def test_the_parent_receives_and_every_worker_names_its_requests(loop_thread):
                 orphan = random_trace_id()
                 with grpc.insecure_channel(f"127.0.0.1:{receiver}") as channel:
                     export = channel.unary_unary(EXPORT)
-                    spans = [span for trace_id in trace_ids(upstream) for span in Request(trace_id, "prefill").stages(4)]
+                    spans = [span for trace_id in trace_ids(upstream)
+                             for span in Request(trace_id, "prefill").stages(4)]
                     export(payload(spans), timeout=5)
                     export(payload(Request(orphan, "decode").stages(2)), timeout=5)  # no request here has it
 

@@ -158,8 +158,8 @@ class EngineStageSink:
 # ----------------------------------------------------------------------------------
 def stage_message(changes: dict[int, EngineStage | None], seen_engine_spans: bool) -> dict:
     """Plain data for the worker link: {"stages": [(trace id, stage tuple or None)], "seen": bool}."""
-    return {"stages": [(trace_id, None if stage is None else stage_tuple(stage)) for trace_id, stage in changes.items()],
-            "seen": seen_engine_spans}
+    stages = [(trace_id, None if stage is None else stage_tuple(stage)) for trace_id, stage in changes.items()]
+    return {"stages": stages, "seen": seen_engine_spans}
 
 
 def stage_tuple(stage: EngineStage) -> tuple:

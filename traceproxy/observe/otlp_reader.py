@@ -5,10 +5,10 @@ Why the official generated classes (opentelemetry-proto, installed with the OTLP
 exporter), when ``otlp_proto.py`` writes the format by hand: reading is the other way
 round. protobuf's C parser (upb, its default implementation) takes a 64-span SGLang
 batch in about 210 us with the fields below read out; a reader walking the bytes in
-Python took about 720 us for the same batch (measured on one core of a 2-core machine). The receiver reads every batch an engine exports, on the process that also
-serves the admin view (and, with one worker, proxies), so the faster one wins.
-Writing is different: there the cost is building message objects from our own
-tuples, which the hand-written encoder avoids.
+Python took about 720 us for the same batch (measured on one core of a 2-core
+machine). The receivers read every batch the engines export, so the faster one wins.
+Writing is different: there the cost is building message objects from our own tuples,
+which the hand-written encoder avoids.
 
 What is kept per span: its ids, name, times, status code and the few attributes
 SGLang's spans carry (``KEPT_SPAN_ATTRIBUTES``); per resource, the attributes that

@@ -47,7 +47,8 @@ def console_lines(payload: bytes) -> list[str]:
         for scope_spans in resource_spans.get("scopeSpans", ()):
             for span in scope_spans.get("spans", ()):
                 lines.append(f"span trace={span.get('traceId', '')} id={span.get('spanId', '')} "
-                             f"parent={span.get('parentSpanId') or '-'} service={service!r} name={span.get('name', '')!r}")
+                             f"parent={span.get('parentSpanId') or '-'} service={service!r} "
+                             f"name={span.get('name', '')!r}")
     return lines
 
 
