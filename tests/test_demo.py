@@ -159,8 +159,8 @@ def test_an_engine_failure_is_met_by_a_final_failure_blamed_on_the_engine_and_no
     assert not engine_failure.met_by(Said("failed"))
     # A failure taken for a success is not passed over in silence: the note says so.
     missed = Row(BY_KEY["decode-reset"], Said("OK", "a" * 32, Flag.OK), engine_failure)
-    assert not missed.matches and missed.note.endswith("it does not judge an in-band error event a failure yet")
-    judged = Row(BY_KEY["decode-reset"], Said("UPE engine", "a" * 32, Flag.UPE), engine_failure)
+    assert not missed.matches and missed.note.endswith("it took the in-band error event for a success")
+    judged = Row(BY_KEY["decode-reset"], Said("USE engine", "a" * 32, Flag.USE), engine_failure)
     assert judged.matches and judged.note == engine_failure.note
 
 
