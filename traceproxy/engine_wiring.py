@@ -21,12 +21,12 @@ path of the proxy changes.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import time
 
 from .config import ConfigError, Settings
+from .hostnames import is_loopback
 
 log = logging.getLogger("traceproxy")
 CLAIM_EVERY_S = 1.0
@@ -56,7 +56,7 @@ def check_receiver_exposure(settings: Settings) -> None:
         return
     for key in RECEIVER_KEYS:
         address = getattr(engines, key)
-        if address is not None and not _is_loopback(address.host):
+        if address is not None and not is_loopback(address.host):
             raise ConfigError(
                 f"engines.{key} = {str(address)!r} (from {settings.source('engines.' + key)}): {address.host} is "
                 "not a loopback address; expected a loopback HOST:PORT (127.0.0.1, [::1] or localhost) or off, "
@@ -71,15 +71,6 @@ def engine_receivers(settings: Settings) -> str:
         if address is not None]
     relayed = "" if engines.otlp_receiver_relay else " (kept for the join, relayed nowhere)"
     return ", ".join(found) + relayed if found else ""
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _scraper(settings: Settings, count_at_engines):

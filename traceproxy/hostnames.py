@@ -6,6 +6,7 @@ apart from the proxy, checks its addresses the same way.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 # A DNS label: 1 to 63 characters, no hyphen at either end. Underscores are let
@@ -19,3 +20,14 @@ def is_hostname(host: str) -> bool:
     characters would fail only at startup's lookup, as an encoding error."""
     name = host.removesuffix(".")  # a fully qualified name may end in a dot
     return 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address. Other names are not resolved: that would be
+    a side effect of reading the configuration."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

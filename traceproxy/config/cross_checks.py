@@ -8,6 +8,7 @@ import ipaddress
 import socket
 from typing import TYPE_CHECKING, Any
 
+from ..hostnames import is_loopback
 from .addresses import HostPort
 from .errors import ConfigError
 
@@ -15,17 +16,8 @@ if TYPE_CHECKING:
     from .sections import Raw
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # other hostnames: resolving them here would be a side effect
-
-
 def _check_admin_exposure(admin: HostPort | None, admin_public: bool, source: str) -> None:
-    if admin is None or admin_public or _is_loopback(admin.host):
+    if admin is None or admin_public or is_loopback(admin.host):
         return
     raise ConfigError(
         f"admin = {str(admin)!r} (from {source}): {admin.host} is not a loopback address; expected a "
