@@ -22,7 +22,7 @@ from the scanner too (see lifecycle.endings). Any other response costs one attri
 test per piece for this.
 
 State, the response's: whether its head went out, its framing, the length promised,
-whether it is an event stream and its scanner, what one read produced, whether the
+an event stream's scanner, what one read produced, whether the
 client is still to take its tail; while the client's connection is full, how much it
 had taken and when; and whether the client left once it had the whole stream.
 
@@ -54,8 +54,8 @@ log = logging.getLogger("traceproxy.relay")
 
 
 class ResponseRelay:
-    __slots__ = ("exchange", "record", "client", "ctx", "started", "framing", "chunked", "declared_length", "event_stream",
-                 "events", "event_pieces", "client_out", "awaiting_client_drain", "upstream_paused", "client_taken",
+    __slots__ = ("exchange", "record", "client", "ctx", "started", "framing", "chunked", "declared_length", "events",
+                 "event_pieces", "client_out", "awaiting_client_drain", "upstream_paused", "client_taken",
                  "client_taken_ns", "client_gone")
 
     def __init__(self, exchange: Exchange) -> None:
@@ -67,7 +67,6 @@ class ResponseRelay:
         self.framing = H.ResponseFraming.NONE
         self.chunked = False  # framing is CHUNKED: read once per chunk, so a plain bool
         self.declared_length: int | None = None  # Content-Length we promised the client
-        self.event_stream = False
         # An event stream's scanner (the record's stream_events): None for any other
         # response, which is then judged on bytes (one attribute test per chunk).
         self.events: EventScanner | None = None
@@ -103,7 +102,6 @@ class ResponseRelay:
         self.chunked = framing == H.ResponseFraming.CHUNKED
         if framing == H.ResponseFraming.LENGTH and length.isdigit():
             self.declared_length = int(length)
-        self.event_stream = parts.event_stream
         if parts.event_stream and status == 200 and head.method != "HEAD" and not _coded(parts):
             self.events = record.stream_events = EventScanner()
         # Keep the client connection only if its request was read to the end and
