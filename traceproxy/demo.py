@@ -329,7 +329,7 @@ DESCRIPTION = (
     "engine, the client, the proxy, or in front of traceproxy; a table shows each against the verdict "
     "traceproxy gave, with trace ids and a legend of the outcome codes. Everything it starts it stops. "
     "Exit status: 0 when every verdict matched, 1 when one did not, 2 when the router asked for is not installed, "
-    "130 when interrupted."
+    "130 when interrupted (Ctrl-C), 143 when stopped by SIGTERM."
 )
 
 
