@@ -394,3 +394,40 @@ def admin_metric(proxy, name: str) -> float:
     totals = prometheus_totals(admin_get(proxy, "/metrics"))
     assert name in totals, name
     return totals[name]
+
+
+async def answers_done_then_waits(reader, writer, upstream) -> None:
+    """An event stream that sends data: [DONE] and never its chunked terminator."""
+    await reader.read_request()
+    event = b"data: [DONE]\n\n"
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"%x\r\n%s\r\n" % (len(event), event))
+    await writer.drain()
+    await reader.read(1)  # until the proxy closes this connection
+
+
+class Done:
+    """An observer that keeps every record the proxy finishes."""
+
+    def __init__(self) -> None:
+        self.records = []
+
+    def on_done(self, record) -> None:
+        self.records.append(record)
+
+    def one(self):
+        assert wait_until(lambda: self.records, timeout=10), "traceproxy finished no request"
+        assert len(self.records) == 1, [r.outcome.code for r in self.records]
+        return self.records[0]
+
+
+def ended(proxy) -> list:
+    """The records of the requests ``proxy`` ends from now on, as they end."""
+    done = []
+
+    class Ended:
+        def on_done(self, record):
+            done.append(record)
+
+    proxy.fanout.add(Ended())
+    return done

@@ -19,7 +19,7 @@ import pytest
 from traceproxy.config import ConfigError, add_flags, load_settings
 from traceproxy.lifecycle.flags import Flag
 
-from .support import header_value, recv_until, wait_until
+from .support import answers_done_then_waits, header_value, recv_until, wait_until
 
 ANSWER = {"limits.client_half_close": "answer"}
 GET = b"GET /v1/models HTTP/1.1\r\nHost: a\r\n\r\n"
@@ -225,16 +225,8 @@ def test_answer_lets_the_engine_go_when_the_half_closed_client_then_resets(held,
 def test_answer_still_ends_ok_for_a_client_that_leaves_at_done(scripted_upstream, start_proxy):
     # The openai SDK closes at data: [DONE]; its FIN then means it had the whole stream,
     # in either mode, not a request still to be answered.
-    async def done_and_nothing_more(reader, writer, upstream):
-        await reader.read_request()
-        event = b"data: [DONE]\n\n"
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                     b"%x\r\n%s\r\n" % (len(event), event))
-        await writer.drain()
-        await reader.read(1)  # until the proxy closes this connection
-
     rec = Recorder()
-    up = scripted_upstream(done_and_nothing_more)
+    up = scripted_upstream(answers_done_then_waits)
     proxy = start_proxy(up.url, observers=[rec], **ANSWER)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")

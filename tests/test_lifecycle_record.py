@@ -15,7 +15,8 @@ from traceproxy.lifecycle.flags import Flag
 from traceproxy.lifecycle.marks import Mark
 from traceproxy.sim.launch import free_port
 
-from .support import RawClient, answers_partly_then_resets, raw_exchange, recv_until, wait_until
+from .support import (RawClient, answers_done_then_waits, answers_partly_then_resets, raw_exchange, recv_until,
+                      wait_until)
 
 
 class Recorder:
@@ -121,16 +122,8 @@ def test_a_client_that_leaves_at_done_before_the_terminator_ends_ok_and_the_conn
 def test_a_client_that_leaves_at_done_ends_ok_even_when_the_terminator_never_comes(scripted_upstream, start_proxy):
     from traceproxy.proxy.forward import UPSTREAM_TAIL_SECONDS
 
-    async def done_and_nothing_more(reader, writer, upstream):
-        await reader.read_request()
-        event = b"data: [DONE]\n\n"
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                     b"%x\r\n%s\r\n" % (len(event), event))
-        await writer.drain()
-        await reader.read(1)  # until the proxy closes this connection
-
     rec = Recorder()
-    up = scripted_upstream(done_and_nothing_more)
+    up = scripted_upstream(answers_done_then_waits)
     proxy = start_proxy(up.url, observers=[rec])
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")

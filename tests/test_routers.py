@@ -29,25 +29,12 @@ from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 from traceproxy.sim.routers import router_kind
 
 from .router_harness import ROUTERS_UNDER_TEST, RouterHarness, wait_for_requests
-from .support import RawClient, wait_until
+from .support import Done, RawClient, wait_until
 
 JSON = [("Content-Type", "application/json")]
 FAST = {"stall.first_byte": 0.5, "stall.stream_gap": 0.5}
 TURNS = 6
 SPAN_KIND_INTERNAL, SPAN_KIND_CLIENT = 1, 3
-
-
-class Done:
-    def __init__(self) -> None:
-        self.records = []
-
-    def on_done(self, record) -> None:
-        self.records.append(record)
-
-    def one(self):
-        assert wait_until(lambda: self.records, timeout=10), "traceproxy finished no request"
-        assert len(self.records) == 1, [r.outcome.code for r in self.records]
-        return self.records[0]
 
 
 def chat(stream: bool = True, max_tokens: int = 4) -> dict:

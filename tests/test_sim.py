@@ -46,7 +46,7 @@ from traceproxy.sim.stages import STAGE_ORDER
 
 from .otlp_receiver import OtlpGrpcReceiver
 from .router_harness import ROUTERS_UNDER_TEST, RouterHarness
-from .support import LoopThread, RawClient, wait_until
+from .support import Done, LoopThread, RawClient, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"stall.first_byte": 0.5, "stall.stream_gap": 0.5}
@@ -132,19 +132,6 @@ def read_for(client: RawClient, seconds: float) -> bytes:
             break
         out += data
     return bytes(out)
-
-
-class Done:
-    def __init__(self) -> None:
-        self.records = []
-
-    def on_done(self, record) -> None:
-        self.records.append(record)
-
-    def one(self):
-        assert wait_until(lambda: self.records, timeout=10), "traceproxy finished no request"
-        assert len(self.records) == 1, [r.outcome.code for r in self.records]
-        return self.records[0]
 
 
 def inflight_entry(proxy, code: str, timeout: float = 5.0) -> dict:

@@ -11,7 +11,7 @@ import h11
 
 from .fake_transport import ProxyHarness
 from .otlp_receiver import OtlpHttpReceiver
-from .support import RawClient, admin_get, wait_until
+from .support import RawClient, admin_get, ended, wait_until
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 TOKENS = [b'data: {"choices":[{"index":0,"delta":{"content":"t%d"},"finish_reason":null}]}\n\n' % i
@@ -25,17 +25,6 @@ POST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nx-request-id: %s\r\nC
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def ended(proxy) -> list:
-    done = []
-
-    class Ended:
-        def on_done(self, record):
-            done.append(record)
-
-    proxy.fanout.add(Ended())
-    return done
 
 
 def read_body_until(sock: socket.socket, marker: bytes) -> bytes:

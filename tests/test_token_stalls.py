@@ -18,7 +18,7 @@ import time
 import openai
 import pytest
 
-from .support import RawClient, admin_get, wait_until
+from .support import RawClient, admin_get, ended, wait_until
 
 FAST = {"stall.first_byte": 0.3, "stall.stream_gap": 0.3}
 MAX_PINGS = 100
@@ -103,18 +103,6 @@ def paced(*events: bytes, every: float = PING_EVERY):
         await reader.read(1)
 
     return handler
-
-
-def ended(proxy) -> list:
-    """The records of the requests ``proxy`` ends from now on, as they end."""
-    done = []
-
-    class Ended:
-        def on_done(self, record):
-            done.append(record)
-
-    proxy.fanout.add(Ended())
-    return done
 
 
 def stalled_with(proxy, code: str):
