@@ -190,30 +190,28 @@ class _Lines:
             self._queue.put(line)
         self._queue.put(None)
 
-    def until(self, prefix: str, timeout: float) -> str:
+    def _lines(self, timeout: float):
+        """The lines printed from now on, each kept in ``seen``, until the output ends or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                break
+                return
             if line is None:
-                break
+                return
             self.seen.append(line)
+            yield line
+
+    def until(self, prefix: str, timeout: float) -> str:
+        for line in self._lines(timeout):
             if line.strip().startswith(prefix):
                 return line.strip()
         raise AssertionError(f"no line starting {prefix!r} within {timeout} s:\n{''.join(self.seen)}")
 
     def rest(self, timeout: float = 10) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.seen.append(line)
+        for _ in self._lines(timeout):
+            pass
         return "".join(self.seen)
 
 
