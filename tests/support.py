@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 import h11
+import pytest
 import uvloop
 
 from traceproxy.observe.metrics import prometheus_totals
@@ -431,3 +432,39 @@ def ended(proxy) -> list:
 
     proxy.fanout.add(Ended())
     return done
+
+
+# Fixtures shared by more than one test module; a module that uses one imports it by name.
+@pytest.fixture
+def start_pipe(loop_thread):
+    """``start_pipe(export_config)`` -> a running SpanExportPipe, stopped at the test's end."""
+    from traceproxy.observe.export import SpanExportPipe
+
+    started = []
+
+    def factory(export_config):
+        pipe = SpanExportPipe(export_config)
+        loop_thread.run(pipe.start())
+        started.append(pipe)
+        return pipe
+
+    yield factory
+    for pipe in started:
+        loop_thread.run(pipe.stop(timeout=2.0))
+
+
+@pytest.fixture
+def start_worker(loop_thread):
+    """``start_worker(role, **options)`` -> a running simulated engine worker, stopped at the test's end."""
+    from traceproxy.sim.engine import SimWorker
+
+    started = []
+
+    def factory(role: str, **kwargs):
+        worker = loop_thread.run(SimWorker(role, **kwargs).start())
+        started.append(worker)
+        return worker
+
+    yield factory
+    for worker in started:
+        loop_thread.run(worker.stop())

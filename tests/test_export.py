@@ -36,7 +36,7 @@ from traceproxy.observe.tracing import TracingObserver
 from traceproxy.sim.launch import free_port
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan, flatten
-from .support import RawClient, wait_until
+from .support import RawClient, start_pipe, wait_until  # noqa: F401  (start_pipe: a fixture)
 
 BASE_NS = 1_700_000_000_123_456_789
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
@@ -102,21 +102,6 @@ def assert_sample_trace(received: list[ReceivedSpan], trace_id: int = TRACE_ID) 
         assert span.resource["service.name"] == "proxy-under-test"
         assert span.resource["deployment.environment"] == "test"
         assert (span.scope_name, span.scope_version) == ("traceproxy", traceproxy.__version__)
-
-
-@pytest.fixture
-def start_pipe(loop_thread):
-    started: list[SpanExportPipe] = []
-
-    def factory(config: ExportConfig) -> SpanExportPipe:
-        pipe = SpanExportPipe(config)
-        loop_thread.run(pipe.start())
-        started.append(pipe)
-        return pipe
-
-    yield factory
-    for pipe in started:
-        loop_thread.run(pipe.stop(timeout=2.0))
 
 
 def stats_of(loop_thread, pipe: SpanExportPipe) -> dict:

@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from traceproxy.observe.export import ExportConfig, SpanExportPipe
+from traceproxy.observe.export import ExportConfig
 from traceproxy.observe.export_wire import FRAME_HEADER, RawSpans, decode_frame, flatten_raw, frame
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 from .sglang_spans import Request, payload, random_trace_id
-from .support import wait_until
+from .support import start_pipe, wait_until  # noqa: F401  (start_pipe: a fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -27,21 +27,6 @@ def no_otel_environment(monkeypatch):
 def config(exporter: str, **overrides) -> ExportConfig:
     return ExportConfig(**{"exporter": exporter, "otlp_endpoint": "", "otlp_protocol": "http/protobuf",
                            "file_path": "", "service_name": "traceproxy", **overrides})
-
-
-@pytest.fixture
-def start_pipe(loop_thread):
-    started: list[SpanExportPipe] = []
-
-    def factory(export_config: ExportConfig) -> SpanExportPipe:
-        pipe = SpanExportPipe(export_config)
-        loop_thread.run(pipe.start())
-        started.append(pipe)
-        return pipe
-
-    yield factory
-    for pipe in started:
-        loop_thread.run(pipe.stop(timeout=2.0))
 
 
 def test_a_raw_item_crosses_the_pipe_as_it_is():

@@ -46,7 +46,7 @@ from traceproxy.sim.stages import STAGE_ORDER
 
 from .otlp_receiver import OtlpGrpcReceiver
 from .router_harness import ROUTERS_UNDER_TEST, RouterHarness
-from .support import Done, LoopThread, RawClient, wait_until
+from .support import Done, LoopThread, RawClient, start_worker, wait_until  # noqa: F401  (start_worker: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"stall.first_byte": 0.5, "stall.stream_gap": 0.5}
@@ -216,20 +216,6 @@ def stop_child(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
 # ----------------------------------------------------------------------------------
 # 1. The workers on their own
 # ----------------------------------------------------------------------------------
-@pytest.fixture
-def start_worker(loop_thread):
-    started: list[SimWorker] = []
-
-    def factory(role: str, **kwargs) -> SimWorker:
-        worker = loop_thread.run(SimWorker(role, **kwargs).start())
-        started.append(worker)
-        return worker
-
-    yield factory
-    for worker in started:
-        loop_thread.run(worker.stop())
-
-
 def test_fault_table_parses_every_fault_and_rejects_bad_specs(capsys):
     for name, kind in FAULTS.items():
         assert parse_fault(name) == (name, kind.default)

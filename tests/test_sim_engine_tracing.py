@@ -33,7 +33,7 @@ from traceproxy.sim.stages import CHUNKED_PREFILL_SIZE, REQUEST_STAGES, STAGE_OR
 
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan
 from .router_harness import RouterHarness
-from .support import RawClient, admin_get, wait_until
+from .support import RawClient, admin_get, start_worker, wait_until  # noqa: F401  (start_worker: a fixture)
 
 JSON = [("Content-Type", "application/json")]
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -85,22 +85,6 @@ def traced_worker(start_worker, grpc_receiver, monkeypatch):
         return start_worker(role, otlp_endpoint=f"127.0.0.1:{grpc_receiver.port}", **options)
 
     return factory
-
-
-@pytest.fixture
-def start_worker(loop_thread):
-    from traceproxy.sim.engine import SimWorker
-
-    started = []
-
-    def factory(role: str, **kwargs) -> SimWorker:
-        worker = loop_thread.run(SimWorker(role, **kwargs).start())
-        started.append(worker)
-        return worker
-
-    yield factory
-    for worker in started:
-        loop_thread.run(worker.stop())
 
 
 # ----------------------------------------------------------------------------------
