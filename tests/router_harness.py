@@ -183,3 +183,18 @@ def http_exchange(port: int, method: str, path: str, headers: dict[str, str] | N
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
     finally:
         conn.close()
+
+
+# The fixtures of a module that runs its tests once behind each router; it imports them by name.
+@pytest.fixture(scope="module", params=ROUTERS_UNDER_TEST)
+def harness(request, loop_thread):
+    with RouterHarness(loop_thread, request.param) as started:
+        yield started
+
+
+@pytest.fixture
+def pd_router(harness):
+    """The module's router with empty records, no faults and default pacing."""
+    harness.reset()
+    yield harness
+    harness.reset()

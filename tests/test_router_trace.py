@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from .router_harness import ROUTERS_UNDER_TEST, RouterHarness, http_exchange, wait_for_requests
+from .router_harness import harness, pd_router  # noqa: F401  (fixtures, used by name)
+from .router_harness import http_exchange, wait_for_requests
 
 TRACEPARENT_RE = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 # vllm-router's own request id: ___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_<32 hex>
@@ -28,20 +29,6 @@ CLIENT_SPAN_ID = "00f067aa0ba902b7"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
 CLIENT_TRACESTATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
 CLIENT_BAGGAGE = "userId=alice,isProduction=false"
-
-
-@pytest.fixture(scope="module", params=ROUTERS_UNDER_TEST)
-def harness(request, loop_thread):
-    with RouterHarness(loop_thread, request.param) as started:
-        yield started
-
-
-@pytest.fixture
-def pd_router(harness):
-    """The module's router with empty records, no faults and default pacing."""
-    harness.reset()
-    yield harness
-    harness.reset()
 
 
 def request_body(path: str, stream: bool, rid: str | None = None) -> dict:

@@ -28,7 +28,8 @@ import requests
 from .otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 from traceproxy.sim.routers import router_kind
 
-from .router_harness import ROUTERS_UNDER_TEST, RouterHarness, wait_for_requests
+from .router_harness import RouterHarness, wait_for_requests
+from .router_harness import harness, pd_router  # noqa: F401  (fixtures, used by name)
 from .support import Done, RawClient, wait_until
 
 JSON = [("Content-Type", "application/json")]
@@ -46,17 +47,9 @@ def sse_events(body: bytes) -> list[str]:
     return [part[len(b"data: "):].decode() for part in body.split(b"\n\n") if part.startswith(b"data: ")]
 
 
-@pytest.fixture(scope="module", params=ROUTERS_UNDER_TEST)
-def harness(request, loop_thread):
-    with RouterHarness(loop_thread, request.param) as started:
-        yield started
-
-
 @pytest.fixture
-def pd(harness):
-    harness.reset()
-    yield harness
-    harness.reset()
+def pd(pd_router):
+    return pd_router
 
 
 # ----------------------------------------------------------------------------------
