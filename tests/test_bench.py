@@ -26,8 +26,9 @@ import pytest
 from traceproxy.bench import report
 from traceproxy.bench.client import Conn, Recorder
 from traceproxy.bench.procs import Child, Children, python_module, wait_port_file
-from traceproxy.bench.proxy_proc import build_settings, logged_overrides, minimal_overrides, traced_overrides
-from traceproxy.bench.runner import parse_targets, run_order
+from traceproxy.bench.proxy_proc import (build_settings, defaults_overrides, logged_overrides, minimal_overrides,
+                                         traced_overrides)
+from traceproxy.bench.runner import default_targets, parse_targets, run_order
 from traceproxy.bench.scenarios import BY_NAME, RequestSpec, scaled, select
 from traceproxy.bench.session import split
 from traceproxy.bench.stats import Samples, percentile
@@ -76,9 +77,10 @@ def test_bench_smoke_run_end_to_end(tmp_path):
 
 
 def test_bench_every_target_with_spans_to_the_sink_and_lines_to_the_log(tmp_path):
-    """direct, proxy, proxy-traced and proxy-logged side by side; spans reach the OTLP sink, lines the
-    access log; stdout is only the report (no access-log line from a child), and nothing is written to
-    the bench's working directory."""
+    """direct, bare, proxy-traced, proxy-logged and defaults side by side; spans reach the OTLP sink, lines
+    the access log; every proxy target has its CPU µs per request (exporter included), and each observed
+    target is priced against bare; stdout is only the report (no access-log line from a child, although
+    defaults logs to stdout), and nothing is written to the bench's working directory."""
     report_path = tmp_path / "bench.json"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -87,21 +89,33 @@ def test_bench_every_target_with_spans_to_the_sink_and_lines_to_the_log(tmp_path
 
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| scenario"))
-    assert _cells(header)[2:] == ["direct", "proxy", "proxy-traced", "proxy-logged", "proxy vs direct",
-                                  "traced vs direct", "logged vs direct"]
-    for name, label in (("S1", "req/s"), ("S5", "ok / errors / hangs")):
+    assert _cells(header)[2:] == ["direct", "bare", "proxy-traced", "proxy-logged", "defaults", "bare vs direct",
+                                  "traced vs direct", "logged vs direct", "defaults vs direct"]
+    for name, label in (("S1", "req/s"), ("S5", "ok / errors / hangs"), ("S1", "proxy CPU µs/request"),
+                        ("S5", "proxy CPU µs/request")):  # a figure for every proxy target
         row = next(_cells(line) for line in lines if line.startswith(f"| {name}") and f"| {label} " in line)
-        assert all(cell not in ("", "–") for cell in row[2:6]), row
+        assert all(cell not in ("", "–") for cell in row[3:7]), row
     assert sum(line.startswith("- S1 throughput:") for line in lines) == 2  # tracing's cost, the log's cost
+    prices = [line for line in lines if line.startswith("- S1: bare ")]
+    assert len(prices) == 1 and all(f"{t} " in prices[0] for t in ("traced", "logged", "defaults")), prices
     assert not [line for line in lines if line.lstrip().startswith("{")], "a child wrote to the bench's stdout"
     assert list(cwd.iterdir()) == []
 
     doc = json.loads(report_path.read_text())
     summary = doc["summary"]
     for name in ("S1", "S5"):
-        for target in report.TARGETS:
+        for target in report.DEFAULT_TARGETS:
             assert summary[name][target]["ok"] > 0, (name, target)
-    for target in ("proxy", "proxy-traced", "proxy-logged"):
+        for target in ("bare", "proxy-traced", "proxy-logged", "defaults"):
+            [run] = doc["runs"][name][target]
+            # the tree's CPU until it was quiet after the load, over the requests answered: at least
+            # what the run's CPU % saw while the load ran (the kernel counts in 10 ms ticks, so a
+            # run of four requests, S5 here, may read 0)
+            assert run["proxy_cpu_s"] >= 0 and (run["proxy_cpu_s"] > 0 or name != "S1"), (name, target)
+            assert summary[name][target]["cpu_us"] == pytest.approx(run["proxy_cpu_s"] * 1e6 / run["ok"])
+            assert run["proxy_cpu_s"] >= run["cpu"]["proxy"] / 100 * run["elapsed"] * 0.5, (name, target, run)
+        assert summary[name]["direct"]["cpu_us"] is None
+    for target in ("bare", "proxy-traced", "proxy-logged", "defaults"):
         assert summary["S5"][target]["errors"] == 0, target
         assert summary["S5"][target]["hangs"] == 0, target
     tracing = doc["tracing"]
@@ -109,9 +123,10 @@ def test_bench_every_target_with_spans_to_the_sink_and_lines_to_the_log(tmp_path
     assert tracing["proxy_metrics_before_stop"]["requests_total"] > 0
     access_log = doc["access_log"]
     assert access_log["file"]["lines"] >= access_log["proxy_metrics_before_stop"]["requests_total"] > 0
-    traced_processes = doc["memory"]["proxy-traced"]["processes"]  # the proxy and its exporter process
-    assert traced_processes and all(p["vm_hwm_bytes"] > 0 for p in traced_processes)
-    assert doc["memory"]["proxy"]["peak_bytes"] > 0
+    for target in ("proxy-traced", "defaults"):  # the proxy and its exporter process
+        processes = doc["memory"][target]["processes"]
+        assert len(processes) == 2 and all(p["vm_hwm_bytes"] > 0 for p in processes), target
+    assert len(doc["memory"]["bare"]["processes"]) == 1 and doc["memory"]["bare"]["peak_bytes"] > 0
 
 
 def test_bench_rejects_unknown_scenario_and_target():
@@ -151,9 +166,13 @@ def test_bench_refuses_bad_arguments_before_starting_anything(argv, message):
 
 def test_targets_are_parsed_in_table_order_and_rotated_per_rep():
     assert parse_targets("proxy-traced, DIRECT") == ("direct", "proxy-traced")
+    assert parse_targets("defaults,bare") == ("bare", "defaults")
     with pytest.raises(ValueError):
         parse_targets("proxy,traced")
-    targets = report.TARGETS
+    # without --proxy-cmd, proxy would be bare again; with one, it is its column
+    assert parse_targets(default_targets(None)) == ("direct", "bare", "proxy-traced", "proxy-logged", "defaults")
+    assert parse_targets(default_targets("nginx -c x")) == report.TARGETS
+    targets = ("direct", "proxy", "proxy-traced", "proxy-logged")
     assert [run_order(targets, rep) for rep in range(5)] == [
         ("direct", "proxy", "proxy-traced", "proxy-logged"), ("proxy", "proxy-traced", "proxy-logged", "direct"),
         ("proxy-traced", "proxy-logged", "direct", "proxy"), ("proxy-logged", "direct", "proxy", "proxy-traced"),
@@ -170,8 +189,11 @@ def test_proxy_targets_differ_only_in_observability():
         "otlp", "http://127.0.0.1:2", "http/protobuf")
     assert traced.access_log.path == "" and traced.admin.port == 0
     assert (logged.tracing.exporter, logged.access_log.path, logged.admin.port) == ("off", "/tmp/access.jsonl", 0)
+    shipped = build_settings(upstream, defaults_overrides())
+    assert (shipped.tracing.exporter, shipped.access_log.path, shipped.admin.port) == ("auto", "-", 0)
     for section in ("timeouts", "pool", "limits", "stall", "forwarding", "request_id"):
-        assert getattr(plain, section) == getattr(traced, section) == getattr(logged, section), section
+        assert getattr(plain, section) == getattr(traced, section) == getattr(logged, section) == \
+            getattr(shipped, section), section
     # --proxy-set comes after the target's keys, so it wins
     assert build_settings(upstream, [*minimal_overrides(), "access_log.path=-"]).access_log.path == "-"
 
@@ -187,7 +209,8 @@ def test_report_compares_every_proxy_target_with_direct_and_prices_tracing():
         "S2": {"direct": _figures(None, 1.0, 20.0), "proxy": _figures(None, 1.0, 21.0),
                "proxy-traced": _figures(None, 1.0, 21.5, errors=2)},
     }
-    rows = report.scenario_rows("S1", ("req_s", "latency_p50"), summary["S1"])
+    rows = report.scenario_rows("S1", ("req_s", "latency_p50"), summary["S1"],
+                                ("direct", "proxy", "proxy-traced", "proxy-logged"))
     assert rows[0] == ["S1", "req/s", "1,000", "500.0", "400.0", "–", "0.50×", "0.40×", "–"]  # proxy-logged: not run
     rows = report.scenario_rows("S1", ("req_s", "latency_p50"), summary["S1"], ("direct", "proxy", "proxy-traced"))
     assert rows[0] == ["S1", "req/s", "1,000", "500.0", "400.0", "0.50×", "0.40×"]
@@ -196,8 +219,8 @@ def test_report_compares_every_proxy_target_with_direct_and_prices_tracing():
     memory = {"proxy": {"peak_bytes": 50 << 20, "processes": [{"vm_hwm_bytes": 50 << 20}]},
               "proxy-traced": {"peak_bytes": 90 << 20,
                                "processes": [{"vm_hwm_bytes": 60 << 20}, {"vm_hwm_bytes": 30 << 20}]}}
-    assert report.memory_row(memory, report.TARGETS)[2:5] == ["–", "50.0", "90.0 (60.0 + 30.0)"]
-    cost = report.added_cost(summary, memory, "proxy-traced")
+    assert report.memory_row(memory, ("direct", "proxy", "proxy-traced"))[2:5] == ["–", "50.0", "90.0 (60.0 + 30.0)"]
+    cost = report.added_cost(summary, memory, "proxy-traced", "proxy")
     assert cost[0].endswith("a 20.0 % drop")
     assert "+0.10 ms added" in cost[1] and cost[1].startswith("S1 request latency p50")
     assert "+0.50 ms added" in cost[2] and cost[2].startswith("S2 TTFT p50")
@@ -205,7 +228,23 @@ def test_report_compares_every_proxy_target_with_direct_and_prices_tracing():
     assert report.regressed(summary["S2"]["direct"], summary["S2"]["proxy-traced"])
     assert not report.regressed(summary["S2"]["direct"], summary["S2"]["proxy"])
     assert report.added_cost({"S1": {"direct": _figures(1, 1)}}, {}, "proxy-traced") == []
-    assert report.added_cost(summary, memory, "proxy-logged") == []  # not run
+    assert report.added_cost(summary, memory, "proxy-logged", "proxy") == []  # not run
+    assert report.added_cost(summary, memory, "proxy-traced") == []  # bare did not run
+
+
+def test_cpu_per_request_is_the_trees_cpu_over_the_requests_answered_and_priced_against_bare():
+    run = {"ok": 400, "proxy_cpu_s": 0.05}
+    assert report.cpu_us_per_request(run) == pytest.approx(125.0)
+    assert report.cpu_us_per_request({"ok": 0, "proxy_cpu_s": 0.05}) is None  # nothing answered: no figure
+    assert report.cpu_us_per_request({"ok": 10, "proxy_cpu_s": None}) is None  # direct, or the proxy died
+    summary = {"S1": {"bare": {"cpu_us": 100.0}, "proxy-logged": {"cpu_us": 130.0}, "defaults": {"cpu_us": 250.0}},
+               "S3": {"bare": {"cpu_us": None}, "defaults": {"cpu_us": 9.0}}}
+    targets = ("direct", "bare", "proxy-logged", "defaults")
+    assert report.observer_prices(summary, targets) == [
+        "S1: bare 100 µs; logged 130 (+30, 1.30×); defaults 250 (+150, 2.50×)"]  # S3: no bare figure
+    assert report.observer_prices(summary, ("direct", "defaults")) == []  # nothing to price against
+    assert report.bare_of(("direct", "proxy", "proxy-traced")) == "proxy"
+    assert report.bare_of(("direct", "bare", "proxy")) == "bare"
 
 
 # --- the OTLP sink ---------------------------------------------------------------------------

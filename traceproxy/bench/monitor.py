@@ -97,6 +97,12 @@ class CpuWindow:
         self._t0 = time.monotonic()
         self._cpu0 = self._read()
 
+    def seconds(self, name: str) -> float | None:
+        """CPU seconds of one of them since ``start()``, read now (None: not there at both ends)."""
+        pid, tree = self.pids[name]
+        now, then = cpu_seconds(pid, tree), self._cpu0.get(name)
+        return None if now is None or then is None else max(0.0, now - then)
+
     def stop(self) -> dict[str, float | None]:
         """None for a process that was not there at both ends: it exited (or never
         started) during the window, and what it used is unknown."""

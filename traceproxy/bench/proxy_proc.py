@@ -17,9 +17,14 @@ The bench's in-tree targets differ only in their observability keys, laid over
 * ``proxy-traced``: tracing to an OTLP http/protobuf endpoint (the bench's sink), with
   the access log off, so it measures tracing alone (``traced_overrides``).
 * ``proxy-logged``: the access log to a file, tracing off (``logged_overrides``).
+* ``defaults``: ``serve`` as shipped (``defaults_overrides``): spans to the local file,
+  the access log to stdout (the bench's children write it to ``/dev/null``), the admin
+  listener on.
 
-The last two run the admin listener on an ephemeral port, so the bench can read
-their counters from ``/metrics``.
+``bare`` is ``proxy``'s keys under its own name, so that a ``--proxy-cmd`` can take the
+``proxy`` column while the in-tree proxy with every observer off stays in the table.
+All but ``proxy`` and ``bare`` run the admin listener on an ephemeral port, so the bench
+can read their counters from ``/metrics``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ from .procs import raise_fd_limit, wait_for_stop_signal, write_port_file
 
 def minimal_overrides() -> list[str]:
     return ["tracing.exporter=off", "access_log.path="]
+
+
+def defaults_overrides() -> list[str]:
+    """Only what the bench must choose: the admin listener's port (the default one may be taken)."""
+    return ["admin=127.0.0.1:0"]
 
 
 def traced_overrides(otlp_endpoint: str) -> list[str]:

@@ -6,7 +6,9 @@ requests never started because the scenario ran out of its time budget.
 
 The table has one value column per target and, when ``direct`` ran, one comparison
 column per proxy target against it. ``added_cost`` compares ``proxy-traced`` (or
-``proxy-logged``) with ``proxy``: what turning tracing (or the access log) on costs.
+``proxy-logged``) with ``bare`` (or ``proxy`` when ``bare`` did not run): what turning
+tracing (or the access log) on costs. ``observer_prices`` says the same in CPU µs per
+request, for every scenario and every observed target, ``defaults`` included.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ from typing import Callable
 
 from .stats import median, merge_lists, percentile
 
-TARGETS = ("direct", "proxy", "proxy-traced", "proxy-logged")
+TARGETS = ("direct", "bare", "proxy", "proxy-traced", "proxy-logged", "defaults")
+# Run unless --targets says otherwise; ``proxy`` only with --proxy-cmd (without one it is ``bare``).
+DEFAULT_TARGETS = ("direct", "bare", "proxy-traced", "proxy-logged", "defaults")
 BASELINE = "direct"
-SHORT = {"direct": "direct", "proxy": "proxy", "proxy-traced": "traced", "proxy-logged": "logged"}
+BARE = ("bare", "proxy")  # the target observers are priced against: the first of these that ran
+OBSERVED = ("proxy-traced", "proxy-logged", "defaults")
+SHORT = {"direct": "direct", "bare": "bare", "proxy": "proxy", "proxy-traced": "traced", "proxy-logged": "logged",
+         "defaults": "defaults"}
 _SUMMED = ("ok", "hangs", "skipped", "reconnects", "server_closes", "bytes_up", "bytes_down", "events", "streams")
 _SAMPLES = ("ttfb", "ttft", "gaps", "delivery", "latency")
 SATURATED = 90  # CPU % of one core at which a helper process, not the proxy, sets the pace
@@ -35,6 +42,7 @@ def merge(parts: list[dict]) -> dict:
         for kind, n in part["errors"].items():
             errors[kind] = errors.get(kind, 0) + n
     merged["errors"] = errors
+    merged["proxy_cpu_s"] = None
     for key in _SAMPLES:
         merged[key] = merge_lists([p.get(key, []) for p in parts])
     return merged
@@ -45,10 +53,17 @@ def _ms(values: list[float], pct: float) -> float | None:
     return None if value is None else value * 1000
 
 
+def cpu_us_per_request(run: dict) -> float | None:
+    """The proxy tree's CPU (exporter included, read once it was quiet again) per request answered."""
+    cpu_s = run.get("proxy_cpu_s")
+    return None if cpu_s is None or not run["ok"] else cpu_s * 1e6 / run["ok"]
+
+
 def figures(run: dict) -> dict:
     """The numbers of one run that the table can show."""
     secs = max(run["elapsed"], 1e-9)
     return {
+        "cpu_us": cpu_us_per_request(run),
         "req_s": run["ok"] / secs,
         "events_s": run["events"] / secs,
         "streams_s": run["streams"] / secs,
@@ -154,6 +169,7 @@ METRICS: dict[str, Metric] = {
     "reconnects": Metric("reconnects", _value("reconnects", 0),
                          lambda d, p: "–" if not d or not p else f"{p['reconnects'] - d['reconnects']:+d}"),
     "cpu": Metric("CPU % load / upstream / proxy", _cpu, lambda d, p: ""),
+    "cpu_us": Metric("proxy CPU µs/request", _value("cpu_us", 0), lambda d, p: ""),
 }
 
 
@@ -210,11 +226,38 @@ def regressed(direct: dict, proxy: dict) -> bool:
     return bool(proxy["errors"] + proxy["hangs"]) and not (direct and direct["errors"] + direct["hangs"])
 
 
-def added_cost(summary: dict[str, dict], memory: dict[str, dict], target: str) -> list[str]:
-    """What a feature costs: ``target`` (proxy-traced, proxy-logged) against proxy. Empty unless both ran."""
+def bare_of(targets) -> str | None:
+    """The target observers are priced against, of those that ran."""
+    return next((t for t in BARE if t in targets), None)
+
+
+def observer_prices(summary: dict[str, dict], targets: tuple[str, ...]) -> list[str]:
+    """Per scenario, each observed target's CPU µs per request against bare's: what its observers cost."""
+    base = bare_of(targets)
+    observed = [t for t in OBSERVED if t in targets]
+    out = []
+    if base is None or not observed:
+        return out
+    for name, entry in summary.items():
+        plain = (entry.get(base) or {}).get("cpu_us")
+        if not plain:
+            continue
+        parts = []
+        for target in observed:
+            cost = (entry.get(target) or {}).get("cpu_us")
+            if cost is not None:
+                parts.append(f"{SHORT[target]} {cost:,.0f} ({cost - plain:+,.0f}, {cost / plain:.2f}×)")
+        if parts:
+            out.append(f"{name}: {base} {plain:,.0f} µs; " + "; ".join(parts))
+    return out
+
+
+def added_cost(summary: dict[str, dict], memory: dict[str, dict], target: str,
+               base: str = "bare") -> list[str]:
+    """What a feature costs: ``target`` (proxy-traced, proxy-logged) against ``base``. Empty unless both ran."""
     out = []
     s1, s2, s5 = summary.get("S1") or {}, summary.get("S2") or {}, summary.get("S5") or {}
-    plain, traced = s1.get("proxy") or {}, s1.get(target) or {}
+    plain, traced = s1.get(base) or {}, s1.get(target) or {}
     if plain.get("req_s") and traced.get("req_s") is not None:
         drop = 100 * (plain["req_s"] - traced["req_s"]) / plain["req_s"]
         verdict = f"a {drop:.1f} % drop" if drop >= 0 else f"{-drop:.1f} % higher (no cost measurable)"
@@ -222,14 +265,14 @@ def added_cost(summary: dict[str, dict], memory: dict[str, dict], target: str) -
     # S1 is saturated (its latency is mostly queueing); S5 is paced, far from it.
     for label, entry, key in (("S1 request latency p50", s1, "latency_p50"), ("S2 TTFT p50", s2, "ttft_p50"),
                               ("S5 (paced) TTFB p50", s5, "ttfb_p50")):
-        a, b = (entry.get("proxy") or {}).get(key), (entry.get(target) or {}).get(key)
+        a, b = (entry.get(base) or {}).get(key), (entry.get(target) or {}).get(key)
         if a is not None and b is not None:
             verdict = f"{b - a:+.2f} ms added" if b >= a else f"{b - a:+.2f} ms (lower: no cost measurable)"
             out.append(f"{label}: {_num(a, 2)} -> {_num(b, 2)} ms, {verdict}")
-    peaks = {t: (memory.get(t) or {}).get("peak_bytes") for t in ("proxy", target)}
+    peaks = {t: (memory.get(t) or {}).get("peak_bytes") for t in (base, target)}
     if all(peaks.values()):
-        out.append(f"peak RSS: {peaks['proxy'] / 2**20:.1f} -> {peaks[target] / 2**20:.1f} MiB "
-                   f"({(peaks[target] - peaks['proxy']) / 2**20:+.1f} MiB, exporter process included)")
+        out.append(f"peak RSS: {peaks[base] / 2**20:.1f} -> {peaks[target] / 2**20:.1f} MiB "
+                   f"({(peaks[target] - peaks[base]) / 2**20:+.1f} MiB, exporter process included)")
     return out
 
 

@@ -1,13 +1,14 @@
 """``traceproxy bench``: run each scenario direct to the upstream and through each proxy, interleaved.
 
-Targets (``--targets``, default all): ``direct``, ``proxy`` (traceproxy with tracing
-and the access log off; or ``--proxy-cmd``), ``proxy-traced`` (traceproxy with
-tracing over OTLP to a local sink process) and ``proxy-logged`` (traceproxy with the
-access log to a file). Order per scenario and rep: the targets in turn, rotated by
-one each rep (direct, proxy, proxy-traced, proxy-logged; then proxy, proxy-traced,
-proxy-logged, direct; ...), so they are measured side by side in time. Prints a
-markdown table and what tracing and the access log cost on stdout; ``--json``
-writes the raw results. Exit status: 0 when it ran, 1 when a scenario had errors or
+Targets (``--targets``): ``direct``, ``bare`` (traceproxy with tracing, the access log
+and the admin listener off), ``proxy`` (the same, or ``--proxy-cmd``), ``proxy-traced``
+(traceproxy with tracing over OTLP to a local sink process), ``proxy-logged``
+(traceproxy with the access log to a file) and ``defaults`` (``serve`` as shipped).
+By default every one but ``proxy``, which is added when ``--proxy-cmd`` is given. Order
+per scenario and rep: the targets in turn, rotated by one each rep, so they are measured
+side by side in time. Prints a markdown table (with each proxy's CPU µs per request,
+its exporter included), what tracing and the access log cost and what each observed
+target costs against bare on stdout; ``--json`` writes the raw results. Exit status: 0 when it ran, 1 when a scenario had errors or
 hangs through a proxy target but not direct (or a proxy died), 2 when it could not run.
 """
 
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about 30 s)")
     parser.add_argument("--reps", type=int, default=1, metavar="N",
                         help="runs of each target per scenario, in rotated order (default 1)")
-    parser.add_argument("--targets", metavar="T1,T2", default=",".join(report.TARGETS),
-                        help=f"comma-separated, from {', '.join(report.TARGETS)} (default: all)")
+    parser.add_argument("--targets", metavar="T1,T2",
+                        help=f"comma-separated, from {', '.join(report.TARGETS)} (default: "
+                             f"{', '.join(report.DEFAULT_TARGETS)}, and proxy with --proxy-cmd)")
     parser.add_argument("--load-procs", type=int, default=1, metavar="N", help="load generator processes (default 1)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the one unrecorded request per connection that warms the proxy's upstream pool")
@@ -85,7 +87,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
         parser.error(f"--scrape-every must be seconds from 0 (off) to 3600, got {args.scrape_every:g}")
     args.factor = factor
     try:
-        args.targets = parse_targets(args.targets)
+        args.targets = parse_targets(args.targets or default_targets(args.proxy_cmd))
         check_proxy_settings(args.proxy_set)
         check_proxy_cmd(args.proxy_cmd)
         check_json_path(args.json)
@@ -142,6 +144,10 @@ def check_json_path(path: str | None) -> None:
         raise ValueError(f"--json {path}: cannot write it ({exc.strerror or exc})") from None
     if not existed:
         os.remove(path)
+
+
+def default_targets(proxy_cmd: str | None) -> str:
+    return ",".join(t for t in report.TARGETS if t in report.DEFAULT_TARGETS or t == "proxy" and proxy_cmd)
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
@@ -253,9 +259,12 @@ def _meta(args: argparse.Namespace, scenarios: list[Scenario]) -> dict:
             "scale": args.factor, "reps": args.reps, "warmup": not args.no_warmup, "load_procs": args.load_procs,
             "workers": args.workers, "scrape_every_s": args.scrape_every,
             "targets": list(args.targets),
-            "proxy": args.proxy_cmd or "traceproxy (in-tree, bench.proxy_proc; tracing and access log off)",
+            "bare": "traceproxy (in-tree, bench.proxy_proc; tracing, access log and admin listener off)",
+            "proxy": args.proxy_cmd or "traceproxy (in-tree, as bare)",
             "proxy-traced": "traceproxy (in-tree; OTLP http/protobuf to the bench's sink, access log off)",
             "proxy-logged": "traceproxy (in-tree; access log to a file, tracing off)",
+            "defaults": "traceproxy (in-tree; serve's defaults: spans to the local file, access log to stdout, "
+                        "here /dev/null, admin listener on)",
             "scenarios": [s.to_spec() for s in scenarios]}
 
 
@@ -300,17 +309,22 @@ def _output(args, scenarios, runs, problems, end, settle_waits) -> int:
           f"Python {meta['python']}, scale {args.factor:g}, reps {args.reps}, load processes {args.load_procs}"
           f"{served}{scraped}\n")
     print(report.markdown(table_rows(scenarios, summary, memory, targets), targets))
-    caveat = " (--proxy-cmd: 'proxy' is another program, so this is not the feature alone)" if args.proxy_cmd else ""
-    _section(f"Tracing cost (spans over OTLP to the sink), proxy-traced against proxy{caveat}:",
-             report.added_cost(summary, memory, "proxy-traced"))
+    base = report.bare_of(targets) or "bare"
+    caveat = " (--proxy-cmd: 'proxy' is another program, so this is not the feature alone)" \
+        if args.proxy_cmd and base == "proxy" else ""
+    _section(f"Tracing cost (spans over OTLP to the sink), proxy-traced against {base}{caveat}:",
+             report.added_cost(summary, memory, "proxy-traced", base))
     _section("Tracing ran:", report.tracing_evidence(tracing))
-    _section(f"Access log cost (a JSON line per request to a file), proxy-logged against proxy{caveat}:",
-             report.added_cost(summary, memory, "proxy-logged"))
+    _section(f"Access log cost (a JSON line per request to a file), proxy-logged against {base}{caveat}:",
+             report.added_cost(summary, memory, "proxy-logged", base))
     _section("Access log ran:", report.access_log_evidence(access_log))
+    _section(f"Observers' CPU µs per request against {base} (the proxy's tree, exporter included){caveat}:",
+             report.observer_prices(summary, targets))
     _section("Notes:", [*problems, *report.notes(summary)])
     print("\nRates and latencies: medians over reps; counts: totals. CPU %: 100 = one core; 'load' is the "
           "busiest load process; a proxy's CPU includes its child processes (the span exporter, also shown "
-          "apart) and 'sink' is the OTLP sink. Peak RSS: each process's peak (VmHWM), summed over the tree.")
+          "apart) and 'sink' is the OTLP sink. CPU µs/request: the proxy's tree from the run's start until it "
+          "is quiet again, over the requests answered. Peak RSS: each process's peak (VmHWM), summed over the tree.")
     if args.json:
         report.write_json(args.json, {"meta": meta, "summary": summary, "memory": memory, "tracing": tracing,
                                       "access_log": access_log, "problems": problems,

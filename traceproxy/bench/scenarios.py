@@ -97,17 +97,17 @@ _ROUND_JSON = RequestSpec(tokens=16)
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("S1", "small non-streaming POST, keep-alive", connections=64, requests=(_SMALL,),
              duration=5.0, timeout=5.0,
-             metrics=("req_s", "latency_p50", "ttfb_p50", "ttfb_p99", "failures", "cpu")),
+             metrics=("req_s", "latency_p50", "ttfb_p50", "ttfb_p99", "failures", "cpu", "cpu_us")),
     Scenario("S2", "concurrent paced SSE, 64 tok at 50 tok/s, TTFT 20 ms", connections=256, requests=(_PACED,),
              rounds=1, timeout=15.0, detail=True,
-             metrics=("ttfb_p50", "ttft_p50", "ttft_p99", "gap_p99", "delivery_p99", "failures", "cpu")),
+             metrics=("ttfb_p50", "ttft_p50", "ttft_p99", "gap_p99", "delivery_p99", "failures", "cpu", "cpu_us")),
     Scenario("S3", "unpaced SSE, 256 tokens per stream", connections=64, requests=(_UNPACED,),
-             duration=5.0, timeout=10.0, metrics=("events_s", "streams_s", "failures", "cpu")),
+             duration=5.0, timeout=10.0, metrics=("events_s", "streams_s", "failures", "cpu", "cpu_us")),
     Scenario("S4", "1 MiB JSON request bodies", connections=16, requests=(_UPLOAD,),
-             duration=5.0, timeout=10.0, metrics=("upload_mb_s", "failures", "cpu")),
+             duration=5.0, timeout=10.0, metrics=("upload_mb_s", "failures", "cpu", "cpu_us")),
     Scenario("S5", "multi-round keep-alive, SSE and JSON alternating", connections=32,
              requests=(_ROUND_SSE, _ROUND_JSON), rounds=20, think_ms=10, timeout=10.0,
-             metrics=("ok", "reconnects", "ttfb_p50", "cpu")),
+             metrics=("ok", "reconnects", "ttfb_p50", "cpu", "cpu_us")),
 )
 
 BY_NAME = {s.name: s for s in SCENARIOS}

@@ -1,11 +1,17 @@
 """One benchmark session: the upstream, the proxies, the OTLP sink, and measured runs of the load generator.
 
-Targets: ``direct`` (the upstream itself), ``proxy`` (traceproxy with tracing and
-the access log off, or any ``--proxy-cmd``), ``proxy-traced`` (traceproxy
-exporting spans over OTLP http/protobuf to the sink) and ``proxy-logged``
-(traceproxy writing its access log to a file in the run's temp directory). Each is
-its own process tree, all started up front, so runs of different targets can be
-interleaved.
+Targets: ``direct`` (the upstream itself), ``bare`` (traceproxy with tracing, the
+access log and the admin listener off), ``proxy`` (the same, or any ``--proxy-cmd``),
+``proxy-traced`` (traceproxy exporting spans over OTLP http/protobuf to the sink),
+``proxy-logged`` (traceproxy writing its access log to a file in the run's temp
+directory) and ``defaults`` (``serve`` as shipped: spans to the local file, the access
+log to stdout, the admin listener on). Each is its own process tree, all started up
+front, so runs of different targets can be interleaved.
+
+Each run's CPU of a proxy's tree (its exporter process included) is read once the
+tree is quiet again after the load ends, not when the load ends: an exporter behind
+by a queue's worth of spans does that work afterwards, and users pay for it too.
+Divided by the requests answered, it is the run's CPU µs per request.
 
 The session owns its children through ``procs.Children``; leaving the ``with``
 block (normally, on an exception or on Ctrl-C) stops each by its process group.
@@ -39,13 +45,14 @@ from . import report
 from .monitor import CpuWindow, RssSampler, busy_percent, tree_hwm
 from .procs import (Child, ChildError, Children, child_environment, free_port, python_module, wait_listening,
                     wait_port_file)
-from .proxy_proc import logged_overrides, minimal_overrides, traced_overrides
+from .proxy_proc import defaults_overrides, logged_overrides, minimal_overrides, traced_overrides
 from .scenarios import Scenario
 
 READY_TIMEOUT = 30.0  # load processes opening their connections
 EXIT_SLACK = 15.0  # beyond the scenario budget before a load process is killed
 DRAIN_STOP_GRACE = 10.0  # traced/logged: 1 s request grace, then the exporter process drains (up to 5 s)
 SETTLE_WINDOW, SETTLE_BUSY, SETTLE_MAX = 0.2, 10.0, 15.0  # quiet: < SETTLE_BUSY % CPU over a window
+DRAIN_WINDOW, DRAIN_MAX = 0.1, 10.0  # a proxy's tree after the load: quiet over a window, or at most this long
 HTTP_TIMEOUT = 5.0
 
 
@@ -103,8 +110,10 @@ class Session:
             child = self.children.start(target, argv, cwd=os.getcwd())  # relative paths as the user typed them
             wait_listening(child, port)
         else:
-            if target == "proxy":
+            if target in ("proxy", "bare"):
                 keys = minimal_overrides()
+            elif target == "defaults":
+                keys = defaults_overrides()
             elif target == "proxy-traced":
                 if "sink" not in self.ports:
                     self.start_sink()
@@ -214,6 +223,7 @@ class Session:
             finally:
                 scrapes = scraper.stop() if scraper is not None else None
             usage = cpu.stop()
+            proxy_cpu_s = self._cpu_after_drain(cpu, proxy) if proxy is not None else None
         finally:
             for child, _ in loads:
                 self.children.stop(child)
@@ -222,12 +232,22 @@ class Session:
             main, tree = usage.pop("proxy_main"), usage["proxy"]
             usage["exporter"] = None if main is None or tree is None else round(max(0.0, tree - main), 1)
         merged["cpu"] = usage
+        merged["proxy_cpu_s"] = proxy_cpu_s
         merged["settle_s"] = round(settled, 3)
         if scrapes is not None:
             merged["scrapes"] = scrapes
         if proxy is not None:
             merged["proxy_rss_peak"] = proxy.rss.take_window()
         return merged
+
+    @staticmethod
+    def _cpu_after_drain(cpu: CpuWindow, proxy: ProxyProcess) -> float | None:
+        """CPU seconds of the proxy's tree from the run's start until it is quiet again."""
+        started = time.monotonic()
+        while busy_percent([proxy.child.pid], DRAIN_WINDOW) >= SETTLE_BUSY:
+            if time.monotonic() - started > DRAIN_MAX:
+                break
+        return cpu.seconds("proxy")
 
     def _start_load(self, scenario: Scenario, target: str, k: int, offset: int, count: int) -> tuple[Child, Path]:
         stem = f"run{self._runs}-{scenario.name}-{target}-{k}"
