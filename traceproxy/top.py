@@ -9,7 +9,10 @@ marked ``slow``. The marker column is there with or without colour, so
 ``--no-color`` output (and anything piped through grep) says the same thing. With
 engine spans received or gauges labelled by role, the ENGINE column says where the
 engines have each request: the PD component and SGLang stage (``~`` before it when only
-the gauges say so, for the engines as a whole).
+the gauges say so, for the engines as a whole). With event streams in flight, the
+TOKEN/HB column says, for each, the time since its last token and its heartbeats
+(``2.1s 14hb``), or, while no token came, the time since its response head
+(``head+2.1s 14hb``): what an event stream's stall is judged on.
 
 Rendering is a set of pure functions (JSON in, lines of text out) and the screen
 is a plain ANSI redraw: home the cursor, write the frame, clear what is left.
@@ -249,6 +252,17 @@ def engine_cell(entry: dict) -> str:
     return ("~" if stage.get("source") == "gauges" else "") + text
 
 
+def token_cell(entry: dict) -> str:
+    """An event stream's ``2.1s 14hb``: seconds since its last token, then its heartbeats;
+    ``head+2.1s 14hb`` while no token came (counted from the response head)."""
+    tokens = entry.get("tokens")
+    if not tokens:
+        return "-"
+    since = tokens.get("since_last_token_s")
+    waited = duration(since) if since is not None else "head+" + duration(tokens.get("since_head_without_token_s"))
+    return f"{waited} {tokens.get('heartbeats', 0)}hb"
+
+
 def _out_cell(entry: dict) -> str:
     return byte_count((entry.get("bytes") or {}).get("response_out"))
 
@@ -278,12 +292,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("VERDICT", _verdict_field("outcome"), 7),
     Column("BLAME", _verdict_field("blame"), 7),
     Column("ENGINE", engine_cell, 40, drop_rank=1, only_with="engine_stage"),
+    Column("TOKEN/HB", token_cell, 16, right=True, drop_rank=2, only_with="tokens"),
     Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True),
     Column("REQUEST ID", lambda e: e.get("request_id") or "-", 12),
-    Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=2),
-    Column("UPSTREAM", _upstream_cell, 12, drop_rank=3),
-    Column("OUT", _out_cell, 6, right=True, drop_rank=4),
-    Column("CHUNKS", lambda e: str(e.get("chunks", "-")), 7, right=True, drop_rank=5),
+    Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=3),
+    Column("UPSTREAM", _upstream_cell, 12, drop_rank=4),
+    Column("OUT", _out_cell, 6, right=True, drop_rank=5),
+    Column("CHUNKS", lambda e: str(e.get("chunks", "-")), 7, right=True, drop_rank=6),
 )
 GAP = " "
 

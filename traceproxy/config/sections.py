@@ -234,7 +234,9 @@ class Tracing:
     conversation_id_header: str = setting(
         _one_header_name(), "",
         "A request header whose value is the request's conversation (session, thread) id, put on its "
-        "span as gen_ai.conversation.id; empty = none.")
+        "span as gen_ai.conversation.id and shown as conversation_id in /debug/inflight and the access log; "
+        "its first 256 characters are kept. A header the proxy forwards, not one it manages itself "
+        "(framing, connection, forwarding, tracing). Empty = none.")
 
 
 # The thresholds, one per stall kind, are StallThresholds' fields: these settings are seconds, 0 = off.

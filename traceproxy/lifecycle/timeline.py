@@ -164,6 +164,8 @@ class RequestRecord:
     rejected_traceparent: bytes | None = None
     request_id: str = ""
     user_agent: str = ""
+    # The tracing.conversation_id_header's value (gen_ai.conversation.id), "" without one.
+    conversation_id: str = ""
     # Cheap evidence for span attributes, read once at the end: the first and (past
     # those, when spans are on) the last bytes of the request body, and the last three
     # upstream reads (an SSE stream's finish reason, usage event and [DONE] arrive at

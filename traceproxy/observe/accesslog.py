@@ -4,6 +4,9 @@ Written by the exporter process from the same request summary the spans are buil
 from (``spans.summarize``), so formatting a line never costs the proxy's event loop.
 With engine spans received, a line also says where the engines had the request when it
 ended (``engine_stage``: component, role, SGLang stage, worker, since when, from what).
+An event stream's line has ``tokens``: its output events, heartbeats, time to first
+token (null when none came) and longest wait between two tokens; a request with a
+conversation id (``tracing.conversation_id_header``) has ``conversation_id``.
 Timings follow nginx's names where they exist (``upstream_connect_time``,
 ``upstream_header_time``, ``upstream_response_time``, ``request_time``), in seconds;
 the outcome code and blame come from the one outcome table; the keep-alive ledger
@@ -30,6 +33,7 @@ from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import Mark
 from .line_file import LineFile
 from .spans import DOWNSTREAM_INDEX, UPSTREAM_INDEX, UPSTREAM_ORDER, RequestSummary
+from .token_view import access_fields
 
 log = logging.getLogger("traceproxy.access_log")
 
@@ -106,6 +110,10 @@ def access_line(summary: RequestSummary) -> str:
     entry = access_entry(summary)
     if summary.engine_stage:  # engine spans or gauges by role are on, and they placed it
         entry["engine_stage"] = summary.engine_stage
+    if summary.tokens:  # an event stream, judged on its tokens
+        entry["tokens"] = access_fields(summary.tokens, summary.marks[_RX_START] or summary.end_ns)
+    if summary.conversation_id:
+        entry["conversation_id"] = summary.conversation_id
     return orjson.dumps(entry).decode()
 
 

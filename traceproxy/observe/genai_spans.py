@@ -79,7 +79,7 @@ def evidence(record) -> tuple:
     """The request's ``GenAIEvidence`` as a plain tuple; () when it has none (no event
     stream, no conversation id)."""
     events = record.stream_events
-    conversation = getattr(record, "conversation_id", "") or ""
+    conversation = record.conversation_id
     if events is None:
         return (-1, 0, 0, 0, 0, None, None, None, (), conversation) if conversation else ()
     s = events.summary()

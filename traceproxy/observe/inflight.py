@@ -20,6 +20,12 @@ whether spans or gauges say so; an engine-blamed stall verdict (FBS, MSS) names 
 ``correlation.orphan``, ``engine_work``: the engine work no request in flight has, idle
 for ``engines.orphan_after``, by worker and stage (the oldest ``UNEXPLAINED_SHOWN``;
 ``engine_work_total`` counts them all).
+
+An event stream's entry also has ``tokens`` (``token_view.live_fields``): its output
+events and heartbeats so far, the seconds since its last token (or, while none came,
+since the response head), its time to first token and longest token gap. A request
+with a conversation id (``tracing.conversation_id_header``) has ``conversation_id``.
+Neither key is there otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from ..lifecycle.machine import in_flight_phase
 from ..lifecycle.marks import Mark
 from ..lifecycle.stall import StallThresholds, judge
 from ..lifecycle.timeline import RequestRecord
+from ..lifecycle.token_progress import token_progress
+from .token_view import live_fields
 from .watchdog import NAMES_COMPONENT
 
 
@@ -76,6 +84,11 @@ def inflight_entry(record: RequestRecord, now: int, thresholds: StallThresholds,
         "stalls": [{"outcome": e.code, "phase": e.phase, "resolved": e.resolved_ns is not None}
                    for e in record.stalls],
     }
+    progress = token_progress(record)
+    if progress is not None:  # an event stream: judged on its tokens
+        entry["tokens"] = live_fields(progress, now, record.marks.get(Mark.FIRST_DOWNSTREAM_RX_BYTE))
+    if record.conversation_id:
+        entry["conversation_id"] = record.conversation_id
     join = getattr(engines, "join", None) if engines is not None else None
     if join is not None:
         entry["engine_stage"] = join.as_dict(record, now)

@@ -66,6 +66,9 @@ TIME_TO_FIRST_TOKEN = "traceproxy.response.time_to_first_token_s"  # to the firs
 TOKEN_MAX_GAP = "traceproxy.response.token_max_gap_s"  # the longest wait between two output events
 OUTPUT_EVENTS = "traceproxy.response.output_events"
 HEARTBEATS = "traceproxy.response.heartbeats"  # events without output: comments, empty deltas, pings
+# On a stall span: the wait as it stood, from the last output event, or from the response head while none came
+SINCE_LAST_TOKEN = "traceproxy.response.since_last_token_s"
+SINCE_HEAD_WITHOUT_TOKEN = "traceproxy.response.since_head_without_token_s"
 USAGE_SOURCE = "traceproxy.usage.source"  # usage: the engine's counts; counted: output events counted
 STALLS = "traceproxy.stalls"
 STALL_OUTCOME = "traceproxy.stall.outcome"

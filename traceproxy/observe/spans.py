@@ -17,9 +17,11 @@ from typing import NamedTuple
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import MARK, UPSTREAM_MARKS, Mark
 from ..lifecycle.timeline import RequestRecord
+from ..lifecycle.token_progress import token_progress
 from . import semconv as sc
 from .genai_spans import _response_attributes, evidence, genai_attributes  # noqa: F401 (_response_attributes: for tests)
 from .spandata import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, STATUS_UNSET, SpanData, SpanEvent
+from .token_view import stall_attributes, summary_tokens
 
 DOWNSTREAM_ORDER = tuple(m for m in Mark if m not in UPSTREAM_MARKS)
 UPSTREAM_ORDER = tuple(m for m in Mark if m in UPSTREAM_MARKS)
@@ -95,6 +97,9 @@ class RequestSummary(NamedTuple):
     genai: tuple = ()  # genai_spans.GenAIEvidence as a plain tuple, () when there is none
     # Where the engines had it when it ended (engine_join; EngineStage.as_dict), when known.
     engine_stage: dict | None = None
+    # An event stream's tokens (token_view.summary_tokens), for its access log line; () for any other response.
+    tokens: tuple = ()
+    conversation_id: str = ""  # tracing.conversation_id_header's value, "" without one
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
@@ -117,7 +122,8 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.max_chunk_gap_ns, head, tail, request_tail,
         tuple(_summarize_attempt(a) for a in record.attempts),
         tuple((e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls),
-        keep_spans, evidence(record) if keep_spans else (),
+        keep_spans, evidence(record) if keep_spans else (), None,
+        summary_tokens(token_progress(record)), record.conversation_id,
     )
 
 
@@ -264,7 +270,9 @@ def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, dete
     request shows in the trace viewer while it is still hung.
 
     ``engines``: the engines' latest gauges (``running=1 queued=0 ...``) when the
-    engine scraper is on; empty leaves the attribute out."""
+    engine scraper is on; empty leaves the attribute out. An event stream's stall span
+    also has its output events and heartbeats so far and the seconds since its last token
+    (or, with none yet, since the response head); a request with a conversation id, that."""
     outcome = BY_CODE[code]
     attrs = {
         sc.STALL_OUTCOME: code, sc.OUTCOME_NAME: outcome.name, sc.BLAME: outcome.blame.value,
@@ -281,6 +289,11 @@ def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, dete
         attrs[sc.UPSTREAM_CONNECTION_REUSED] = attempt.reused
     if engines:
         attrs[sc.STALL_ENGINES] = engines
+    progress = token_progress(record)
+    if progress is not None:  # an event stream: its tokens as they stood
+        attrs.update(stall_attributes(progress, detected_ns))
+    if record.conversation_id:
+        attrs[sc.GEN_AI_CONVERSATION_ID] = record.conversation_id
     return SpanData(record.trace_id, span_id, record.span_id, f"stall {code} {phase}", KIND_INTERNAL,
                     since_ns + clock_offset_ns, detected_ns + clock_offset_ns, attrs, (), STATUS_ERROR,
                     f"{outcome.meaning} Waited {(detected_ns - since_ns) / 1e9:.1f} s.",

@@ -35,6 +35,8 @@ from ..lifecycle.attribution import client_still_silent
 from ..lifecycle.ids import new_request_id, new_span_id, new_trace_id
 from ..lifecycle.stall import Judgement, StallThresholds, judge, judge_all
 from ..lifecycle.timeline import RequestRecord, StallEntry
+from ..lifecycle.token_progress import token_progress
+from .token_view import stall_words
 
 log = logging.getLogger("traceproxy.watchdog")
 # The stall verdicts that blame the engine side: with the join on, their line names the component.
@@ -184,6 +186,9 @@ class StallLog:
     ``join`` where the engines have the request: ``engine_stage: kv_transfer (prefill
     prefill_transfer_kv_cache, sglang host 1a2b3c4d pid 7; from spans)``, and after an
     engine-blamed stall's blame (FBS, MSS) its component. The line is unchanged otherwise.
+    An event stream's line says, before those, what its tokens were when the stall was
+    found: ``tokens: 3 output events, the last 2.1 s ago, 14 heartbeats``, or with no
+    token yet ``tokens: none, 2.1 s since the response head, 14 heartbeats``.
     """
 
     engines = None
@@ -198,7 +203,10 @@ class StallLog:
         join = engines.join if engines is not None else None
         stage = join.stall_stage(record, entry.detected_ns) if join is not None else None
         component = f" ({stage.component})" if stage is not None and found.outcome in NAMES_COMPONENT else ""
-        tail = f" engine_stage: {stage.words()}" if stage is not None else ""
+        progress = token_progress(record)
+        tail = f" tokens: {stall_words(progress, entry.detected_ns)}" if progress is not None else ""
+        if stage is not None:
+            tail += f" engine_stage: {stage.words()}"
         if engines is not None and engines.scraping:
             tail += f" engines: {engines.summary}"
         log.warning(

@@ -18,7 +18,7 @@ from ..lifecycle.hooks import Fanout
 from ..lifecycle.marks import Mark
 from ..lifecycle.timeline import RequestRecord
 from . import tracecontext as tc
-from .headers import ForwardingContext, RequestParts
+from .headers import ForwardingContext, RequestParts, conversation_id
 from .upstream import UpstreamPool
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class ServerContext:
         self.request_id_names = tuple(n.encode("ascii") for n in settings.request_id.headers)
         self.request_id_header = self.request_id_names[0]
         self.inject_rid = settings.request_id.inject_rid
+        self.conversation_id_name = settings.tracing.conversation_id_header.encode("ascii")  # b"": none
         # Upstream copies of what we set ourselves on every response.
         self.pool.replaced_response_headers = frozenset({self.request_id_header, b"traceresponse"})
 
@@ -164,6 +165,8 @@ class ServerContext:
             record.sampled, record.rejected_traceparent = decision.sampled, decision.rejected
         if parts is not None and parts.user_agent is not None:
             record.user_agent = parts.user_agent.decode("latin-1")
+        if parts is not None and self.conversation_id_name:
+            record.conversation_id = conversation_id(parts, self.conversation_id_name)
         # W3C: tracestate belongs to the traceparent it came with; without a valid one
         # (absent or rejected: a new trace starts) it is dropped.
         if parts is not None and record.parent_span_id and parts.tracestates:

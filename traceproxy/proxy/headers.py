@@ -307,6 +307,24 @@ def _first_request_id(found: dict[bytes, bytes], names: tuple[bytes, ...]) -> by
     return next((found[name] for name in names if name in found), None)
 
 
+MAX_CONVERSATION_ID_CHARS = 256  # a conversation id longer than this is cut here (see conversation_id)
+
+
+def conversation_id(parts: RequestParts, name: bytes) -> str:
+    """The value of the request header ``name`` (lower case, ``tracing.conversation_id_header``)
+    as the request's conversation id: its first non-empty line, latin-1 as the request id,
+    at most ``MAX_CONVERSATION_ID_CHARS`` characters (a longer one keeps its start, so its
+    requests still group together); "" when absent. Read from the end-to-end headers, once
+    per request and only when the setting names a header: the one pass over every
+    request's headers stays as it was."""
+    for field, value in parts.end_to_end:
+        if len(field) == len(name) and field.lower() == name:
+            value = value.strip(_OWS)
+            if value:
+                return value[:MAX_CONVERSATION_ID_CHARS].decode("latin-1")
+    return ""
+
+
 def ids_only(headers: Headers, request_id_names: tuple[bytes, ...] = DEFAULT_REQUEST_ID_NAMES) -> RequestParts:
     """The trace context, request id and user agent of a head that is being refused,
     without judging the rest: the refusal then carries the client's own ids."""

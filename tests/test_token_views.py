@@ -1,0 +1,234 @@
+"""What the views show of an event stream's tokens (issue 23): /debug/inflight's
+``tokens``, the stall line's ``tokens:`` part, the stall span's attributes, the access
+log's ``tokens`` and top's TOKEN/HB column; a response that is not an event stream
+shows none of it. And the conversation id (``tracing.conversation_id_header``) on the
+span, in /debug/inflight and in the access log, sent by the real openai SDK.
+
+Thresholds of a few hundred milliseconds; every upstream pings a bounded number of
+times (``test_token_stalls.PingingUpstream``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+
+import openai
+import pytest
+
+from traceproxy import top
+from traceproxy.diagnose import file_spans
+from traceproxy.observe import semconv as sc
+
+from .support import RawClient, admin_get, wait_until
+from .test_token_stalls import CONTENT, DONE, FAST, FINISH, MORE, PingingUpstream, chunk, stalled_with
+
+SERVER = "server"
+
+
+def inflight_requests(proxy) -> list[dict]:
+    return json.loads(admin_get(proxy, "/debug/inflight"))["requests"]
+
+
+def access_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def stall_line(caplog, code: str) -> str:
+    return next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"stall {code}"))
+
+
+def spans_of(path, request_id: str) -> list:
+    return file_spans(path, request_id) if path.exists() else []
+
+
+def stall_span(path, request_id: str, code: str):
+    return next((s for s in spans_of(path, request_id) if s.name.startswith(f"stall {code}")), None)
+
+
+def _observed(tmp_path, **more) -> dict:
+    return {**FAST, "access_log.path": str(tmp_path / "access.log"), "tracing.exporter": "file",
+            "tracing.file_path": str(tmp_path / "spans.jsonl"), **more}
+
+
+# ----------------------------------------------------------------------------------
+# An event stream: its tokens everywhere
+# ----------------------------------------------------------------------------------
+def test_a_token_then_pings_shows_the_time_since_the_token_and_the_heartbeats_everywhere(
+        scripted_upstream, start_proxy, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="traceproxy.watchdog")
+    upstream = PingingUpstream(before=(CONTENT,), after=(MORE, FINISH, DONE))
+    proxy = start_proxy(scripted_upstream(upstream).url, **_observed(tmp_path))
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "tok-1")], body=b'{"stream":true}')
+    assert wait_until(lambda: stalled_with(proxy, "MSS"), timeout=5)
+    # Pings keep coming: the time since the token grows, and so do the heartbeats.
+    assert wait_until(lambda: inflight_requests(proxy)[0]["tokens"]["heartbeats"] >= 8, timeout=5)
+    tokens = inflight_requests(proxy)[0]["tokens"]
+    assert tokens["output_events"] == 1 and tokens["since_head_without_token_s"] is None
+    assert tokens["since_last_token_s"] >= 0.3 and tokens["max_token_gap_s"] == 0
+    assert 0 <= tokens["time_to_first_token_s"] < tokens["since_last_token_s"] + 1
+    line = stall_line(caplog, "MSS")
+    assert " tokens: 1 output events, the last 0." in line and " heartbeats" in line
+    span = None
+
+    def found_span():
+        nonlocal span
+        span = stall_span(tmp_path / "spans.jsonl", "tok-1", "MSS")
+        return span is not None
+
+    assert wait_until(found_span, timeout=10)
+    assert span.attributes[sc.OUTPUT_EVENTS] == 1 and span.attributes[sc.HEARTBEATS] >= 1
+    assert span.attributes[sc.SINCE_LAST_TOKEN] >= 0.3 and sc.SINCE_HEAD_WITHOUT_TOKEN not in span.attributes
+    upstream.release.set()
+    assert client.response().complete
+    assert wait_until(lambda: access_lines(tmp_path / "access.log"), timeout=5)
+    [logged] = access_lines(tmp_path / "access.log")
+    # The whole stream: three output events (two tokens and the finish), the pings between.
+    assert logged["tokens"]["output_events"] == 3 and logged["tokens"]["heartbeats"] >= 8
+    assert logged["tokens"]["max_token_gap"] >= 0.3
+    assert 0 < logged["tokens"]["time_to_first_token"] < logged["request_time"]
+    assert "conversation_id" not in logged  # no header configured
+    client.close()
+
+
+def test_pings_before_any_token_show_the_time_since_the_response_head(scripted_upstream, start_proxy, tmp_path,
+                                                                      caplog):
+    caplog.set_level(logging.WARNING, logger="traceproxy.watchdog")
+    upstream = PingingUpstream(after=(CONTENT, FINISH, DONE))
+    proxy = start_proxy(scripted_upstream(upstream).url, **_observed(tmp_path))
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "tok-2")], body=b'{"stream":true}')
+    assert wait_until(lambda: stalled_with(proxy, "FBS"), timeout=5)
+    tokens = inflight_requests(proxy)[0]["tokens"]
+    assert tokens["output_events"] == 0 and tokens["heartbeats"] >= 1
+    assert tokens["since_last_token_s"] is None and tokens["time_to_first_token_s"] is None
+    assert tokens["since_head_without_token_s"] >= 0.3
+    assert " tokens: none, 0." in stall_line(caplog, "FBS")
+    assert wait_until(lambda: stall_span(tmp_path / "spans.jsonl", "tok-2", "FBS"), timeout=10)
+    attrs = stall_span(tmp_path / "spans.jsonl", "tok-2", "FBS").attributes
+    assert attrs[sc.OUTPUT_EVENTS] == 0 and attrs[sc.SINCE_HEAD_WITHOUT_TOKEN] >= 0.3
+    assert sc.SINCE_LAST_TOKEN not in attrs
+    upstream.release.set()
+    assert client.response().complete
+    assert wait_until(lambda: access_lines(tmp_path / "access.log"), timeout=5)
+    [logged] = access_lines(tmp_path / "access.log")
+    assert logged["tokens"]["output_events"] == 2 and logged["tokens"]["time_to_first_token"] >= 0.3
+    client.close()
+
+
+class SilentMidBody:
+    """A JSON response (not an event stream) that sends its first part, then nothing until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    async def __call__(self, reader, writer, upstream) -> None:
+        await reader.read_request()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + chunk(b'{"choices":'))
+        await writer.drain()
+        for _ in range(200):
+            if self.release.is_set():
+                break
+            await asyncio.sleep(0.02)
+        writer.write(chunk(b"[]}") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read(1)
+
+
+def test_a_response_that_is_not_an_event_stream_shows_no_tokens(scripted_upstream, start_proxy, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="traceproxy.watchdog")
+    upstream = SilentMidBody()
+    proxy = start_proxy(scripted_upstream(upstream).url, **_observed(tmp_path))
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "bytes-1")], body=b"{}")
+    assert wait_until(lambda: stalled_with(proxy, "MSS"), timeout=5)  # judged on its bytes
+    assert "tokens" not in inflight_requests(proxy)[0]
+    assert " tokens:" not in stall_line(caplog, "MSS")
+    assert wait_until(lambda: stall_span(tmp_path / "spans.jsonl", "bytes-1", "MSS"), timeout=10)
+    attrs = stall_span(tmp_path / "spans.jsonl", "bytes-1", "MSS").attributes
+    assert sc.HEARTBEATS not in attrs and sc.SINCE_LAST_TOKEN not in attrs
+    upstream.release.set()
+    assert client.response().complete
+    assert wait_until(lambda: access_lines(tmp_path / "access.log"), timeout=5)
+    assert "tokens" not in access_lines(tmp_path / "access.log")[0]
+    client.close()
+
+
+# ----------------------------------------------------------------------------------
+# top
+# ----------------------------------------------------------------------------------
+def _entry(tokens: dict | None, request_id: str) -> dict:
+    entry = {"request_id": request_id, "method": "POST", "path": "/v1/chat/completions",
+             "phase": "streaming_response", "age_s": 3.0, "chunks": 9, "client_connection": 1,
+             "client_request_sequence": 1, "upstream_connection": 2, "upstream_reused": False,
+             "bytes": {"response_out": 900},
+             "verdict": {"outcome": "MSS", "blame": "engine", "waiting_for_s": 2.1, "stall_after_s": 30.0,
+                         "stalled": False}}
+    if tokens is not None:
+        entry["tokens"] = tokens
+    return entry
+
+
+SINCE_TOKEN = {"output_events": 4, "heartbeats": 14, "since_last_token_s": 2.1, "since_head_without_token_s": None}
+NO_TOKEN_YET = {"output_events": 0, "heartbeats": 3, "since_last_token_s": None, "since_head_without_token_s": 12.5}
+
+
+def test_top_shows_the_time_since_the_last_token_or_the_head_and_the_heartbeats():
+    assert top.token_cell(_entry(SINCE_TOKEN, "a")) == "2.1s 14hb"
+    assert top.token_cell(_entry(NO_TOKEN_YET, "b")) == "head+12s 3hb"
+    assert top.token_cell(_entry(None, "c")) == "-"
+    lines = top.render_table([_entry(SINCE_TOKEN, "req-sse"), _entry(None, "req-json")], 200, use_color=False)
+    assert "TOKEN/HB" in lines[0]
+    assert "2.1s 14hb" in next(line for line in lines if "req-sse" in line)
+    # With no event stream in flight, no column.
+    assert "TOKEN/HB" not in top.render_table([_entry(None, "req-json")], 200, use_color=False)[0]
+
+
+# ----------------------------------------------------------------------------------
+# The conversation id
+# ----------------------------------------------------------------------------------
+def test_the_openai_sdks_conversation_header_is_on_the_span_and_in_the_access_log(fast_upstream, start_proxy,
+                                                                                 tmp_path):
+    proxy = start_proxy(fast_upstream().url, **_observed(tmp_path, **{
+        "tracing.conversation_id_header": "X-Conversation-Id"}))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="x", max_retries=0, timeout=10)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                            stream=True, extra_headers={"X-Conversation-Id": "thread-42",
+                                                                        "X-Request-Id": "conv-1"})
+    assert [c for c in stream]
+    client.close()
+    spans_path = tmp_path / "spans.jsonl"
+    assert wait_until(lambda: any(s.kind == SERVER for s in spans_of(spans_path, "conv-1")), timeout=10)
+    [server] = [s for s in spans_of(spans_path, "conv-1") if s.kind == SERVER]
+    assert server.attributes[sc.GEN_AI_CONVERSATION_ID] == "thread-42"
+    assert wait_until(lambda: access_lines(tmp_path / "access.log"), timeout=5)
+    [logged] = access_lines(tmp_path / "access.log")
+    assert logged["conversation_id"] == "thread-42" and logged["tokens"]["output_events"] >= 3
+
+
+@pytest.mark.parametrize("configured", [True, False], ids=["configured", "not-configured"])
+def test_a_conversation_id_in_flight_is_kept_to_its_first_256_characters(configured, scripted_upstream,
+                                                                         start_proxy, tmp_path, caplog):
+    upstream = PingingUpstream(before=(CONTENT,), after=(FINISH, DONE))
+    header = {"tracing.conversation_id_header": "x-session-id"} if configured else {}
+    proxy = start_proxy(scripted_upstream(upstream).url, **_observed(tmp_path, **header))
+    client = RawClient(proxy.port)
+    long_id = "s" * 250 + "é" * 10  # latin-1 on the wire, as the request id is read
+    client.request("POST", "/v1/chat/completions",
+                   headers=[("x-request-id", "conv-2"), ("X-Session-Id", long_id.encode("latin-1"))],
+                   body=b'{"stream":true}')
+    assert wait_until(lambda: stalled_with(proxy, "MSS"), timeout=5)
+    entry = inflight_requests(proxy)[0]
+    if configured:
+        assert entry["conversation_id"] == long_id[:256]
+        assert wait_until(lambda: stall_span(tmp_path / "spans.jsonl", "conv-2", "MSS"), timeout=10)
+        attrs = stall_span(tmp_path / "spans.jsonl", "conv-2", "MSS").attributes
+        assert attrs[sc.GEN_AI_CONVERSATION_ID] == long_id[:256]
+    else:
+        assert "conversation_id" not in entry
+    upstream.release.set()
+    assert client.response().complete
+    client.close()

@@ -1,0 +1,72 @@
+"""An event stream's tokens as the views show them: /debug/inflight's ``tokens``, the
+stall line's ``tokens:`` part, the stall span's attributes and the access log's
+``tokens`` (``lifecycle.token_progress`` reads them off the record).
+
+Only for event streams (the responses judged on their tokens); any other response
+shows none of this and is judged on its bytes. Built when asked, never per read.
+"""
+
+from __future__ import annotations
+
+from ..lifecycle.token_progress import TokenProgress
+from . import semconv as sc
+
+
+def _seconds(ns: int | None, digits: int = 3) -> float | None:
+    return None if ns is None else round(ns / 1e9, digits)
+
+
+def live_fields(progress: TokenProgress, now_ns: int, start_ns: int | None) -> dict:
+    """A request in flight's ``tokens``: exactly one of ``since_last_token_s`` (a token
+    came) and ``since_head_without_token_s`` (none yet: counted from the response head,
+    as its first-byte wait is) is a number, the other null."""
+    waited = None if progress.waiting_since_ns is None else now_ns - progress.waiting_since_ns
+    first = progress.first_token_ns
+    return {
+        "output_events": progress.output_events,
+        "heartbeats": progress.heartbeats,
+        "since_last_token_s": _seconds(waited) if progress.token_came else None,
+        "since_head_without_token_s": None if progress.token_came else _seconds(waited),
+        "time_to_first_token_s": _seconds(first - start_ns) if first is not None and start_ns is not None else None,
+        "max_token_gap_s": _seconds(progress.max_token_gap_ns),
+    }
+
+
+def stall_words(progress: TokenProgress, now_ns: int) -> str:
+    """The stall line's ``tokens:`` part: ``3 output events, the last 2.1 s ago, 14 heartbeats``,
+    or with none yet ``none, 2.1 s since the response head, 14 heartbeats``."""
+    waited = "?" if progress.waiting_since_ns is None else f"{(now_ns - progress.waiting_since_ns) / 1e9:.1f}"
+    if progress.token_came:
+        said = f"{progress.output_events} output events, the last {waited} s ago"
+    else:
+        said = f"none, {waited} s since the response head"
+    return f"{said}, {progress.heartbeats} heartbeats"
+
+
+def stall_attributes(progress: TokenProgress, now_ns: int) -> dict:
+    """The stall span's token attributes, as they stood when the stall was detected."""
+    attrs = {sc.OUTPUT_EVENTS: progress.output_events, sc.HEARTBEATS: progress.heartbeats}
+    if progress.waiting_since_ns is not None:
+        waited = (now_ns - progress.waiting_since_ns) / 1e9
+        attrs[sc.SINCE_LAST_TOKEN if progress.token_came else sc.SINCE_HEAD_WITHOUT_TOKEN] = waited
+    return attrs
+
+
+def summary_tokens(progress: TokenProgress | None) -> tuple:
+    """What a finished request's summary carries for its access log line: (output events,
+    heartbeats, first token (0: none), longest token gap); () for any other response."""
+    if progress is None:
+        return ()
+    return progress.output_events, progress.heartbeats, progress.first_token_ns or 0, progress.max_token_gap_ns
+
+
+def access_fields(tokens: tuple, start_ns: int) -> dict:
+    """A finished request's ``tokens`` in its access log line, from ``summary_tokens``; seconds
+    as the line's other timings (``time_to_first_token`` null when no token came)."""
+    output_events, heartbeats, first_token_ns, max_gap_ns = tokens
+    return {
+        "output_events": output_events,
+        "heartbeats": heartbeats,
+        "time_to_first_token": round((first_token_ns - start_ns) / 1e9, 6) if first_token_ns and start_ns else None,
+        "max_token_gap": round(max_gap_ns / 1e9, 6),
+    }
