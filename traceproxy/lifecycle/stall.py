@@ -41,10 +41,15 @@ class StallThresholds:
     pool_wait: float = _kind(5.0, "Waiting this long for an upstream connection (pool cap: proxy; connecting: "
                                   "engine) is a stall.")
     first_byte: float = _kind(120.0, "The request sent and no response header for this long is a stall (blame "
-                                     "engine: router queue or prefill). Long because a long prefill under load "
-                                     "is normal.")
+                                     "engine: router queue or prefill). For an event stream (text/event-stream) "
+                                     "it counts output events, not bytes: a response head and then only "
+                                     "heartbeats (SSE comments, empty or role-only deltas, pings) for this long, "
+                                     "from the head, is one too. Long because a long prefill under load is "
+                                     "normal.")
     stream_gap: float = _kind(30.0, "The upstream silent this long between response chunks is a stall (blame "
-                                    "engine: decode).")
+                                    "engine: decode). For an event stream (text/event-stream) it counts output "
+                                    "events, not bytes: this long since its last event with output is one, "
+                                    "whatever heartbeats came since.")
     client_drain: float = _kind(30.0, "Response bytes waiting this long because the client is not reading is a "
                                       "stall (blame client).")
 
