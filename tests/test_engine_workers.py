@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from traceproxy.sim.launch import free_port
 
@@ -55,6 +56,10 @@ def test_the_parent_receives_and_every_worker_names_its_requests(loop_thread):
                 view = service.json("/debug/inflight")
                 assert {e["engine_stage"]["component"] for e in view["requests"]} == {"kv_transfer"}
                 assert view["engine_spans"]["spans_received"] == 4 * HELD + 2
+                # On /metrics once, for the service: the parent's receiver, not once per worker.
+                received = [sample.value for family in text_string_to_metric_families(service.get("/metrics")[1])
+                            for sample in family.samples if sample.name == "traceproxy_engine_spans_received_total"]
+                assert received == [4 * HELD + 2], received
                 # The service's parent sees every worker's requests: only the orphan is unexplained.
                 assert wait_until(lambda: [w["trace_id"] for w in service.json("/debug/inflight")["correlation"][
                     "orphan"]["engine_work"]] == ["%032x" % orphan], timeout=5)

@@ -302,6 +302,42 @@ def _render_engines(out: Exposition, engines) -> None:
               [((), engines.orphaned() if engines is not None else 0)])
     out.counter("engine_orphans_total", "Times engine work no proxied request explains was reported (EOR).",
                 [((), engines.orphans_total if engines is not None else 0)])
+    _render_engine_spans(out, getattr(engines, "receiver", None))
+
+
+# The engine span receiver's counts (its ``numbers()``, the ``engine_spans`` object of
+# /debug/inflight) as families: name, type, help, the key it is read from.
+ENGINE_SPAN_FAMILIES = (
+    ("engine_span_requests_total", "counter", "OTLP export requests the engine span receivers took.", "requests"),
+    ("engine_spans_received_total", "counter", "Spans in the export requests the engine span receivers took.",
+     "spans_received"),
+    ("engine_spans_kept_total", "counter", "Received spans kept for the live join (SGLang's stage and "
+     "scheduler-thread spans).", "spans_kept"),
+    ("engine_spans_dropped_total", "counter", "Kept spans dropped for lack of room: of traces evicted while "
+     "work was still at the engines (engines.span_traces).", "spans_dropped_no_room"),
+    ("engine_spans_relayed_total", "counter", "Received spans handed to the proxy's span exporter, unchanged.",
+     "spans_relayed"),
+    ("engine_spans_relay_dropped_total", "counter", "Received spans not relayed: the span exporter's queue was full "
+     "or the proxy was behind reading the receivers' process.", "relay_dropped"),
+    ("engine_span_traces", "gauge", "Traces the engine span store holds now (at most engines.span_traces).",
+     "traces"),
+    ("engine_span_traces_evicted_total", "counter", "Traces the engine span store evicted to make room for new "
+     "ones.", "traces_evicted"),
+)
+
+
+def _render_engine_spans(out: Exposition, receiver) -> None:
+    """The engine span receiver's counts: every family declared, with samples only while
+    the receivers are on (one set for the service: they run once, where the scraper does)."""
+    numbers = receiver.numbers() if receiver is not None else None
+    for name, kind, help_text, key in ENGINE_SPAN_FAMILIES:
+        samples = [] if numbers is None else [((), numbers.get(key) or 0)]
+        (out.counter if kind == "counter" else out.gauge)(name, help_text, samples)
+    rejected = (numbers or {}).get("rejected") or {}  # every reason, zeros included, once the receivers report
+    out.counter("engine_span_requests_rejected_total", "OTLP export requests the engine span receivers refused, by "
+                "reason: malformed (400, INVALID_ARGUMENT), too_large (413, RESOURCE_EXHAUSTED), "
+                "unsupported_media_type (415).",
+                [((("reason", reason),), n) for reason, n in sorted(rejected.items())])
 
 
 def _render_workers(out: Exposition, workers: dict) -> None:
