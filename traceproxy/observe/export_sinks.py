@@ -89,11 +89,11 @@ class FileSink:
     def export_raw(self, payload: bytes) -> bool:
         from .otlp_relay import json_line
 
-        return self._append(json_line(payload))
+        return self._append(json_line(payload).encode("utf-8"))
 
-    def _append(self, line: str) -> bool:
+    def _append(self, line: bytes) -> bool:
         try:
-            self._lines.append((line + "\n").encode("utf-8"))
+            self._lines.append(line + b"\n")
         except OSError as exc:
             # Once per episode: the exporter's log filter holds back the repeats.
             log.warning("span file %s: cannot write (%s); batches are dropped until it can",

@@ -14,9 +14,16 @@ reads:
 
 Written straight from the spans, not through protobuf messages: the document is
 the one ``MessageToDict`` makes of the protobuf encoding (``otlp_proto.py``) of the
-same spans, key for key, and ``json.dumps`` writes it the same way, so readers of
-the file (``traceproxy diagnose``, the Collector) see the same lines as before.
+same spans, key for key and in the same order, so readers of the file (``traceproxy
+diagnose``, the Collector) read the same requests as before.
 ``tests/test_otlp_json.py`` compares the two.
+
+``line`` writes each span's document with orjson as soon as it is made and joins the
+bytes: the batch's document is never held whole (a batch of 512 requests' spans as
+dicts was tens of MB at the exporter's peak), and orjson writes in about a tenth of
+``json.dumps``' time. Its bytes differ from ``json.dumps``' only where JSON allows:
+text outside ASCII is written as UTF-8 rather than ``\\u`` escapes, and an exponent
+has no ``+``.
 
 Hazards, mirroring ``otlp_proto.py``:
 - Text that is not valid UTF-8 (a lone surrogate) becomes ``?``, as the protobuf
@@ -27,9 +34,10 @@ Hazards, mirroring ``otlp_proto.py``:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
+
+import orjson
 
 from .otlp_proto import FLAG_HAS_IS_REMOTE, FLAG_IS_REMOTE, FLAG_SAMPLED
 from .spandata import SpanData, SpanEvent
@@ -45,6 +53,11 @@ class OtlpJsonEncoder:
     def __init__(self, resource_attributes: Mapping, scope_name: str, scope_version: str) -> None:
         self._resource = {"attributes": key_values(resource_attributes)} if resource_attributes else {}
         self._scope = _without_defaults({"name": text(scope_name), "version": text(scope_version)})
+        # The line around the spans, written once: what document() makes, cut where the spans go.
+        head = orjson.dumps({"resourceSpans": [{"resource": self._resource,
+                                                "scopeSpans": [{"scope": self._scope, "spans": [0]}]}]})
+        self._head, self._tail = head.split(b'"spans":[0]')
+        self._empty = orjson.dumps(self.document(()))
 
     def document(self, spans: Iterable[SpanData]) -> dict:
         scope_spans = {"scope": self._scope}
@@ -53,9 +66,12 @@ class OtlpJsonEncoder:
             scope_spans["spans"] = span_documents
         return {"resourceSpans": [{"resource": self._resource, "scopeSpans": [scope_spans]}]}
 
-    def line(self, spans: Iterable[SpanData]) -> str:
-        """A compact OTLP/JSON line, without its newline."""
-        return json.dumps(self.document(spans), separators=(",", ":"))
+    def line(self, spans: Iterable[SpanData]) -> bytes:
+        """A compact OTLP/JSON line in UTF-8, without its newline: ``document`` written out."""
+        written = [orjson.dumps(span_document(span)) for span in spans]
+        if not written:
+            return self._empty
+        return b"".join((self._head, b'"spans":[', b",".join(written), b"]", self._tail))
 
 
 def span_document(span: SpanData) -> dict:
@@ -111,6 +127,8 @@ def _key_value(key: str, value) -> dict:
 
 
 def any_value(value) -> dict:
+    if type(value) is str:  # most attributes: tested first
+        return {"stringValue": value if value.isascii() else text(value)}
     if isinstance(value, bool):
         return {"boolValue": value}
     if isinstance(value, int):
