@@ -599,3 +599,30 @@ def test_http_protobuf_to_an_endpoint_that_is_not_a_url_is_a_startup_error(endpo
         tracing_export_config(from_env, environ={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
     url = tracing_export_config(settings.replace(**{"tracing.otlp_endpoint": "http://127.0.0.1:4318"}), environ={})
     assert url.otlp_protocol == "http/protobuf"
+
+
+def test_shutdown_gives_a_stuck_exporter_only_the_stop_deadline_it_is_passed(loop_thread, fast_upstream, tmp_path):
+    """The caller chooses how long the exporter may take to stop (5 s unless told): a
+    test or an embedding application with a short shutdown is not held by an exporter
+    that cannot read (stopped here), which is told to stop, then killed, within it."""
+    from traceproxy.app import EXPORTER_STOP_TIMEOUT, ProxyServer
+    from traceproxy.config import default_settings
+
+    upstream = fast_upstream()
+    settings = default_settings().replace(**{
+        "listen": "127.0.0.1:0", "admin": "off", "upstream": upstream.url, "tracing.exporter": "file",
+        "tracing.file_path": str(tmp_path / "spans.jsonl"), "access_log.path": ""})
+    server = ProxyServer(settings)
+    loop_thread.run(server.start())
+    pid = server.span_export.pid
+    os.kill(pid, signal.SIGSTOP)  # it can neither read its pipe nor see EOF
+    try:
+        # Well below the default, which would hold shutdown 5 s.
+        loop_thread.run(asyncio.wait_for(server.shutdown(grace=0, exporter_stop=0.3), EXPORTER_STOP_TIMEOUT - 1))
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert server.span_export.stats["exporter_alive"] is False
+    assert server.span_export._process.returncode == -signal.SIGKILL

@@ -49,6 +49,10 @@ log = logging.getLogger("traceproxy")
 # and "The garbage collector"; tests/test_collector.py).
 YOUNG_COLLECTION_THRESHOLD = 50_000
 
+# How long shutdown lets the span exporter export and log what it still holds, after
+# the requests' grace, before it is told to stop now (and then killed).
+EXPORTER_STOP_TIMEOUT = 5.0
+
 
 def tracing_export_config(settings: Settings, environ=os.environ, *, create_files: bool = True):
     """The exporter process's configuration, or None when neither tracing nor the
@@ -279,7 +283,11 @@ class ProxyServer:
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
 
-    async def shutdown(self, grace: float | None = None) -> None:
+    async def shutdown(self, grace: float | None = None, exporter_stop: float = EXPORTER_STOP_TIMEOUT) -> None:
+        """Stop taking requests, give those in flight ``grace`` seconds (the configured
+        shutdown grace by default), then stop the rest; the span exporter gets
+        ``exporter_stop`` seconds to export and log what it still holds before it is
+        told to stop now, then killed."""
         grace = self.settings.timeouts.shutdown_grace if grace is None else grace
         ctx = self.ctx
         self._server.close()
@@ -299,7 +307,7 @@ class ProxyServer:
         if self.engine_side is not None:
             await self.engine_side.stop()
         if self.span_export is not None:
-            await self.span_export.stop(timeout=5.0)
+            await self.span_export.stop(timeout=exporter_stop)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         if self.link is not None:
