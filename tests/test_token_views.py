@@ -189,6 +189,35 @@ def test_top_shows_the_time_since_the_last_token_or_the_head_and_the_heartbeats(
     assert "TOKEN/HB" not in top.render_table([_entry(None, "req-json")], 200, use_color=False)[0]
 
 
+HEARTBEATS_ONLY_FBS = {"output_events": 0, "heartbeats": 18, "since_last_token_s": None,
+                       "since_head_without_token_s": 2.6}
+HEX_REQUEST_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.mark.parametrize("with_engine_stage", [False, True])
+def test_top_keeps_the_token_column_at_80_columns(with_engine_stage):
+    # Piped, top --once renders 80 columns: the waits an event stream is judged on stay,
+    # the path and the request id are cut instead (an ENGINE column too wide to fit goes).
+    fbs = {**_entry(HEARTBEATS_ONLY_FBS, "hb-none2"),
+           "verdict": {"outcome": "FBS", "blame": "engine", "waiting_for_s": 2.6, "stall_after_s": 1.0,
+                       "stalled": True}}
+    mss = {**_entry(SINCE_TOKEN, HEX_REQUEST_ID),
+           "verdict": {"outcome": "MSS", "blame": "engine", "waiting_for_s": 2.1, "stall_after_s": 1.0,
+                       "stalled": True}}
+    entries = [fbs, mss]
+    if with_engine_stage:
+        entries.append({**_entry(None, "req-json"), "engine_stage": {
+            "component": "kv_transfer", "stage": "prefill_transfer_kv_cache", "source": "spans"}})
+    lines = top.render_table(entries, 80, use_color=False)
+    assert all(len(line) <= 80 for line in lines)
+    assert "TOKEN/HB" in lines[0] and "REQUEST ID" in lines[0]
+    assert "head+2.6s 18hb" in next(line for line in lines if "hb-none2" in line)
+    assert "2.1s 14hb" in next(line for line in lines if HEX_REQUEST_ID[:6] in line)
+    # Narrower still, the token column goes and the rest stays within the width.
+    narrow = top.render_table(entries, 60, use_color=False)
+    assert "TOKEN/HB" not in narrow[0] and all(len(line) <= 60 for line in narrow)
+
+
 # ----------------------------------------------------------------------------------
 # The conversation id
 # ----------------------------------------------------------------------------------

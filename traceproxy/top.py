@@ -12,7 +12,9 @@ engines have each request: the PD component and SGLang stage (``~`` before it wh
 the gauges say so, for the engines as a whole). With event streams in flight, the
 TOKEN/HB column says, for each, the time since its last token and its heartbeats
 (``2.1s 14hb``), or, while no token came, the time since its response head
-(``head+2.1s 14hb``): what an event stream's stall is judged on.
+(``head+2.1s 14hb``): what an event stream's stall is judged on. In a narrow terminal
+the columns that say why a request waits (TOKEN/HB, ENGINE) outlast the others: the
+optional ones go first, then METHOD PATH and REQUEST ID are cut short (``WHY_RANK``).
 
 Rendering is a set of pure functions (JSON in, lines of text out) and the screen
 is a plain ANSI redraw: home the cursor, write the frame, clear what is left.
@@ -271,6 +273,10 @@ def _out_cell(entry: dict) -> str:
 
 
 FLEX_MIN_WIDTH, FLEX_MAX_WIDTH = 12, 60  # the METHOD PATH column
+# Optional columns ranked up to here (TOKEN/HB, ENGINE) say why a request waits: before
+# one of them goes, the squeezable columns (METHOD PATH, REQUEST ID) are cut as far as
+# their squeeze_width. Those ranked above it (CONN/SEQ and the rest) go before that.
+WHY_RANK = 2
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,7 @@ class Column:
     drop_rank: int = 0  # 0: always shown; when narrow, the highest rank goes first
     flexible: bool = False  # takes the width left over, and is cut first
     only_with: str = ""  # shown only when some entry has this key (a feature that is on)
+    squeeze_width: int = 0  # > 0: cut as far as this rather than drop a column ranked up to WHY_RANK
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -293,8 +300,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("BLAME", _verdict_field("blame"), 7),
     Column("ENGINE", engine_cell, 40, drop_rank=1, only_with="engine_stage"),
     Column("TOKEN/HB", token_cell, 16, right=True, drop_rank=2, only_with="tokens"),
-    Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True),
-    Column("REQUEST ID", lambda e: e.get("request_id") or "-", 12),
+    # Squeezed, the path keeps its method ("POST..") and the request id a prefix to grep for.
+    Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True, squeeze_width=6),
+    Column("REQUEST ID", lambda e: e.get("request_id") or "-", 12, squeeze_width=8),
     Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=3),
     Column("UPSTREAM", _upstream_cell, 12, drop_rank=4),
     Column("OUT", _out_cell, 6, right=True, drop_rank=5),
@@ -314,20 +322,63 @@ def _natural_width(column: Column, cells: list[str]) -> int:
     return min(column.max_width, max([len(column.title), *map(len, cells)]))
 
 
+def _cuts(columns: tuple[Column, ...], shown: list[int], natural: list[int], squeezed: bool) -> list[tuple[int, int]]:
+    """[(column index, the narrowest it may be cut to)], in the order they are cut: the
+    flexible column to FLEX_MIN_WIDTH; squeezed, then each squeezable one to its squeeze_width."""
+    cuts = [(i, min(natural[i], FLEX_MIN_WIDTH)) for i in shown if columns[i].flexible]
+    if squeezed:
+        cuts += [(i, min(natural[i], columns[i].squeeze_width)) for i in shown if columns[i].squeeze_width]
+    return cuts
+
+
+def _widths(columns: tuple[Column, ...], shown: list[int], natural: list[int], squeezed: bool,
+            width: int) -> dict[int, int]:
+    """Each shown column's width: natural, less what the cuts take, in their order, until
+    the row fits in width (or every cut is taken: the line is clipped then)."""
+    widths = {i: natural[i] for i in shown}
+    excess = sum(widths.values()) + len(GAP) * (len(shown) - 1) - width
+    for i, floor in _cuts(columns, shown, natural, squeezed):
+        cut = max(min(excess, widths[i] - floor), 0)
+        widths[i] -= cut
+        excess -= cut
+    return widths
+
+
+def _squeezing(columns: tuple[Column, ...], shown: list[int]) -> bool:
+    """Whether the squeezable columns may be cut to their squeeze_width: only to keep a
+    column ranked up to WHY_RANK, and only once every column ranked above it has gone."""
+    ranks = [columns[i].drop_rank for i in shown if columns[i].drop_rank]
+    return bool(ranks) and max(ranks) <= WHY_RANK
+
+
 def fit_columns(columns: tuple[Column, ...], rows: list[list[str]], width: int) -> list[tuple[int, int]]:
-    """[(column index, width)] that fit in width: the flexible column shrinks first, then columns drop."""
+    """[(column index, width)] that fit in width: the flexible column shrinks first, then the
+    optional columns drop, highest rank first; before one ranked up to WHY_RANK drops, the
+    squeezable columns are cut further. A dropped column ranked up to WHY_RANK comes back
+    (the most important first) when the room the drops after it made holds it."""
     natural = [_natural_width(c, [r[i] for r in rows]) for i, c in enumerate(columns)]
     shown = list(range(len(columns)))
 
-    def needed(flex_width: int) -> int:
-        widths = [flex_width if columns[i].flexible else natural[i] for i in shown]
-        return sum(widths) + len(GAP) * (len(widths) - 1)
+    def layout() -> dict[int, int]:
+        return _widths(columns, shown, natural, _squeezing(columns, shown), width)
+
+    def fits() -> bool:
+        return sum(layout().values()) + len(GAP) * (len(shown) - 1) <= width
 
     droppable = sorted((i for i, c in enumerate(columns) if c.drop_rank), key=lambda i: -columns[i].drop_rank)
-    while droppable and needed(FLEX_MIN_WIDTH) > width:
-        shown.remove(droppable.pop(0))
-    flex_width = max(min(width - needed(0), FLEX_MAX_WIDTH), FLEX_MIN_WIDTH)  # the leftover, within bounds
-    return [(i, min(natural[i], flex_width) if columns[i].flexible else natural[i]) for i in shown]
+    dropped: list[int] = []
+    while droppable and not fits():
+        dropped.append(droppable.pop(0))
+        shown.remove(dropped[-1])
+    for index in reversed(dropped):  # e.g. TOKEN/HB, when ENGINE (too wide to fit) went after it
+        if columns[index].drop_rank > WHY_RANK:
+            continue  # the rest stay in rank order: none shown while one ranked before it is not
+        shown.append(index)
+        shown.sort()
+        if not fits():
+            shown.remove(index)
+    widths = layout()
+    return [(i, widths[i]) for i in shown]
 
 
 def _join(cells: list[str], layout: list[tuple[int, int]], columns: tuple[Column, ...]) -> str:
