@@ -556,6 +556,31 @@ def test_tracing_and_request_id_errors_name_the_key(key, raw, expected_form):
     assert key in str(err.value) and expected_form in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["connection", "Traceparent", "x-forwarded-for", "transfer-encoding", "host"])
+def test_a_conversation_id_header_the_proxy_manages_itself_is_refused_naming_the_key(name):
+    # Such a field is removed or replaced before the value is read: the setting would
+    # silently never find a conversation id.
+    with pytest.raises(ConfigError) as err:
+        load_settings({"tracing.conversation_id_header": name}, {})
+    assert "tracing.conversation_id_header" in str(err.value) and "manages itself" in str(err.value)
+    with pytest.raises(ConfigError, match="tracing.conversation_id_header"):
+        load_settings({}, {"TRACEPROXY_TRACING_CONVERSATION_ID_HEADER": name})
+
+
+def test_a_forwarded_conversation_id_header_is_accepted_in_lower_case():
+    assert load_settings({"tracing.conversation_id_header": "X-Conversation-Id"}, {}
+                         ).tracing.conversation_id_header == "x-conversation-id"
+    assert load_settings({"tracing.conversation_id_header": ""}, {}).tracing.conversation_id_header == ""
+
+
+def test_serve_check_exits_2_naming_a_managed_conversation_id_header(capsys):
+    from traceproxy.cli import main
+
+    assert main(["serve", "--check", "--tracing-conversation-id-header", "connection"]) == 2
+    err = capsys.readouterr().err
+    assert "tracing.conversation_id_header" in err and "connection is a header the proxy manages itself" in err
+
+
 def test_empty_sample_ratio_means_from_the_environment():
     assert load_settings({"tracing.healthy_sample_ratio": ""}, {}).tracing.healthy_sample_ratio is None
     assert load_settings({"tracing.healthy_sample_ratio": "0.25"}, {}).tracing.healthy_sample_ratio == 0.25

@@ -169,8 +169,10 @@ class RequestIds:
         flag_aliases=("--inject-rid",))
 
 
-def _one_header_name() -> Kind:
-    """One HTTP header name, or empty for none."""
+def _one_forwarded_header_name() -> Kind:
+    """One HTTP header name the proxy forwards as it came, or empty for none. A field the
+    proxy manages itself is refused: it is removed or replaced before the value is read,
+    so the setting would never find anything there."""
     names = header_names()
 
     def parse(raw: Any) -> str:
@@ -180,6 +182,13 @@ def _one_header_name() -> Kind:
         parsed = names.parse(value)
         if len(parsed) != 1:
             raise ValueError
+        # The one list of managed names is the header rules' own (pure, standard library
+        # only); read here, when a name is given, as app.check_request_id_headers reads it.
+        from ..proxy.headers import PROXY_MANAGED
+
+        if parsed[0].encode("ascii") in PROXY_MANAGED:
+            raise Rejected(f"{parsed[0]} is a header the proxy manages itself (framing, connection, "
+                           "forwarding or tracing), never read as a conversation id")
         return parsed[0]
 
     return Kind(parse, "one header name, e.g. x-conversation-id, or empty for none", "NAME")
@@ -232,11 +241,11 @@ class Tracing:
         "each response: sglang for /generate or SGLang's own fields (meta_info, matched_stop), vllm for "
         "vLLM's (stop_reason), else openai (the OpenAI-compatible API).")
     conversation_id_header: str = setting(
-        _one_header_name(), "",
+        _one_forwarded_header_name(), "",
         "A request header whose value is the request's conversation (session, thread) id, put on its "
         "span as gen_ai.conversation.id and shown as conversation_id in /debug/inflight and the access log; "
-        "its first 256 characters are kept. A header the proxy forwards, not one it manages itself "
-        "(framing, connection, forwarding, tracing). Empty = none.")
+        "its first 256 characters are kept. A header the proxy forwards: one it manages itself (framing, "
+        "connection, forwarding, tracing) is a configuration error. Empty = none.")
 
 
 # The thresholds, one per stall kind, are StallThresholds' fields: these settings are seconds, 0 = off.
