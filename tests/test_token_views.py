@@ -20,7 +20,9 @@ import pytest
 
 from traceproxy import top
 from traceproxy.diagnose import file_spans
+from traceproxy.lifecycle.token_progress import TokenProgress
 from traceproxy.observe import semconv as sc
+from traceproxy.observe.token_view import stall_words
 
 from .support import RawClient, admin_get, wait_until
 from .test_token_stalls import CONTENT, DONE, FAST, FINISH, MORE, PingingUpstream, chunk, stalled_with
@@ -68,10 +70,11 @@ def test_a_token_then_pings_shows_the_time_since_the_token_and_the_heartbeats_ev
     assert wait_until(lambda: inflight_requests(proxy)[0]["tokens"]["heartbeats"] >= 8, timeout=5)
     tokens = inflight_requests(proxy)[0]["tokens"]
     assert tokens["output_events"] == 1 and tokens["since_head_without_token_s"] is None
-    assert tokens["since_last_token_s"] >= 0.3 and tokens["max_token_gap_s"] == 0
+    # One token: no gap between two yet (null, not a 0 that reads as tokens back to back).
+    assert tokens["since_last_token_s"] >= 0.3 and tokens["max_token_gap_s"] is None
     assert 0 <= tokens["time_to_first_token_s"] < tokens["since_last_token_s"] + 1
     line = stall_line(caplog, "MSS")
-    assert re.search(r" tokens: 1 output events, the last \d+\.\d s ago, \d+ heartbeats", line), line
+    assert re.search(r" tokens: 1 output event, the last \d+\.\d s ago, \d+ heartbeats", line), line
     span = None
 
     def found_span():
@@ -118,6 +121,43 @@ def test_pings_before_any_token_show_the_time_since_the_response_head(scripted_u
     [logged] = access_lines(tmp_path / "access.log")
     assert logged["tokens"]["output_events"] == 2 and logged["tokens"]["time_to_first_token"] >= 0.3
     client.close()
+
+
+def server_span(path, request_id: str):
+    return next((s for s in spans_of(path, request_id) if sc.OUTPUT_EVENTS in s.attributes
+                 and not s.name.startswith("stall ")), None)
+
+
+def test_a_stream_with_one_token_has_no_token_gap_anywhere(scripted_upstream, start_proxy, tmp_path):
+    # One token, pings, then the end: the longest gap between two tokens is not known
+    # (null, left off the span), rather than a 0 that says the tokens came back to back.
+    upstream = PingingUpstream(before=(CONTENT,), after=(DONE,))
+    proxy = start_proxy(scripted_upstream(upstream).url, **_observed(tmp_path))
+    client = RawClient(proxy.port)
+    client.request("POST", "/v1/chat/completions", headers=[("x-request-id", "one-tok")], body=b'{"stream":true}')
+    assert wait_until(lambda: stalled_with(proxy, "MSS"), timeout=5)
+    assert inflight_requests(proxy)[0]["tokens"]["max_token_gap_s"] is None
+    upstream.release.set()
+    assert client.response().complete
+    assert wait_until(lambda: access_lines(tmp_path / "access.log"), timeout=5)
+    [logged] = access_lines(tmp_path / "access.log")
+    assert logged["tokens"]["output_events"] == 1 and logged["tokens"]["heartbeats"] >= 1
+    assert logged["tokens"]["max_token_gap"] is None and logged["tokens"]["time_to_first_token"] > 0
+    assert wait_until(lambda: server_span(tmp_path / "spans.jsonl", "one-tok"), timeout=10)
+    attrs = server_span(tmp_path / "spans.jsonl", "one-tok").attributes
+    assert attrs[sc.OUTPUT_EVENTS] == 1 and sc.TIME_TO_FIRST_TOKEN in attrs
+    assert sc.TOKEN_MAX_GAP not in attrs
+    client.close()
+
+
+@pytest.mark.parametrize(("output_events", "heartbeats", "words"), [
+    (1, 1, "1 output event, the last 2.1 s ago, 1 heartbeat"),
+    (2, 0, "2 output events, the last 2.1 s ago, 0 heartbeats"),
+    (0, 1, "none, 2.1 s since the response head, 1 heartbeat"),
+])
+def test_the_stall_lines_tokens_part_counts_in_words(output_events, heartbeats, words):
+    progress = TokenProgress(output_events, heartbeats, output_events > 0, 1_000_000_000, None, None)
+    assert stall_words(progress, 3_100_000_000) == words
 
 
 class SilentMidBody:

@@ -12,7 +12,8 @@ is the last token, or, while none came (``token_came`` False), the response head
 
 Read when someone asks (a snapshot, a stall, a request's end), never per read: the
 relay stamps the tokens, this only reads them. Pure: no clock, no I/O. Any
-other response has no progress here (None) and keeps byte judgement.
+other response has no progress here (None) and keeps byte judgement. The longest token
+gap is None until two output events came: there is no gap to speak of before that.
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ class TokenProgress(NamedTuple):
     token_came: bool  # False: no event with output yet
     waiting_since_ns: int | None  # the last token, else the response head (None: no head yet)
     first_token_ns: int | None
-    max_token_gap_ns: int  # the longest wait between two events with output
+    max_token_gap_ns: int | None  # the longest wait between two events with output; None: not two yet
+
+
+# A gap is between two output events: with fewer there is none, and a 0 in its place would
+# read as tokens coming back to back (a stalled stream's "longest gap 0").
+EVENTS_FOR_A_GAP = 2
+
+
+def has_token_gap(output_events: int) -> bool:
+    """Whether a stream with this many output events has a token gap to show."""
+    return output_events >= EVENTS_FOR_A_GAP
 
 
 def token_progress(record: RequestRecord) -> TokenProgress | None:
@@ -39,6 +50,7 @@ def token_progress(record: RequestRecord) -> TokenProgress | None:
         return None
     last = record.last_token_ns
     since = last if last is not None else record.when(Mark.LAST_UPSTREAM_RX_HEADER_BYTE)
+    gap = record.max_token_gap_ns if has_token_gap(events.output_events) else None
     return TokenProgress(events.output_events, events.heartbeats, last is not None, since,
-                         record.first_token_ns, record.max_token_gap_ns)
+                         record.first_token_ns, gap)
 

@@ -26,7 +26,8 @@ semantic conventions of release 1.41.0 (``semconv``):
 * an event stream's time to first token (``traceproxy.response.time_to_first_token_s``;
   ``gen_ai.response.time_to_first_chunk`` stays the time to its first body byte, as
   the conventions define it), its output events, heartbeats and longest wait between
-  two output events.
+  two output events (left out with fewer than two: there is no gap, and a 0 would say
+  the tokens came back to back).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import NamedTuple
 
 import orjson
 
+from ..lifecycle.token_progress import has_token_gap
 from . import semconv as sc
 from .genai import SOURCE_COUNTED, SOURCE_USAGE
 
@@ -135,6 +137,7 @@ def _stream_attributes(found: GenAIEvidence, start_ns: int, attrs: dict) -> None
     attrs[sc.HEARTBEATS] = found.heartbeats
     if found.first_token_ns:
         attrs[sc.TIME_TO_FIRST_TOKEN] = (found.first_token_ns - start_ns) / 1e9
+    if has_token_gap(found.output_events):  # left out with fewer than two: no gap, not a 0
         attrs[sc.TOKEN_MAX_GAP] = found.max_token_gap_ns / 1e9
     if found.model:
         attrs[sc.GEN_AI_RESPONSE_MODEL] = found.model

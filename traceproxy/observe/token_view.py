@@ -19,7 +19,8 @@ def _seconds(ns: int | None, digits: int = 3) -> float | None:
 def live_fields(progress: TokenProgress, now_ns: int, start_ns: int | None) -> dict:
     """A request in flight's ``tokens``: exactly one of ``since_last_token_s`` (a token
     came) and ``since_head_without_token_s`` (none yet: counted from the response head,
-    as its first-byte wait is) is a number, the other null."""
+    as its first-byte wait is) is a number, the other null; ``max_token_gap_s`` is null
+    until two output events came."""
     waited = None if progress.waiting_since_ns is None else now_ns - progress.waiting_since_ns
     first = progress.first_token_ns
     return {
@@ -32,15 +33,21 @@ def live_fields(progress: TokenProgress, now_ns: int, start_ns: int | None) -> d
     }
 
 
+def _counted(n: int, noun: str) -> str:
+    """``1 heartbeat``, ``14 heartbeats``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def stall_words(progress: TokenProgress, now_ns: int) -> str:
     """The stall line's ``tokens:`` part: ``3 output events, the last 2.1 s ago, 14 heartbeats``,
-    or with none yet ``none, 2.1 s since the response head, 14 heartbeats``."""
+    or with none yet ``none, 2.1 s since the response head, 14 heartbeats``; singular for
+    one (``1 output event``, ``1 heartbeat``)."""
     waited = "?" if progress.waiting_since_ns is None else f"{(now_ns - progress.waiting_since_ns) / 1e9:.1f}"
     if progress.token_came:
-        said = f"{progress.output_events} output events, the last {waited} s ago"
+        said = f"{_counted(progress.output_events, 'output event')}, the last {waited} s ago"
     else:
         said = f"none, {waited} s since the response head"
-    return f"{said}, {progress.heartbeats} heartbeats"
+    return f"{said}, {_counted(progress.heartbeats, 'heartbeat')}"
 
 
 def stall_attributes(progress: TokenProgress, now_ns: int) -> dict:
@@ -54,7 +61,8 @@ def stall_attributes(progress: TokenProgress, now_ns: int) -> dict:
 
 def summary_tokens(progress: TokenProgress | None) -> tuple:
     """What a finished request's summary carries for its access log line: (output events,
-    heartbeats, first token (0: none), longest token gap); () for any other response."""
+    heartbeats, first token (0: none), longest token gap (None: fewer than two output
+    events)); () for any other response."""
     if progress is None:
         return ()
     return progress.output_events, progress.heartbeats, progress.first_token_ns or 0, progress.max_token_gap_ns
@@ -62,11 +70,12 @@ def summary_tokens(progress: TokenProgress | None) -> tuple:
 
 def access_fields(tokens: tuple, start_ns: int) -> dict:
     """A finished request's ``tokens`` in its access log line, from ``summary_tokens``; seconds
-    as the line's other timings (``time_to_first_token`` null when no token came)."""
+    as the line's other timings (``time_to_first_token`` null when no token came,
+    ``max_token_gap`` null until two output events came)."""
     output_events, heartbeats, first_token_ns, max_gap_ns = tokens
     return {
         "output_events": output_events,
         "heartbeats": heartbeats,
         "time_to_first_token": round((first_token_ns - start_ns) / 1e9, 6) if first_token_ns and start_ns else None,
-        "max_token_gap": round(max_gap_ns / 1e9, 6),
+        "max_token_gap": None if max_gap_ns is None else round(max_gap_ns / 1e9, 6),
     }
