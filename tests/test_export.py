@@ -428,6 +428,38 @@ def test_a_span_that_cannot_be_encoded_is_dropped_not_raised(start_pipe, loop_th
     assert (stats["spans_dropped"], stats["spans_exported"]) == (1, 2)
 
 
+def _summary(**fields) -> RequestSummary:
+    return _BARE_SUMMARY._replace(**fields)
+
+
+_BARE_SUMMARY = RequestSummary(
+    trace_id=TRACE_ID, span_id=7, parent_span_id=0, sampled=True, tracestate="", rejected_traceparent="",
+    request_id="rid", method="POST", target="/v1/chat/completions", http_version="1.1", status=200,
+    outcome="OK", error="", start_ns=1, end_ns=9, clock_offset_ns=10**18, marks=(1, 2, 3, 0, 5, 9),
+    client_peer="127.0.0.1:5", client_connection_id=3, sequence=1, idle_gap_ns=-1, user_agent="ua",
+    server=("127.0.0.1", 80), upstream=("127.0.0.1", 81), request_body_bytes=0, response_body_bytes=0,
+    chunks=0, max_chunk_gap_ns=0, request_body_head=b"", response_tail=b"", request_body_tail=b"", attempts=())
+
+
+def test_kept_requests_bodies_send_their_batch_before_it_is_full(start_pipe, loop_thread, tmp_path):
+    """The exporter holds a whole frame while it works through it: requests kept with
+    their bodies' evidence (up to 24 KiB each) leave in frames of about a MiB, not
+    in batches of batch_spans; small ones still wait for the batch or its timer."""
+    from traceproxy.observe.export import BATCH_EVIDENCE_BYTES
+
+    pipe = start_pipe(make_config("file", file_path=str(tmp_path / "spans.jsonl"), batch_spans=512,
+                                  flush_interval=60.0))
+    loop_thread.call(pipe.submit, [_summary(), _summary(keep_spans=False, response_tail=b"x" * 50_000)] * 3)
+    assert stats_of(loop_thread, pipe)["spans_queued"] == 6  # only a shed request's bytes: batched on
+    big = _summary(request_body_head=b"h" * 8192, response_tail=b"t" * 12288, request_body_tail=b"r" * 4096)
+    needed = -(-BATCH_EVIDENCE_BYTES // (8192 + 12288 + 4096))
+    loop_thread.call(pipe.submit, [big] * (needed - 1))
+    assert stats_of(loop_thread, pipe)["spans_queued"] == 6 + needed - 1
+    loop_thread.call(pipe.submit, [big])  # this one reaches the bound: the batch goes, long before its timer
+    assert wait_until(lambda: stats_of(loop_thread, pipe)["spans_queued"] == 0, timeout=10)
+    assert stats_of(loop_thread, pipe)["spans_dropped"] == 0
+
+
 def test_frames_carry_spans_and_request_summaries_unchanged():
     summary = RequestSummary(
         trace_id=TRACE_ID, span_id=7, parent_span_id=0, sampled=True, tracestate="a=1", rejected_traceparent="",

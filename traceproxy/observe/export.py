@@ -16,9 +16,13 @@ Theory of operation:
   are saturated, proxying wins and the queue fills; shedding and the bounded queue
   take it from there, never the event loop.
 - ``submit`` flattens the item (``export_wire.flatten``) into the current batch. A
-  full batch (``batch_spans``), a timer (``flush_interval`` after the batch's first
-  span) or ``submit_now`` sends it: one ``marshal`` dump of the batch, length
-  prefix, one ``transport.write`` on a non-blocking pipe.
+  full batch (``batch_spans``, or ``BATCH_EVIDENCE_BYTES`` of kept requests' body
+  evidence), a timer (``flush_interval`` after the batch's first span) or
+  ``submit_now`` sends it: one ``marshal`` dump of the batch, length prefix, one
+  ``transport.write`` on a non-blocking pipe. The byte bound is for the exporter's
+  memory: a kept request carries up to 24 KiB of its bodies for the GenAI
+  attributes, and the child holds a whole frame, twice (read, then decoded), while it
+  works through it; 512 such requests made a frame of 12 MiB.
 - The one bounded queue is the pipe transport's user-space buffer. It is bounded in
   spans, not bytes: every frame written is remembered as (end offset in the stream,
   span count), and ``get_write_buffer_size()`` tells how much of the stream has not
@@ -61,6 +65,7 @@ import traceproxy
 
 from .export_wire import STATS, STOP_NOW, ExportConfig, RawSpans, flatten, flatten_raw, frame, parse_stats_line
 from .spandata import SpanData
+from .spans import RequestSummary
 
 __all__ = ["ExportConfig", "SpanExportPipe"]
 
@@ -68,6 +73,8 @@ log = logging.getLogger("traceproxy.export")
 CHILD_MODULE = "traceproxy.observe.exporter_main"
 # Of stop()'s timeout, the part kept for "stop now" and SIGKILL after draining overran.
 KILL_RESERVE_SHARE, KILL_RESERVE_MAX = 0.25, 1.0
+# A batch is sent once the kept requests in it carry this much body evidence.
+BATCH_EVIDENCE_BYTES = 1 << 20
 
 
 class SpanExportPipe:
@@ -78,6 +85,7 @@ class SpanExportPipe:
         # A batch bigger than the queue could never be sent.
         self._batch_spans = min(config.batch_spans, config.queue_spans)
         self._batch: list[tuple] = []  # flattened items
+        self._batch_evidence = 0  # body bytes the kept requests in the batch carry
         self._flush_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -157,7 +165,11 @@ class SpanExportPipe:
             except Exception:  # an odd item must not reach the proxy's caller
                 log.exception("dropping a %s that cannot be flattened", type(item).__name__)
                 self._dropped += 1
-        if len(self._batch) >= self._batch_spans:
+                continue
+            if type(item) is RequestSummary and item.keep_spans:
+                self._batch_evidence += len(item.request_body_head) + len(item.response_tail) + \
+                    len(item.request_body_tail)
+        if len(self._batch) >= self._batch_spans or self._batch_evidence >= BATCH_EVIDENCE_BYTES:
             self._flush()
         elif self._flush_timer is None:
             self._flush_timer = self._loop.call_later(self.config.flush_interval, self._flush)
@@ -203,6 +215,7 @@ class SpanExportPipe:
             self._flush_timer.cancel()
             self._flush_timer = None
         batch, self._batch = self._batch, []
+        self._batch_evidence = 0
         if not batch:
             return
         if not self._accepting or self._writer_lost or not self._has_room_for(len(batch)):
