@@ -1,6 +1,7 @@
 """The README's first command runs to completion, every scenario gets the verdict it
-should (engine, client, proxy, and in front of the proxy), every code shown is
-explained, and the commands it prints work against the stack it leaves running."""
+should (engine, client, proxy, and in front of the proxy), the engine's stalls are named
+by the PD component traceproxy named live, every code shown is explained, and the commands
+it prints work against the stack it leaves running."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from dataclasses import replace
 import psutil
 import pytest
 
-from traceproxy.demo import (BY_KEY, NOT_REACHED_TEXT, SCENARIOS, Row, Said, Where, codes_shown, example_trace_id,
-                             expectation, legend_lines, running_lines, stopped_lines)
+from traceproxy.demo import (BY_KEY, NOT_REACHED_TEXT, SCENARIOS, Row, Said, Where, codes_shown, engine_stage_lines,
+                             example_trace_id, expectation, legend_lines, running_lines, stopped_lines)
 from traceproxy.lifecycle.flags import BY_CODE, Blame, Flag
 from traceproxy.sim.routers import ROUTER_NAMES, default_router, router_kind
 
@@ -54,6 +55,8 @@ def test_demo_runs_and_its_table_matches_and_explains_every_code(tmp_path):
     for scenario in SCENARIOS:
         row = next(line for line in lines if line.startswith(scenario.title))
         assert f"  {expectation(scenario, kind).text}  " in row and "  yes  " in row, row
+    if kind is not None:
+        assert_pd_stages_named(result.stdout, PD_STAGES)
     blamed = {scenario.expected.blame for scenario in SCENARIOS if scenario.expected is not None}
     assert {Blame.CLIENT, Blame.PROXY, Blame.ENGINE} <= blamed
     # One legend line per code shown, in the flag table's own words.
@@ -72,11 +75,38 @@ def test_demo_runs_and_its_table_matches_and_explains_every_code(tmp_path):
     assert shlex.split(diagnose)[2] in looked_up.stdout
 
 
+# Where the demo's engine stalls hang, as traceproxy names them live: (component, the SGLang
+# stages the holding worker may be in; behind vllm-router, which calls decode only once
+# prefill answered, a handshake that never completes holds decode in decode_bootstrap).
+PD_STAGES = {
+    "prefill-stall": ("prefill", ("prefill prefill_forward",)),
+    "decode-stall": ("decode", ("decode decode_forward",)),
+    "bootstrap-stall": ("bootstrap", ("prefill prefill_bootstrap", "decode decode_bootstrap")),
+    "kv-transfer-stall": ("kv_transfer", ("prefill prefill_transfer_kv_cache",)),
+    "decode-waiting-stall": ("kv_transfer", ("decode decode_transferred",)),
+}
+
+
+def assert_pd_stages_named(stdout: str, keys) -> None:
+    """Each engine stall's row names its component, and the list under the table its SGLang
+    stage and worker (this host's simulated workers, from their spans)."""
+    listed = stdout[stdout.index("where the engines held each stalled request"):].split("\n\n")[0]
+    for key in keys:
+        component, stages = PD_STAGES[key]
+        title = BY_KEY[key].title
+        assert f"  {component}  " in _table_row(stdout, title), _table_row(stdout, title)
+        [line] = _printed(listed, f"{title}:")
+        assert line.startswith(f"{title}: {component} (") and line.endswith("; from spans)"), line
+        assert any(stage in line for stage in stages) and "sglang host " in line, line
+
+
 # Per router, the scenarios whose engine side each router changes (prefill_stall: decode
 # waiting in its transfer queue, or never called behind vllm-router; decode's reset: a
-# cut stream, or smg's in-band error event), the client leaving, and smg's routing by
-# model (the harness's turns). The whole demo runs behind the default router above.
-SCENARIOS_PER_ROUTER = ("healthy", "prefill-stall", "decode-reset", "client-leaves")
+# cut stream, or smg's in-band error event; the PD stalls, whose faults ride in the
+# request), the client leaving, and smg's routing by model (the harness's turns). The
+# whole demo runs behind the default router above.
+PD_SCENARIOS = ("bootstrap-stall", "kv-transfer-stall", "decode-waiting-stall")
+SCENARIOS_PER_ROUTER = ("healthy", "prefill-stall", "decode-reset", "client-leaves", *PD_SCENARIOS)
 
 
 def _table_row(stdout: str, title: str) -> str:
@@ -114,6 +144,7 @@ def test_the_demo_runs_behind_each_router_names_it_and_expects_what_it_does(demo
     for key, row in rows.items():
         assert f"  {expectation(BY_KEY[key], kind).text}  " in row, row
         assert "  yes  " in row, row  # smg's in-band error event included: an engine failure (USE)
+    assert_pd_stages_named(out, ("prefill-stall", *PD_SCENARIOS))
     assert result.returncode == 0, out + result.stderr
     # Under the table, what this router made of the scenarios where routers differ.
     notes = out[out.index(f"behind {name} {kind.version}:"):]
@@ -320,6 +351,30 @@ def test_the_legend_explains_each_code_shown_once_from_the_flag_table():
     for line, code in zip(legend, ["OK", "PWS", "MSS", "UC"]):
         assert line.split()[0] == code and BY_CODE[code].name in line and BY_CODE[code].meaning in line
     assert "blame proxy" in legend[1] and "blame" not in legend[0]
+
+
+def test_an_engine_stall_matches_only_when_named_by_its_component():
+    kv = BY_KEY["kv-transfer-stall"]
+    expected = expectation(kv, router_kind("sglang-router"))
+    named = Row(kv, Said("FBS engine", "a" * 32, Flag.FBS, "kv_transfer", "kv_transfer (prefill ...)"), expected)
+    assert named.matches and named.cells()[4] == "kv_transfer"
+    elsewhere = Row(kv, Said("FBS engine", "a" * 32, Flag.FBS, "prefill", "prefill (prefill ...)"), expected)
+    unnamed = Row(kv, Said("FBS engine", "a" * 32, Flag.FBS), expected)
+    assert not elsewhere.matches and not unnamed.matches
+    lines = engine_stage_lines([named, elsewhere, unnamed])
+    assert f"  {kv.title}: expected component kv_transfer, traceproxy named prefill" in lines
+    assert f"  {kv.title}: expected component kv_transfer, traceproxy named -" in lines
+    assert engine_stage_lines([_row("healthy", "OK", "a" * 32)]) == []  # no stall, no list
+    # Without a router the PD stalls are skipped, not failed.
+    skipped = Row(kv, Said("skipped (needs a router)"), expectation(kv, None))
+    assert skipped.matches and engine_stage_lines([skipped]) == []
+
+
+def test_only_scenarios_that_set_no_fault_on_a_worker_run_at_once():
+    shared = {scenario.key for scenario in SCENARIOS if scenario.shares_the_stack}
+    assert shared == {"healthy", "client-leaves", "client-body-stall", "faulty-proxy", "prefill-stall",
+                      "decode-stall", *PD_SCENARIOS}
+    assert all(BY_KEY[key].request_fault for key in ("prefill-stall", "decode-stall", *PD_SCENARIOS))
 
 
 def test_the_lookup_offered_is_a_request_that_went_wrong():

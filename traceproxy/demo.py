@@ -3,14 +3,23 @@
 Starts the simulated prefill and decode workers behind a real router in PD mode
 (``--router sglang-router|smg|vllm-router``; by default the first of these installed,
 and without any the decode worker alone), traceproxy in front with spans to the
-local file, and the repro harness; then runs one scenario at a time and prints each
-against the verdict traceproxy gave, with the trace ids, a legend for every outcome
-code shown, and where the spans and the access log are. The scenarios put the hang on
+local file, and the repro harness; then runs the scenarios and prints each against
+the verdict traceproxy gave, with the trace ids, a legend for every outcome code shown,
+and where the spans and the access log are. The scenarios that set no fault on a
+worker (their faults, if any, ride in their requests' bodies) run at once, on the one
+stack; each of the others runs alone, since its fault reaches every request. The scenarios put the hang on
 each side in turn: the engine (injected sim faults), the client (a harness that leaves
 mid-stream, one that stops sending its body), the proxy (its pool at its connection
 cap), and in front of traceproxy: a faulty client-side keep-alive proxy that stops
 forwarding on reused connections, the story traceproxy was born from. Its verdict is
 that the request never reached traceproxy.
+
+Inside the engine, behind a router: the workers export SGLang's request spans to
+traceproxy's own engine span receiver, and three scenarios hang a request in one PD
+stage each (the handshake, the KV transfer, decode's wait for the KV cache). The
+table's component column is the PD component traceproxy named live for the stalled
+request (``engine_stage`` in ``/debug/inflight``), and a list under it gives the SGLang
+stage and worker with it.
 
 Where routers differ, so does what the table expects (``expectation``, from each
 router's observed behaviour in ``sim.routers``), and a line under the table says what
@@ -53,6 +62,7 @@ HARNESS_VIA_FAULTY_PROXY = "harness_via_faulty_proxy"  # the same, through a fau
 LEAVE_MID_STREAM = "leave_mid_stream"  # a client that closes after the first token
 STOP_MID_BODY = "stop_mid_body"  # a client that sends half its body and goes quiet
 POOL_AT_CAP = "pool_at_cap"  # a traceproxy with one pooled connection, held by a stalled stream
+ENGINE_STALL = "engine_stall"  # one streaming request whose body carries its sim fault, asked about until it stalls
 
 
 @dataclass(frozen=True)
@@ -65,18 +75,33 @@ class Scenario:
     role: str = "decode"  # the worker the fault is set on: "prefill" or "decode"
     injected: str | None = None  # what the table says was done, when it is not a sim fault
     needs_router: bool = False
+    request_fault: str | None = None  # a sim fault carried in the request's own body (no worker-wide fault)
+    component: str | None = None  # the PD component traceproxy should name for the stalled request
 
     @property
     def injected_text(self) -> str:
-        return self.injected or self.fault or "-"
+        return self.injected or self.fault or self.request_fault or "-"
+
+    @property
+    def shares_the_stack(self) -> bool:
+        """Whether it can run at the same time as the other such scenarios: it sets no
+        fault on a worker (which would reach every request) and starts no proxy of its own."""
+        return self.fault is None and self.drive != POOL_AT_CAP
 
 
 
 SCENARIOS = (
     Scenario("healthy", "healthy turns on reused connections", HARNESS, Flag.OK),
-    Scenario("prefill-stall", "prefill never finishes", HARNESS, Flag.FBS, "prefill_stall", "prefill",
-             needs_router=True),
-    Scenario("decode-stall", "decode stops after 3 tokens", HARNESS, Flag.MSS, "decode_stall:3"),
+    Scenario("prefill-stall", "prefill never finishes", ENGINE_STALL, Flag.FBS, role="prefill", needs_router=True,
+             request_fault="prefill_stall", component="prefill"),
+    Scenario("decode-stall", "decode stops after 3 tokens", ENGINE_STALL, Flag.MSS, request_fault="decode_stall:3",
+             component="decode"),
+    Scenario("bootstrap-stall", "PD handshake never completes", ENGINE_STALL, Flag.FBS, role="prefill",
+             needs_router=True, request_fault="bootstrap_stall", component="bootstrap"),
+    Scenario("kv-transfer-stall", "KV transfer never completes", ENGINE_STALL, Flag.FBS, role="prefill",
+             needs_router=True, request_fault="kv_transfer_stall", component="kv_transfer"),
+    Scenario("decode-waiting-stall", "decode never gets the KV cache", ENGINE_STALL, Flag.FBS, needs_router=True,
+             request_fault="decode_waiting_stall", component="kv_transfer"),
     Scenario("no-done", "stream ends without [DONE]", HARNESS, Flag.NDN, "no_done"),
     Scenario("decode-reset", "decode resets mid-stream", HARNESS, Flag.UC, "reset_mid_stream:3"),
     Scenario("client-leaves", "harness leaves mid-stream", LEAVE_MID_STREAM, Flag.DC,
@@ -98,12 +123,15 @@ def verdict_words(outcome: Outcome) -> str:
 
 @dataclass(frozen=True)
 class Said:
-    """What traceproxy said about a scenario: the table's verdict and trace id cells, and
-    the outcome the verdict names, if it names one."""
+    """What traceproxy said about a scenario: the table's verdict and trace id cells, the
+    outcome the verdict names, if it names one, and where the engines held the request
+    when it stalled (``component``, the column; ``engine_stage``, its words in full)."""
 
     text: str
     trace_id: str = "-"
     outcome: Outcome | None = None
+    component: str = "-"
+    engine_stage: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +144,7 @@ class Expectation:
     failure_of: Blame | None = None
     note: str = ""
     if_said_ok: str = ""  # added to the note when traceproxy took this failure for a success
+    component: str | None = None  # the PD component the stalled request must be named by, when one is
 
     @property
     def text(self) -> str:
@@ -126,6 +155,8 @@ class Expectation:
         return NOT_REACHED_TEXT
 
     def met_by(self, said: Said) -> bool:
+        if self.component is not None and said.component != self.component:
+            return False
         if self.failure_of is None:
             return said.text == self.text
         # A final or stalled verdict (not "..., not yet stalled") of a failure blamed on that side.
@@ -137,7 +168,7 @@ class Expectation:
 def expectation(scenario: Scenario, router: RouterKind | None) -> Expectation:
     """The scenario's expectation behind ``router`` (None: the decode worker alone), from
     the router's observed behaviour (``sim.routers``)."""
-    plain = Expectation(scenario.expected)
+    plain = Expectation(scenario.expected, component=scenario.component)
     vary = _BEHIND_A_ROUTER.get(scenario.key)
     return vary(router, plain) if vary is not None and router is not None else plain
 
@@ -191,9 +222,16 @@ class Row:
             return f"{self.expected.note}. {self.expected.if_said_ok}"
         return self.expected.note
 
+    @property
+    def component_missed(self) -> bool:
+        """The verdict is right but the stalled request was not named by the component expected."""
+        expected = self.expected.component
+        return (expected is not None and self.said.component != expected and not self.skipped
+                and replace(self.expected, component=None).met_by(self.said))
+
     def cells(self) -> tuple[str, ...]:
         return (self.scenario.title, self.scenario.injected_text, self.expected.text, self.said.text,
-                "yes" if self.matches else "NO", self.said.trace_id)
+                self.said.component, "yes" if self.matches else "NO", self.said.trace_id)
 
 
 @dataclass(frozen=True)
@@ -220,7 +258,7 @@ def data_paths(folder: Path | None = None) -> tuple[Path, Path]:
 # What it prints
 # ----------------------------------------------------------------------------------
 def table_lines(rows: list[Row]) -> list[str]:
-    header = ("scenario", "injected", "expected", "traceproxy said", "match", "trace id")
+    header = ("scenario", "injected", "expected", "traceproxy said", "component", "match", "trace id")
     body = [row.cells() for row in rows]
     widths = [max(len(cells[i]) for cells in (header, *body)) for i in range(len(header))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
@@ -231,6 +269,20 @@ def note_lines(rows: Iterable[Row], router: RouterKind | None) -> list[str]:
     """What the router makes of the scenarios shown, where routers differ."""
     notes = [f"  {row.scenario.title}: {row.note}" for row in rows if row.note and not row.skipped]
     return ["", f"behind {router.name} {router.version}:", *notes] if notes else []
+
+
+def engine_stage_lines(rows: Iterable[Row]) -> list[str]:
+    """Where the engines held each stalled request, as traceproxy named it live: the
+    component column's words in full (SGLang stage, worker), and any component missed."""
+    lines = []
+    for row in rows:
+        if row.said.engine_stage:
+            lines.append(f"  {row.scenario.title}: {row.said.engine_stage}")
+        if row.component_missed:
+            lines.append(f"  {row.scenario.title}: expected component {row.expected.component}, "
+                         f"traceproxy named {row.said.component}")
+    return ["", "where the engines held each stalled request (engine_stage, named live from the engines' spans):",
+            *lines] if lines else []
 
 
 def codes_shown(rows: Iterable[Row]) -> list[str]:
@@ -309,7 +361,8 @@ def running_lines(rows: list[Row], where: Where) -> list[str]:
     if trace_id is not None:
         lines.append(f"  {diagnose_command(trace_id, where)}")
     lines += ["make decode stall after 3 tokens; repro then says where each turn is stuck, and top shows "
-              "the stalls live while repro waits; then clear the fault:",
+              "the stalls live while repro waits (its ENGINE column: the PD component and SGLang stage); "
+              "then clear the fault:",
               f"  {fault_command(where, ['decode_stall:3'])}",
               f"  {repro_command(where)} --turn-timeout 5",
               f"  {fault_command(where, [])}"]
@@ -325,9 +378,11 @@ def running_lines(rows: list[Row], where: Where) -> list[str]:
 # ----------------------------------------------------------------------------------
 DESCRIPTION = (
     "The quick start: simulated prefill/decode workers behind a real router in PD mode (sglang-router, smg or "
-    "vllm-router: --router), traceproxy in front, and one scenario at a time, each hang placed on the "
-    "engine, the client, the proxy, or in front of traceproxy; a table shows each against the verdict "
-    "traceproxy gave, with trace ids and a legend of the outcome codes. Everything it starts it stops. "
+    "vllm-router: --router), exporting SGLang's request spans to traceproxy's engine span receiver, traceproxy "
+    "in front, and the scenarios, each hang placed on the engine (down to one PD stage: the handshake, the KV "
+    "transfer, decode's wait for the KV cache), the client, the proxy, or in front of traceproxy; a table shows "
+    "each against the verdict traceproxy gave and the PD component it named live, with trace ids and a legend "
+    "of the outcome codes. Everything it starts it stops. "
     "Exit status: 0 when every verdict matched, 1 when one did not, 2 when the router asked for is not installed, "
     "130 when interrupted (Ctrl-C), 143 when stopped by SIGTERM."
 )

@@ -4,17 +4,26 @@ Theory of operation
 -------------------
 ``run_stack`` starts a ``SimDeployment`` (workers, and the router asked for, else
 the first one installed) and one traceproxy in front of it, with stall thresholds of a second so
-that every stall shows within the run. Each scenario then sets its sim fault on the
-worker it acts on, drives requests one of five ways (``demo.HARNESS`` ...), and gives
-back what traceproxy said: the live verdict of the request it asked about (from
-``/debug/inflight``, while the request still hangs), or the outcome the request
-ended with (from an observer on the proxy). Faults are cleared and held requests let
-go after each scenario, whatever happened.
+that every stall shows within the run. The workers export SGLang's request spans over
+OTLP/gRPC to the proxy's engine span receiver (``engines.otlp_receiver_grpc``, a free
+loopback port chosen before either starts), which relays them to the span file.
+
+The scenarios that share the stack (``Scenario.shares_the_stack``: no fault on a
+worker) run at once, then each of the others alone. Each scenario sets its sim fault on
+the worker it acts on, or carries it in its request's body, drives requests one of six
+ways (``demo.HARNESS`` ...), and gives back what traceproxy said: the live verdict of the
+request it asked about (from ``/debug/inflight``, while the request still hangs), or the
+outcome the request ended with (from an observer on the proxy). Faults are cleared and
+held requests let go after each scenario run alone, and after those run at once.
+
+The component column: ``StallWatch`` asks ``/debug/inflight`` every ``POLL`` while the
+scenarios run and keeps, per trace, the ``engine_stage`` of the last answer that had the
+request stalled; a scenario's cell is its request's (a PD stall reads its own entry).
 
 The pool scenario needs a proxy with one pooled connection: it starts a second
-traceproxy from the same settings with ``pool.max_connections = 1``, writing to the
-same span file and access log, and stops it after the scenario, so the stack left
-running is not capped.
+traceproxy from the same settings with ``pool.max_connections = 1`` and no engine span
+receiver (the first one has its port), writing to the same span file and access log,
+and stops it after the scenario, so the stack left running is not capped.
 
 The client scenarios are raw sockets run in a worker thread: the proxy runs on this
 event loop, so nothing here may block it. Every wait is bounded.
@@ -27,21 +36,25 @@ import json
 import secrets
 import signal
 import socket
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .app import ProxyServer
 from .config import Settings, default_settings
-from .demo import (HARNESS, HARNESS_VIA_FAULTY_PROXY, LEAVE_MID_STREAM, NOT_REACHED_TEXT, POOL_AT_CAP, SIM_MODEL,
-                   STOP_MID_BODY, Row, Said, Scenario, Where, codes_shown, data_paths, expectation, files_lines,
-                   legend_lines, note_lines, running_lines, stopped_lines, table_lines, verdict_words)
+from .demo import (ENGINE_STALL, HARNESS, HARNESS_VIA_FAULTY_PROXY, LEAVE_MID_STREAM, NOT_REACHED_TEXT, POOL_AT_CAP,
+                   SIM_MODEL, STOP_MID_BODY, Row, Said, Scenario, Where, codes_shown, data_paths, engine_stage_lines,
+                   expectation, files_lines, legend_lines, note_lines, running_lines, stopped_lines, table_lines,
+                   verdict_words)
 from .lifecycle.flags import BY_CODE, Flag
 from .lifecycle.hooks import Fanout
+from .lifecycle.pd_stages import EngineStage, Worker
 from .lifecycle.timeline import RequestRecord
 from .repro.harness import HUNG, OK, REUSED, run_repro
-from .repro.inflight import IN_FLIGHT, NOT_REACHED, Diagnosis, ask_proxy
+from .repro.inflight import IN_FLIGHT, NOT_REACHED, AdminError, Diagnosis, ask_proxy, fetch_inflight, from_entry
 from .sim.faultyproxy import FaultyProxy
-from .sim.launch import SimDeployment, router_importable
+from .sim.launch import SimDeployment, free_port, resolve_router, router_importable
 from .sim.routers import ROUTER_NAMES, RouterKind
 
 STALL_AFTER = 1.0  # every stall threshold of the demo's proxy, in seconds
@@ -80,6 +93,9 @@ class Stack:
         self.deployment, self.proxy, self.outcomes = deployment, proxy, outcomes
         self.router_asked = router_asked  # --router NAME, or None for the default
         self.run_token = secrets.token_hex(3)  # request ids stay unique across runs sharing a span file
+        # Set as the stack stops (Ctrl-C, SIGTERM): the clients in threads stop asking the
+        # proxy at once, since the loop's end waits for its threads.
+        self.stopping = threading.Event()
 
     @property
     def router(self) -> RouterKind | None:
@@ -103,12 +119,14 @@ class Stack:
                      faulty_proxy.url if faulty_proxy else None, FAULTY_PROXY_TURNS, self.router_asked)
 
 
-def proxy_settings(upstream: str, spans: Path, access_log: Path) -> Settings:
+def proxy_settings(upstream: str, spans: Path, access_log: Path, receiver_port: int | None = None) -> Settings:
+    """The demo's proxy; with ``receiver_port``, its OTLP/gRPC engine span receiver there."""
+    receiver = {"engines.otlp_receiver_grpc": f"127.0.0.1:{receiver_port}"} if receiver_port else {}
     return default_settings().replace(**{
         "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream,
         "tracing.exporter": "file", "tracing.file_path": str(spans), "access_log.path": str(access_log),
         "stall.first_byte": STALL_AFTER, "stall.stream_gap": STALL_AFTER, "stall.client_body": STALL_AFTER,
-        "stall.pool_wait": STALL_AFTER,
+        "stall.pool_wait": STALL_AFTER, **receiver,
     })
 
 
@@ -123,38 +141,49 @@ async def run_stack(scenarios: tuple[Scenario, ...], keep_running: bool, router:
     # cancelled, so everything started is stopped as it unwinds. Left to the default
     # action, the router, in its own session, would outlive the demo.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    # The proxy starts first, its upstream's port chosen ahead, so that its engine span
+    # receiver listens before the workers export their first span (the router's warm-up
+    # request) and still listens when they flush their last, as the deployment stops.
+    upstream_port, receiver_port = free_port(), free_port()
+    routed = bool(wanted_router) and resolve_router(wanted_router) is not None
+    upstream = f"http://127.0.0.1:{upstream_port}"
+    proxy = ProxyServer(proxy_settings(upstream, spans, access_log, receiver_port), Fanout([outcomes]))
+    await proxy.start()
     try:
-        async with SimDeployment(router=wanted_router, request_timeout=20) as deployment:
-            upstream = deployment.router_url or deployment.decode.url
-            proxy = ProxyServer(proxy_settings(upstream, spans, access_log), Fanout([outcomes]))
-            await proxy.start()
+        async with SimDeployment(router=wanted_router, request_timeout=20, otlp_endpoint=f"127.0.0.1:{receiver_port}",
+                                 **{"router_port" if routed else "decode_port": upstream_port}) as deployment:
+            stack = Stack(deployment, proxy, outcomes, router)
+            where = stack.where()  # the addresses are gone once the proxy stops
+            _print_header(stack, upstream, receiver_port)
             try:
-                stack = Stack(deployment, proxy, outcomes, router)
-                where = stack.where()  # the addresses are gone once the proxy stops
-                _print_header(stack, upstream)
-                rows = [Row(scenario, await _run_scenario(scenario, stack), expectation(scenario, stack.router))
-                        for scenario in scenarios]
-                _print(*table_lines(rows), *note_lines(rows, stack.router), "", "legend:",
-                       *legend_lines(codes_shown(rows)), "", *files_lines(where))
-                if keep_running:
-                    signals.catch()  # until everything has stopped, not only until the first signal
-                    await _keep_running(stack, rows, signals.received)
+                said = await _run_scenarios(scenarios, stack)
             finally:
-                await proxy.shutdown(grace=1)
+                stack.stopping.set()
+            rows = [Row(scenario, said[scenario.key], expectation(scenario, stack.router)) for scenario in scenarios]
+            _print(*table_lines(rows), *engine_stage_lines(rows), *note_lines(rows, stack.router), "", "legend:",
+                   *legend_lines(codes_shown(rows)), "", *files_lines(where))
+            if keep_running:
+                signals.catch()  # until everything has stopped, not only until the first signal
+                await _keep_running(stack, rows, signals.received)
     finally:
-        signals.release()
+        try:
+            await proxy.shutdown(grace=1)
+        finally:
+            signals.release()
     if not keep_running:
         _print(*stopped_lines(rows, where))
     return 0 if all(row.matches for row in rows) else 1
 
 
-def _print_header(stack: Stack, upstream: str) -> None:
+def _print_header(stack: Stack, upstream: str, receiver_port: int) -> None:
     dep, kind = stack.deployment, stack.router
     behind = (f"{kind.name} {kind.version} (PD mode) in front of the workers" if kind is not None else
               f"the decode worker (no router installed: pip install one of {', '.join(ROUTER_NAMES)})")
     router = [f"router:           {dep.describe_router().removeprefix('router ')}"] if kind is not None else []
     _print(f"simulated engine: prefill {dep.prefill.url}, decode {dep.decode.url}", *router,
            f"traceproxy:       {stack.url} -> {upstream}, {behind}",
+           f"engine spans:     the workers export SGLang's request spans (OTLP/gRPC) to traceproxy's receiver "
+           f"127.0.0.1:{receiver_port}, relayed to the span file",
            f"admin:            http://{stack.admin} (/healthz, /metrics, /debug/inflight)", "")
 
 
@@ -195,20 +224,95 @@ class StopSignals:
 
 
 # ----------------------------------------------------------------------------------
-# One scenario
+# The scenarios: those that share the stack at once, then the others one at a time
 # ----------------------------------------------------------------------------------
-async def _run_scenario(scenario: Scenario, stack: Stack) -> Said:
+async def _run_scenarios(scenarios: tuple[Scenario, ...], stack: Stack) -> dict[str, Said]:
+    together = [scenario for scenario in scenarios if scenario.shares_the_stack]
+    said: dict[str, Said] = {}
+    async with StallWatch(stack.admin) as watch:
+        if together:
+            try:
+                answers = await asyncio.gather(*(_drive(scenario, stack) for scenario in together))
+            finally:
+                await _let_go(stack)
+            said.update((scenario.key, answer) for scenario, answer in zip(together, answers))
+        for scenario in scenarios:
+            if scenario.key not in said:
+                said[scenario.key] = await _run_alone(scenario, stack)
+    return {key: watch.placed(answer) for key, answer in said.items()}
+
+
+async def _drive(scenario: Scenario, stack: Stack) -> Said:
     if scenario.needs_router and stack.router is None:
         return Said("skipped (needs a router)")
+    return await DRIVES[scenario.drive](scenario, stack)
+
+
+async def _run_alone(scenario: Scenario, stack: Stack) -> Said:
     dep = stack.deployment
     worker = dep.prefill if scenario.role == "prefill" else dep.decode
     worker.set_faults([scenario.fault] if scenario.fault else [])
     try:
-        return await DRIVES[scenario.drive](scenario, stack)
+        return await _drive(scenario, stack)
     finally:
         worker.set_faults([])
-        await dep.prefill.release_held()
-        await dep.decode.release_held()
+        await _let_go(stack)
+
+
+async def _let_go(stack: Stack) -> None:
+    await stack.deployment.prefill.release_held()
+    await stack.deployment.decode.release_held()
+
+
+class StallWatch:
+    """Asks the proxy's ``/debug/inflight`` every ``POLL`` and keeps, per trace id, the
+    ``engine_stage`` of the last answer that had the request stalled: where the engines
+    held it when traceproxy declared the stall, for the table's component column."""
+
+    def __init__(self, admin: str) -> None:
+        host, _, port = admin.rpartition(":")
+        self.admin = (host, int(port))
+        self.stalled: dict[str, dict] = {}
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "StallWatch":
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                entries = await asyncio.to_thread(fetch_inflight, self.admin)
+            except AdminError:
+                entries = []
+            for entry in entries:
+                stage = entry.get("engine_stage")
+                if stage and (entry.get("verdict") or {}).get("stalled") and entry.get("trace_id"):
+                    self.stalled[entry["trace_id"]] = stage
+            await asyncio.sleep(POLL)
+
+    def placed(self, said: Said) -> Said:
+        """``said`` with the component of its request's stall, when the watch saw one and it has none yet."""
+        stage = self.stalled.get(said.trace_id)
+        if said.component != "-" or stage is None:
+            return said
+        return replace(said, component=stage["component"], engine_stage=stage_words(stage))
+
+
+def stage_words(stage: dict) -> str:
+    """An ``engine_stage`` object in the words of the stall log line:
+    ``kv_transfer (prefill prefill_transfer_kv_cache, sglang host 1a2b3c4d pid 12; from spans)``."""
+    worker = stage.get("worker")
+    named = Worker(worker.get("service") or "", worker.get("host") or "", worker.get("pid")) if worker else None
+    return EngineStage(stage["component"], stage.get("role") or "", stage.get("stage"), stage.get("state") or "in",
+                       None, named, stage.get("source") or "", stage.get("detail") or "").words()
 
 
 async def _harness(scenario: Scenario, stack: Stack, url: str | None = None) -> Said:
@@ -248,23 +352,41 @@ async def _leave_mid_stream(scenario: Scenario, stack: Stack) -> Said:
 
 async def _stop_mid_body(scenario: Scenario, stack: Stack) -> Said:
     request_id = stack.request_id(scenario, "client")
-    diagnosis = await asyncio.to_thread(send_half_the_body, stack.proxy.port, stack.admin, request_id)
+    diagnosis = await asyncio.to_thread(send_half_the_body, stack.proxy.port, stack.admin, request_id,
+                                        stack.stopping)
     return _said_live(diagnosis)
 
 
 async def _pool_at_cap(scenario: Scenario, stack: Stack) -> Said:
-    capped = ProxyServer(stack.proxy.settings.replace(**{"pool.max_connections": 1}), Fanout([stack.outcomes]))
+    capped = ProxyServer(stack.proxy.settings.replace(**{"pool.max_connections": 1,
+                                                         "engines.otlp_receiver_grpc": None}),
+                         Fanout([stack.outcomes]))
     await capped.start()
     try:
         diagnosis = await asyncio.to_thread(wait_behind_a_held_stream, capped.port, f"127.0.0.1:{capped.admin_port}",
-                                            stack.request_id(scenario, "holder"), stack.request_id(scenario, "waiter"))
+                                            stack.request_id(scenario, "holder"), stack.request_id(scenario, "waiter"),
+                                            stack.stopping)
     finally:
         await capped.shutdown(grace=1)
     return _said_live(diagnosis)
 
 
+async def _engine_stall(scenario: Scenario, stack: Stack) -> Said:
+    request_id = stack.request_id(scenario, "client")
+    entry = await asyncio.to_thread(hang_at_a_pd_stage, stack.proxy.port, stack.admin, request_id,
+                                    scenario.request_fault, stack.stopping)
+    if entry is None:
+        return Said(NOT_REACHED_TEXT)
+    said = _said_live(from_entry(entry))
+    stage = entry.get("engine_stage")
+    if not stage:
+        return said
+    return replace(said, component=stage["component"], engine_stage=stage_words(stage))
+
+
 DRIVES = {HARNESS: _harness, HARNESS_VIA_FAULTY_PROXY: _harness_via_faulty_proxy,
-          LEAVE_MID_STREAM: _leave_mid_stream, STOP_MID_BODY: _stop_mid_body, POOL_AT_CAP: _pool_at_cap}
+          LEAVE_MID_STREAM: _leave_mid_stream, STOP_MID_BODY: _stop_mid_body, POOL_AT_CAP: _pool_at_cap,
+          ENGINE_STALL: _engine_stall}
 
 
 def _said_live(diagnosis: Diagnosis, trace_id: str | None = None) -> Said:
@@ -325,15 +447,16 @@ def leave_after_first_token(port: int, request_id: str) -> bool:
         return read_until(sock, FIRST_TOKEN)
 
 
-def send_half_the_body(port: int, admin: str, request_id: str) -> Diagnosis:
+def send_half_the_body(port: int, admin: str, request_id: str, stopping: threading.Event) -> Diagnosis:
     """A harness that stops sending its request body half way; the verdict once it stalls."""
     head, body = chat_request(request_id)
     with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as sock:
         sock.sendall(head + body[: len(body) // 2])
-        return await_stall(admin, request_id)
+        return await_stall(admin, request_id, stopping)
 
 
-def wait_behind_a_held_stream(port: int, admin: str, holder_id: str, waiter_id: str) -> Diagnosis:
+def wait_behind_a_held_stream(port: int, admin: str, holder_id: str, waiter_id: str,
+                              stopping: threading.Event) -> Diagnosis:
     """One stream takes the pool's only connection and the engine stalls it; a second
     request waits for that connection. The waiter's verdict once it stalls."""
     with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as holder:
@@ -342,16 +465,55 @@ def wait_behind_a_held_stream(port: int, admin: str, holder_id: str, waiter_id: 
             return Diagnosis("unknown", "the stream meant to hold the pool's connection never started")
         with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as waiter:
             waiter.sendall(b"".join(chat_request(waiter_id)))
-            return await_stall(admin, waiter_id)
+            return await_stall(admin, waiter_id, stopping)
 
 
-def await_stall(admin: str, request_id: str, timeout: float = LIVE_VERDICT_WAIT) -> Diagnosis:
-    """Ask the admin listener until the request is stalled, or the time is up (the last answer)."""
+def completion_request(request_id: str, fault: str) -> bytes:
+    """A streaming completion whose body carries its own sim fault: a top-level ``sim_fault``
+    on /v1/completions is the one every router passes on (see ``sim.faults``)."""
+    body = json.dumps({"model": SIM_MODEL, "prompt": "Say hello.", "stream": True, "max_tokens": 8,
+                       "sim_fault": fault}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nx-request-id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+def hang_at_a_pd_stage(port: int, admin: str, request_id: str, fault: str, stopping: threading.Event,
+                       timeout: float = LIVE_VERDICT_WAIT) -> dict | None:
+    """Send a request its fault hangs in one PD stage; its in-flight entry once it has stalled
+    and the engines' spans name its stage (else the last one seen at the deadline; None when
+    it never reached the proxy). The client then leaves, before the workers let go, so that
+    no router resends it."""
+    host, _, admin_port = admin.rpartition(":")
+    entry, deadline = None, time.monotonic() + timeout
+    with socket.create_connection(("127.0.0.1", port), timeout=TURN_TIMEOUT) as sock:
+        sock.sendall(completion_request(request_id, fault))
+        for _ in range(int(timeout / POLL) + 1):
+            try:
+                entry = next((e for e in fetch_inflight((host, int(admin_port)))
+                              if e.get("request_id") == request_id), entry)
+            except AdminError:
+                pass
+            if entry is not None and _stalled_and_placed(entry) or time.monotonic() > deadline or stopping.is_set():
+                break
+            time.sleep(POLL)
+    return entry
+
+
+def _stalled_and_placed(entry: dict) -> bool:
+    stage = entry.get("engine_stage") or {}
+    return bool((entry.get("verdict") or {}).get("stalled") and stage.get("stage") and stage.get("source") == "spans")
+
+
+def await_stall(admin: str, request_id: str, stopping: threading.Event,
+                timeout: float = LIVE_VERDICT_WAIT) -> Diagnosis:
+    """Ask the admin listener until the request is stalled, or the time is up, or the demo
+    is stopping (the last answer)."""
     host, _, port = admin.rpartition(":")
     diagnosis, deadline = Diagnosis("unknown", "not asked"), time.monotonic() + timeout
     for _ in range(int(timeout / POLL) + 1):
         diagnosis = ask_proxy((host, int(port)), request_id, answered=False)
-        if (diagnosis.kind == IN_FLIGHT and diagnosis.stalled) or time.monotonic() > deadline:
+        if (diagnosis.kind == IN_FLIGHT and diagnosis.stalled) or time.monotonic() > deadline or stopping.is_set():
             break
         time.sleep(POLL)
     return diagnosis
