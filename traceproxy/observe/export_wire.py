@@ -137,14 +137,23 @@ def flatten_raw(raw: RawSpans) -> tuple:
     return (_RAW, *raw)
 
 
+# Named tuples made from their fields as they are, without the generated __new__ and its
+# forty-odd arguments: the exporter restores one summary per request. Safe because a
+# flattened item always holds every field, in order (flatten writes them all).
+_as = tuple.__new__
+
+
 def _restore(flat: tuple):
-    if flat[0] == _RAW:
+    kind = flat[0]
+    if kind == _SUMMARY:
+        fields = list(flat)
+        fields[_ATTEMPTS + 1] = tuple([_as(AttemptSummary, attempt) for attempt in fields[_ATTEMPTS + 1]])
+        del fields[0]
+        return _as(RequestSummary, fields)
+    if kind == _RAW:
         return RawSpans(*flat[1:])
-    if flat[0] == _SPAN:
-        events = tuple(SpanEvent(*event) for event in flat[_EVENTS + 1])
-        return SpanData(*flat[1:_EVENTS + 1], events, *flat[_EVENTS + 2:])
-    attempts = tuple(AttemptSummary(*attempt) for attempt in flat[_ATTEMPTS + 1])
-    return RequestSummary(*flat[1:_ATTEMPTS + 1], attempts, *flat[_ATTEMPTS + 2:])
+    events = tuple(SpanEvent(*event) for event in flat[_EVENTS + 1])
+    return SpanData(*flat[1:_EVENTS + 1], events, *flat[_EVENTS + 2:])
 
 
 def read_frame(stream: BinaryIO) -> bytes | None:
