@@ -95,7 +95,8 @@ class RawSpans(NamedTuple):
     spans: int
 
 
-# Flattened items: a kind, then the fields in order, the nested tuples made plain.
+# Flattened items: a kind, then the fields in order, the nested tuples made plain (a
+# summary's fields in two slices around its attempts, see flatten).
 _SPAN, _SUMMARY, _RAW = 0, 1, 2
 _EVENTS = SpanData._fields.index("events")
 _ATTEMPTS = RequestSummary._fields.index("attempts")
@@ -127,9 +128,14 @@ def _writable(flat: tuple) -> bool:
 
 
 def flatten(item) -> tuple:
+    """A summary (one per request, on the proxy's loop) as its fields before and after
+    its attempts, two plain slices: half the cost of one flat tuple, to make and to dump."""
+    if type(item) is RequestSummary:
+        return (_SUMMARY, item[:_ATTEMPTS], tuple([tuple(attempt) for attempt in item[_ATTEMPTS]]),
+                item[_ATTEMPTS + 1:])
     if isinstance(item, SpanData):
         return (_SPAN, *item[:_EVENTS], tuple(map(tuple, item.events)), *item[_EVENTS + 1:])
-    return (_SUMMARY, *item[:_ATTEMPTS], tuple(map(tuple, item.attempts)), *item[_ATTEMPTS + 1:])
+    raise TypeError(f"not a span or a request summary: {type(item).__name__}")
 
 
 def flatten_raw(raw: RawSpans) -> tuple:
@@ -146,10 +152,8 @@ _as = tuple.__new__
 def _restore(flat: tuple):
     kind = flat[0]
     if kind == _SUMMARY:
-        fields = list(flat)
-        fields[_ATTEMPTS + 1] = tuple([_as(AttemptSummary, attempt) for attempt in fields[_ATTEMPTS + 1]])
-        del fields[0]
-        return _as(RequestSummary, fields)
+        _, before, attempts, after = flat
+        return _as(RequestSummary, (*before, tuple([_as(AttemptSummary, attempt) for attempt in attempts]), *after))
     if kind == _RAW:
         return RawSpans(*flat[1:])
     events = tuple(SpanEvent(*event) for event in flat[_EVENTS + 1])
