@@ -19,9 +19,8 @@ import sys
 import time
 import traceback
 
-from aiohttp import web
+from typing import TYPE_CHECKING
 
-from .admin import ServiceAdmin, build_admin_app
 from .allocator import tune_allocator
 from .config import ConfigError, HostPort, Settings, check_appendable, check_http_endpoint, named_setting
 from .destinations import access_log_destination, admin_url, spans_destination
@@ -34,6 +33,11 @@ from .observe.worker_view import WorkerView
 from .proxy.context import DESCRIPTORS_RESERVED, ServerContext, descriptors_needed
 from .proxy.downstream import ClientConnection
 from .workers import LocalSource
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from .admin import ServiceAdmin
 
 log = logging.getLogger("traceproxy")
 
@@ -275,6 +279,8 @@ class ProxyServer:
         self.watchdog.listeners.append(self.prober)
 
     async def _start_admin(self, view: WorkerView) -> None:
+        from .admin import ServiceAdmin  # aiohttp, about 12 MB of the process, only with the admin listener
+
         admin = ServiceAdmin(LocalSource(view), self.settings, self.started_ns, self.engines,
                              stopping=lambda: self.ctx.shutting_down)
         self._admin_runner, self.admin_port = await start_admin_listener(admin, self.settings.admin)
@@ -331,6 +337,10 @@ class ProxyServer:
 
 async def start_admin_listener(admin: ServiceAdmin, address: HostPort) -> tuple[web.AppRunner, int]:
     """The admin listener on ``address``; its runner and the port it bound."""
+    from aiohttp import web
+
+    from .admin import build_admin_app
+
     runner = web.AppRunner(build_admin_app(admin), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, address.host, address.port)
@@ -534,6 +544,8 @@ async def _start_service_admin(settings: Settings, peers, started_ns: int, stopp
     scraper = engines.scraper if engines is not None else None
     runner = None
     if settings.admin is not None:
+        from .admin import ServiceAdmin
+
         admin = ServiceAdmin(links, settings, started_ns, scraper, stopping)
         try:
             runner, port = await start_admin_listener(admin, settings.admin)
