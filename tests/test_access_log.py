@@ -55,7 +55,8 @@ def test_the_proxys_own_replies_count_their_body_and_first_byte(fast_upstream, s
     refused_here = raw_exchange(proxy.port, b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n"
                                             b"Content-Length: 2\r\n\r\nxy")
     assert wait_until(lambda: len(_lines(log)) == 2, timeout=5)
-    upstream_failed, bad_request = _lines(log)
+    # two proxies, two exporter processes appending to one file: in either order
+    upstream_failed, bad_request = sorted(_lines(log), key=lambda line: line["status"], reverse=True)
     assert upstream_failed["status"] == 502 and upstream_failed["response_bytes"] == len(refused_by_upstream.body) > 0
     assert refused_here.startswith(b"HTTP/1.1 400 ")
     assert bad_request["status"] == 400 and bad_request["outcome"] == "DPE"
