@@ -45,6 +45,7 @@ class ReceivedSpan(NamedTuple):
     parent_span_id: str  # "" for a root span
     name: str
     attributes: dict[str, Any]
+    schema_urls: tuple[str, str] = ("", "")  # the resource spans' and the scope spans'
 
 
 def hex_id(raw: bytes) -> str:
@@ -75,7 +76,7 @@ def flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Receiv
                     ReceivedSpan(
                         resource, scope.name, scope.version, span, hex_id(span.trace_id),
                         hex_id(span.span_id), hex_id(span.parent_span_id), span.name,
-                        attributes_dict(span.attributes),
+                        attributes_dict(span.attributes), (resource_spans.schema_url, scope_spans.schema_url),
                     )
                 )
     return received

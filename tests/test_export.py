@@ -23,6 +23,7 @@ import traceproxy
 from traceproxy.observe.export import ExportConfig, SpanExportPipe
 from traceproxy.observe.export_wire import FRAME_HEADER, decode_frame, encode_frame, parse_stats_line
 from traceproxy.observe.otlp_settings import http_traces_url
+from traceproxy.observe.semconv import SCHEMA_URL
 from traceproxy.observe.spans import AttemptSummary, RequestSummary
 from traceproxy.observe.spandata import (
     KIND_CLIENT,
@@ -102,6 +103,8 @@ def assert_sample_trace(received: list[ReceivedSpan], trace_id: int = TRACE_ID) 
         assert span.resource["service.name"] == "proxy-under-test"
         assert span.resource["deployment.environment"] == "test"
         assert (span.scope_name, span.scope_version) == ("traceproxy", traceproxy.__version__)
+        # The semantic conventions the resource and the spans follow, as tracing.md says.
+        assert span.schema_urls == (SCHEMA_URL, SCHEMA_URL)
 
 
 def stats_of(loop_thread, pipe: SpanExportPipe) -> dict:
@@ -214,6 +217,8 @@ def test_file_lines_are_otlp_json(start_pipe, loop_thread, tmp_path):
     assert len(lines) == 2
     document = json.loads(lines[0])
     span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert document["resourceSpans"][0]["schemaUrl"] == "https://opentelemetry.io/schemas/1.41.0"
+    assert document["resourceSpans"][0]["scopeSpans"][0]["schemaUrl"] == "https://opentelemetry.io/schemas/1.41.0"
     assert document["resourceSpans"][0]["scopeSpans"][0]["scope"] == {
         "name": "traceproxy", "version": traceproxy.__version__}
     assert (span["traceId"], span["spanId"], span["parentSpanId"]) == (

@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from traceproxy.observe import otlp_proto
 from traceproxy.observe.otlp_proto import OtlpEncoder, varint
+from traceproxy.observe.semconv import SCHEMA_URL
 from traceproxy.observe.spandata import (
     KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, STATUS_OK, STATUS_UNSET, SpanData, SpanEvent,
 )
@@ -37,12 +38,12 @@ def sdk_span(span: SpanData) -> ReadableSpan:
               if span.parent_span_id else None)
     message = span.status_message if span.status_code == STATUS_ERROR else None
     return ReadableSpan(
-        name=span.name, context=context, parent=parent, resource=Resource(RESOURCE),
+        name=span.name, context=context, parent=parent, resource=Resource(RESOURCE, SCHEMA_URL),
         attributes=span.attributes,
         events=[Event(e.name, e.attributes or {}, e.time_unix_ns) for e in span.events],
         kind=_KINDS[span.kind], status=Status(_STATUS[span.status_code], message),
         start_time=span.start_unix_ns, end_time=span.end_unix_ns,
-        instrumentation_scope=InstrumentationScope(*SCOPE),
+        instrumentation_scope=InstrumentationScope(*SCOPE, schema_url=SCHEMA_URL),
     )
 
 

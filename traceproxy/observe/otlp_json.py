@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping
 
 import orjson
 
+from . import semconv as sc
 from .otlp_proto import FLAG_HAS_IS_REMOTE, FLAG_IS_REMOTE, FLAG_SAMPLED
 from .spandata import SpanData, SpanEvent
 
@@ -50,21 +51,26 @@ _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 class OtlpJsonEncoder:
     """Resource and scope are built once; ``line`` makes one document per batch."""
 
-    def __init__(self, resource_attributes: Mapping, scope_name: str, scope_version: str) -> None:
+    def __init__(self, resource_attributes: Mapping, scope_name: str, scope_version: str,
+                 schema_url: str = sc.SCHEMA_URL) -> None:
         self._resource = {"attributes": key_values(resource_attributes)} if resource_attributes else {}
         self._scope = _without_defaults({"name": text(scope_name), "version": text(scope_version)})
+        # On the resource's spans and the scope's alike, after their spans (field 3 of each).
+        self._schema = {"schemaUrl": text(schema_url)} if schema_url else {}
         # The line around the spans, written once: what document() makes, cut where the spans go.
-        head = orjson.dumps({"resourceSpans": [{"resource": self._resource,
-                                                "scopeSpans": [{"scope": self._scope, "spans": [0]}]}]})
+        head = orjson.dumps(self._document([0]))
         self._head, self._tail = head.split(b'"spans":[0]')
         self._empty = orjson.dumps(self.document(()))
 
     def document(self, spans: Iterable[SpanData]) -> dict:
+        return self._document([span_document(span) for span in spans])
+
+    def _document(self, span_documents: list) -> dict:
         scope_spans = {"scope": self._scope}
-        span_documents = [span_document(span) for span in spans]
         if span_documents:
             scope_spans["spans"] = span_documents
-        return {"resourceSpans": [{"resource": self._resource, "scopeSpans": [scope_spans]}]}
+        return {"resourceSpans": [{"resource": self._resource, "scopeSpans": [scope_spans | self._schema]}
+                                  | self._schema]}
 
     def line(self, spans: Iterable[SpanData]) -> bytes:
         """A compact OTLP/JSON line in UTF-8, without its newline: ``document`` written out."""

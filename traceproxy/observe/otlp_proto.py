@@ -8,7 +8,8 @@ cached, the same request costs a small fraction of that.
 
 What is written is an ``ExportTraceServiceRequest`` (opentelemetry-proto,
 ``collector/trace/v1``): one ResourceSpans holding one ScopeSpans (``traceproxy``
-and its version) holding the spans. The field numbers below are the proto's;
+and its version) holding the spans, both naming the semantic conventions the
+resource and the spans follow (``schema_url``, ``semconv.SCHEMA_URL``). The field numbers below are the proto's;
 ``tests/test_otlp_proto.py`` decodes the output with the official generated
 classes and compares it with the SDK's own encoding of the same spans, so a wrong
 number or wire type cannot pass unnoticed.
@@ -90,6 +91,8 @@ T_NAME, T_KIND, T_START, T_END = b"\x2a", b"\x30", b"\x39", b"\x41"
 T_SPAN_ATTRIBUTE, T_EVENT, T_STATUS, T_FLAGS = b"\x4a", b"\x5a", b"\x7a", b"\x85\x01"
 T_EVENT_TIME, T_EVENT_NAME, T_EVENT_ATTRIBUTE = b"\x09", b"\x12", b"\x1a"
 T_STATUS_MESSAGE, T_STATUS_CODE = b"\x12", b"\x18"
+# ResourceSpans.schema_url = 3 and ScopeSpans.schema_url = 3, after the resource's or the scope's spans.
+T_SCHEMA_URL = b"\x1a"
 
 
 def any_value(value) -> bytes:
@@ -130,13 +133,16 @@ class OtlpEncoder:
     ``resource_attributes``: the Resource's attributes (service.name and the rest),
     encoded once here. Not thread-safe (the exporter process has one thread)."""
 
-    def __init__(self, resource_attributes: Mapping, scope_name: str, scope_version: str) -> None:
+    def __init__(self, resource_attributes: Mapping, scope_name: str, scope_version: str,
+                 schema_url: str = sc.SCHEMA_URL) -> None:
         resource = length_delimited(T_RESOURCE, attributes(T_RESOURCE_ATTRIBUTE, resource_attributes))
         scope = length_delimited(
             T_SCOPE, length_delimited(T_SCOPE_NAME, scope_name.encode())
             + length_delimited(T_SCOPE_VERSION, scope_version.encode()))
         self._resource_field = resource
         self._scope_field = scope
+        # The same URL on both: the resource's attributes and the spans' follow one release.
+        self._schema_field = length_delimited(T_SCHEMA_URL, schema_url.encode()) if schema_url else b""
         self._values: dict[tuple[str, str | int], bytes] = {}
         self._key_fields: dict[str, bytes] = {}  # keys are ours: a fixed, small set
         self._names: dict[str, bytes] = {}
@@ -144,8 +150,8 @@ class OtlpEncoder:
 
     def encode(self, spans: Iterable[SpanData]) -> bytes:
         span_fields = b"".join(length_delimited(T_SPANS, self.span(span)) for span in spans)
-        scope_spans = length_delimited(T_SCOPE_SPANS, self._scope_field + span_fields)
-        return length_delimited(T_RESOURCE_SPANS, self._resource_field + scope_spans)
+        scope_spans = length_delimited(T_SCOPE_SPANS, self._scope_field + span_fields + self._schema_field)
+        return length_delimited(T_RESOURCE_SPANS, self._resource_field + scope_spans + self._schema_field)
 
     def span(self, span: SpanData) -> bytes:
         flags = FLAG_HAS_IS_REMOTE | (FLAG_SAMPLED if span.sampled else 0)
