@@ -15,7 +15,7 @@ from .config import (ConfigError, Settings, add_flags, listen_argument, load_set
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = _parser()
+    parser = _parser(_named_command(argv))
     if argv[:1] == ["bench"]:
         from .bench.runner import main as bench_main
 
@@ -34,7 +34,27 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what a shell reports for a command ended by it
 
 
-def _parser() -> argparse.ArgumentParser:
+def _named_command(argv: list[str]) -> str | None:
+    """The command argv names (its first word that is not an option), None without one."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _add_arguments(sub, name: str, named: str | None, module: str, **parser_options) -> argparse.ArgumentParser:
+    """A command whose arguments live in its own module (demo, sim, repro, diagnose): the
+    module is imported only when this command is the one named. ``serve`` must not load
+    them: through diagnose and demo they import protobuf and the simulator, about 5 MB of
+    every proxy process's memory."""
+    command = sub.add_parser(name, **parser_options)
+    if named is None or name == named:
+        import importlib
+
+        importlib.import_module(module, __package__).add_arguments(command)
+    return command
+
+
+def _parser(named: str | None = None) -> argparse.ArgumentParser:
+    """``named``: the command given, whose arguments are added; any other command is
+    listed with its help but without its arguments (None: every command's)."""
     parser = argparse.ArgumentParser(prog="traceproxy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"traceproxy {__version__}")
     parser.set_defaults(command=None)
@@ -56,11 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="close idle keep-alive connections after this many seconds (0 = never)")
     upstream.set_defaults(run=_upstream)
 
-    from .demo import add_arguments as add_demo_arguments
-
-    demo = sub.add_parser("demo", help="the quick start: simulated prefill/decode workers behind the router, "
-                                       "traceproxy in front, and one injected fault at a time with its verdict")
-    add_demo_arguments(demo)
+    demo = _add_arguments(sub, "demo", named, ".demo",
+                          help="the quick start: simulated prefill/decode workers behind the router, "
+                               "traceproxy in front, and one injected fault at a time with its verdict")
     demo.set_defaults(run=_demo)
 
     sub.add_parser("bench", help="measure the proxy against a direct connection (see traceproxy bench --help)")
@@ -78,20 +96,15 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--no-color", action="store_true", help="no ANSI colours (also when NO_COLOR is set)")
     top.set_defaults(run=_top)
 
-    from .sim.command import add_arguments as add_sim_arguments
-
-    sim = sub.add_parser("sim", help="run a simulated SGLang prefill/decode deployment (with the real router)")
-    add_sim_arguments(sim)
+    sim = _add_arguments(sub, "sim", named, ".sim.command",
+                         help="run a simulated SGLang prefill/decode deployment (with the real router)")
     sim.set_defaults(run=_sim)
 
-    from .diagnose import add_arguments as add_diagnose_arguments
-    from .repro.command import add_arguments as add_repro_arguments
-
-    repro = sub.add_parser("repro", help="a multi-turn agent harness that, when a turn hangs, says where it is stuck")
-    add_repro_arguments(repro)
+    repro = _add_arguments(sub, "repro", named, ".repro.command",
+                           help="a multi-turn agent harness that, when a turn hangs, says where it is stuck")
     repro.set_defaults(run=_repro)
-    diagnose = sub.add_parser("diagnose", help="one request's timeline from its spans (span file or Jaeger)")
-    add_diagnose_arguments(diagnose)
+    diagnose = _add_arguments(sub, "diagnose", named, ".diagnose",
+                              help="one request's timeline from its spans (span file or Jaeger)")
     diagnose.set_defaults(run=_diagnose)
     return parser
 
