@@ -11,7 +11,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from traceproxy.diagnose import otlp_spans
 from traceproxy.observe.engine_join import StageFacts, stage_message
-from traceproxy.observe.engine_spans import GRACE_NS, EngineSpanStore
+from traceproxy.observe.engine_spans import GRACE_NS, EngineSpanStore, read_engine_request
 from traceproxy.observe.otlp_reader import MalformedOtlp, read_export_request
 from traceproxy.observe.otlp_relay import json_line
 
@@ -24,7 +24,7 @@ S = 1_000_000_000
 def store_with(*span_lists, max_traces: int = 100, peer: str = PEER, now: int = 0, **resource) -> EngineSpanStore:
     store = EngineSpanStore(max_traces)
     for spans in span_lists:
-        store.add(read_export_request(payload(spans, **resource)), peer, now)
+        store.add(read_engine_request(payload(spans, **resource)), peer, now)
     return store
 
 
@@ -67,7 +67,35 @@ def test_a_span_with_ids_of_the_wrong_size_is_malformed():
 
 
 def test_an_empty_request_has_no_spans():
-    assert read_export_request(b"") == []
+    assert read_export_request(b"") == [] and read_engine_request(b"") == []
+
+
+def test_the_receivers_reader_leaves_the_store_as_reading_every_span_does():
+    """It builds facts only for the spans the store reads (of the nested stages, the last
+    of each trace): the stages, the counts and the learned workers come out the same."""
+    done, hung, decoding = random_trace_id(), random_trace_id(), random_trace_id()
+    finished, stuck, dec = Request(done, "prefill"), Request(hung, "prefill", pid=7), Request(decoding, "decode")
+    other = Request(done, "prefill")._span("POST /v1/chat/completions", b"")
+    batches = [finished.stages(5) + finished.finish() + [other], stuck.stages(2) + dec.stages(4)]
+    batches.append([dec.nested("fake_output"), dec.nested("decode_loop", decode_ct=0), *stuck.stages(3, start=2),
+                    *(dec.nested("decode_loop", decode_ct=step) for step in (1, 2))])
+    by_every_span, by_receiver = EngineSpanStore(100), EngineSpanStore(100)
+    for spans in batches:
+        by_every_span.add(read_export_request(payload(spans)), PEER, 0)
+        by_receiver.add(read_engine_request(payload(spans)), PEER, 0)
+    for trace_id in (done, hung, decoding):
+        assert by_receiver.stage_of(trace_id) == by_every_span.stage_of(trace_id) is not None
+    assert by_receiver.stage_of(decoding).detail == "after decode_loop"
+    assert by_receiver.numbers() == by_every_span.numbers()
+    assert by_receiver.identities == by_every_span.identities
+
+
+def test_a_nested_stage_span_with_ids_of_the_wrong_size_is_malformed_though_its_facts_are_not_read():
+    dec = Request(1, "decode")
+    request = export_request([dec.nested("decode_loop", decode_ct=0), dec.nested("decode_loop", decode_ct=1)])
+    request.resource_spans[0].scope_spans[0].spans[0].span_id = b"\x01" * 4  # not its trace's last: no facts built
+    with pytest.raises(MalformedOtlp, match="span_id of 4"):
+        read_engine_request(request.SerializeToString())
 
 
 # ----------------------------------------------------------------------------------

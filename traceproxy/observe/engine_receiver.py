@@ -43,10 +43,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from .engine_join import stage_message
-from .engine_spans import EngineSpanStore, keep
+from .engine_spans import EngineSpanStore, read_engine_request
 from .export_wire import RawSpans
 from .otlp_proto import length_delimited, varint
-from .otlp_reader import MalformedOtlp, count_spans, read_export_request
+from .otlp_reader import MalformedOtlp, count_spans
 
 log = logging.getLogger("traceproxy.engine_spans")
 
@@ -154,9 +154,9 @@ class EngineSpans:
         """Keep what the join needs and relay the request; the spans it held. Raises BodyRefused."""
         try:
             if len(body) > THREAD_BODY_BYTES:
-                batches = await asyncio.to_thread(read_export_request, body, keep)
+                batches = await asyncio.to_thread(read_engine_request, body)
             else:
-                batches = read_export_request(body, keep)
+                batches = read_engine_request(body)
         except MalformedOtlp as exc:
             raise BodyRefused("malformed", str(exc)) from None
         spans = count_spans(batches)
