@@ -207,3 +207,44 @@ def test_the_log_to_stdout_writes_whole_lines_there():
     lines = out.decode().splitlines()
     assert len(lines) == 2 and all(json.loads(line)["trace_id"] == f"{TRACE_ID:032x}" for line in lines)
     assert parse_stats_line(last)["access_log_lost"] == 0
+
+
+def test_a_lines_timings_are_seconds_to_the_microsecond_from_the_summary(tmp_path):
+    # Built from a summary alone, as the exporter does: every timing from its two marks,
+    # the wall time from the monotonic start and the clock offset, to the millisecond.
+    from traceproxy.lifecycle.marks import Mark
+    from traceproxy.observe.accesslog import AccessLogWriter
+    from traceproxy.observe.spans import DOWNSTREAM_INDEX, UPSTREAM_INDEX, UPSTREAM_ORDER, AttemptSummary
+
+    start = 5_000_000_000_000
+    marks = [0] * len(DOWNSTREAM_INDEX)
+    marks[DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_RX_BYTE]] = start
+    marks[DOWNSTREAM_INDEX[Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE]] = start + 10_000
+    marks[DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BYTE]] = start + 2_000_499  # rounds down
+    up = [0] * len(UPSTREAM_ORDER)
+    up[UPSTREAM_INDEX[Mark.POOL_ACQUIRED]] = start + 30_000
+    up[UPSTREAM_INDEX[Mark.FIRST_UPSTREAM_TX_BYTE]] = start + 40_000
+    up[UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_HEADER_BYTE]] = start + 1_040_500  # a half rounds up
+    attempt = AttemptSummary(11, 0, 4, True, 7_000_000, 2, tuple(up), "", "", start + 20_000, 200)
+    summary = _finished_request(TRACE_ID)._replace(
+        marks=tuple(marks), end_ns=start + 3_000_000, clock_offset_ns=1_764_000_000_123_999_999 - start,
+        attempts=(attempt,), idle_gap_ns=1_999_999_999, max_chunk_gap_ns=250_000_000,
+        stalls=(("FBS", "first_byte", start, start + 2_500_000, 0),))
+    path = tmp_path / "access.log"
+    writer = AccessLogWriter(str(path))
+    writer.write_summaries([summary, summary._replace(attempts=())])
+    writer.close()
+    text = path.read_text()
+    assert text.endswith("\n") and text.count("\n") == 2
+    line, unattempted = (json.loads(one) for one in text.splitlines())
+    assert line["time"] == "2025-11-24T16:00:00.123Z"
+    assert line["upstream_connect_time"] == 0.00001  # from when the attempt asked for a connection
+    assert line["upstream_header_time"] == 0.001001
+    assert line["upstream_response_time"] is None  # its last byte never came
+    assert line["time_to_first_byte"] == 0.002 and line["time_to_first_chunk"] is None
+    assert line["request_time"] == 0.003 and line["chunk_max_gap"] == 0.25
+    assert line["client_idle_gap"] == 2.0 and line["upstream_idle_age"] == 0.007
+    assert line["upstream_connection"] == 4 and line["upstream_connection_request"] == 2
+    assert line["stalls"] == [{"outcome": "FBS", "phase": "first_byte", "waited": 0.0025, "resolved_after": None}]
+    assert unattempted["upstream_connection"] is None and unattempted["upstream_connect_time"] is None
+    assert unattempted["attempts"] == 0 and unattempted["outcome"] == "OK" and unattempted["blame"] == "-"
