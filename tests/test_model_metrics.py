@@ -81,7 +81,10 @@ GENERATE_ANSWER = json.dumps({"text": "hello world", "output_ids": [1, 2], "meta
 @pytest.mark.parametrize("answer, counts", [
     (CHAT_ANSWER, (12, 34)), (COMPLETION_ANSWER, (5, 1)), (GENERATE_ANSWER, (9, 2)),
     (b'{"error": {"message": "bad"}}', (None, None)),
-], ids=["chat", "completions", "generate", "none"])
+    # The last of each with a count: not a later one without, nor one inside a text.
+    (b'{"usage": {"prompt_tokens" : 7, "completion_tokens":3}, "echo": {"prompt_tokens": null},'
+     b' "text": "\\"completion_tokens\\": 99"}' + b" " * 700, (7, 3)),
+], ids=["chat", "completions", "generate", "none", "last-with-a-count"])
 def test_usage_of_a_body_in_its_last_reads(answer, counts):
     # Kept as its last three reads, however it was split.
     reads = (answer[:-700], answer[-700:-30], answer[-30:])
