@@ -172,6 +172,7 @@ def test_relayed_spans_land_in_the_span_file_and_diagnose_reads_them(start_proxy
     trace_id = random_trace_id()
     finished = Request(trace_id, "decode")
     grpc_export(proxy, payload(finished.stages(5) + finished.finish()))
+    assert wait_until(lambda: engine_spans(proxy)["spans_relayed"] == 8)  # relays reach the proxy within 50 ms
     loop_thread.run(proxy.span_export.stop(timeout=5))  # the exporter writes what it holds, then ends
     spans = file_spans(path, "%032x" % trace_id)
     assert [s.name for s in spans][:5] == ["decode_prepare", "decode_bootstrap", "decode_transferred",

@@ -13,9 +13,12 @@ To the proxy, on ``FD``, frames of a 4-byte big-endian length and a ``marshal``-
 
 * ``("ready", http port, grpc port)`` once both listen (0: that one is off), or
   ``("error", message)`` and exit 1;
-* ``("raw", payload, spans)``: a request to relay, as it came (the proxy hands it to its
-  exporter process); left out, and counted, while the proxy has not taken
-  ``MAX_BUFFERED`` bytes of what was sent before;
+* ``("raw", [payload, ...], [spans, ...])``: the requests to relay, each as it came (the
+  proxy hands each to its exporter process), gathered for at most ``RELAY_EVERY_S`` or
+  ``RELAY_BATCH_BYTES``: the proxy's loop then wakes for a frame a few times a second,
+  not once per export request (hundreds a second at S5's rate). A request is left
+  out, and counted, while the proxy has not taken ``MAX_BUFFERED`` bytes of what was
+  sent before;
 * ``("stages", message)``: the stages that changed (``engine_join.stage_message``);
 * ``("numbers", numbers, open work)`` every second: the receiver's counts, and the
   traces with a worker that has not finished (at most ``OPEN_WORK_SENT``, the oldest),
@@ -45,6 +48,8 @@ from .exporter_main import lower_priority
 log = logging.getLogger("traceproxy.engine_spans")
 HEADER = struct.Struct("!I")
 MAX_BUFFERED = 16 << 20  # bytes sent the proxy has not read yet, past which relays wait
+RELAY_EVERY_S = 0.05  # well under an engine's own export delay (SGLang: 500 ms)
+RELAY_BATCH_BYTES = 1 << 20
 OPEN_WORK_SENT = 200
 NUMBERS_EVERY_S = 1.0
 YOUNG_COLLECTION_THRESHOLD = 50_000
@@ -69,17 +74,35 @@ class _ToProxy:
     def __init__(self, transport: asyncio.WriteTransport) -> None:
         self.transport = transport
         self.left_out = 0  # relays not sent: the proxy was behind
+        self._payloads: list[bytes] = []
+        self._spans: list[int] = []
+        self._pending_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
 
     def send(self, message: tuple) -> None:
         if not self.transport.is_closing():
             self.transport.write(frame(message))
 
     def submit_raw(self, raw: RawSpans) -> bool:
-        if self.transport.get_write_buffer_size() > MAX_BUFFERED:
+        if self.transport.get_write_buffer_size() + self._pending_bytes > MAX_BUFFERED:
             self.left_out += raw.spans
             return False
-        self.send(("raw", raw.payload, raw.spans))
+        self._payloads.append(raw.payload)
+        self._spans.append(raw.spans)
+        self._pending_bytes += len(raw.payload)
+        if self._pending_bytes >= RELAY_BATCH_BYTES:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(RELAY_EVERY_S, self.flush)
         return True
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._payloads:
+            self.send(("raw", self._payloads, self._spans))
+            self._payloads, self._spans, self._pending_bytes = [], [], 0
 
 
 async def run(config: dict, fd: int) -> int:
@@ -108,6 +131,7 @@ async def run(config: dict, fd: int) -> int:
     finally:
         numbers.cancel()
         await receiver.stop()
+        to_proxy.flush()
         await _drain(transport)
     return 0
 

@@ -9,8 +9,10 @@ its frames as they come, on the loop, each a few microseconds of work:
 
 * the stages that changed go to ``facts`` (``engine_join.StageFacts``, which keeps those
   of the requests in flight here, as a worker of several does);
-* a request to relay goes, as it came, to the proxy's exporter (``relay.submit_raw``);
-  counted here as relayed or dropped;
+* the requests to relay (gathered by the receiver's process for up to 50 ms) go, each
+  as it came, to the proxy's exporter (``relay.submit_raw``); counted here as relayed
+  or dropped. No span is read here: the proxy's part is per export request, and per
+  frame of them;
 * the receiver's counts and its open work (every second) are kept for ``numbers`` and
   ``open_work``, which ``/debug/inflight`` and the engine orphan check read.
 
@@ -90,10 +92,11 @@ class EngineReceiverProcess:
         if kind == "stages":
             self.facts.update(message[1], time.monotonic_ns())
         elif kind == "raw":
-            if self.relay is not None and self.relay.submit_raw(RawSpans(message[1], message[2])):
-                self.spans_relayed += message[2]
-            else:
-                self.relay_dropped += message[2]
+            for payload, spans in zip(message[1], message[2]):
+                if self.relay is not None and self.relay.submit_raw(RawSpans(payload, spans)):
+                    self.spans_relayed += spans
+                else:
+                    self.relay_dropped += spans
         elif kind == "numbers":
             self._numbers = message[1]
             self._open_work = [(trace_id, stage_from_tuple(fields)) for trace_id, fields in message[2]]
