@@ -255,3 +255,21 @@ def test_the_client_span_status_is_the_upstreams_not_the_proxys_reply(scripted_u
     server, attempt = spans_for(sink.items[0])
     assert server.attributes[sc.HTTP_RESPONSE_STATUS_CODE] == 502
     assert attempt.attributes[sc.HTTP_RESPONSE_STATUS_CODE] == 200 and attempt.status_code == STATUS_ERROR
+
+
+def test_a_summary_is_built_whole_field_for_field(fast_upstream, start_proxy):
+    # summarize builds its named tuples with tuple.__new__ (no field-count check): a
+    # field added to RequestSummary or AttemptSummary and not to summarize must fail here.
+    from traceproxy.observe.spans import AttemptSummary, RequestSummary
+
+    proxy, sink = _traced_proxy(start_proxy, fast_upstream().url)
+    RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", headers=[("User-Agent", "harness/1")],
+                                    body=CHAT)
+    assert wait_until(lambda: len(sink.items) == 1)
+    [summary] = sink.items
+    assert len(summary) == len(RequestSummary._fields) and RequestSummary(*summary) == summary
+    [attempt] = summary.attempts
+    assert len(attempt) == len(AttemptSummary._fields) and AttemptSummary(*attempt) == attempt
+    assert (summary.user_agent, summary.status, summary.method, summary.conversation_id) == (
+        "harness/1", 200, "POST", "")
+    assert summary.tokens[0] >= 1 and summary.stalls == () and attempt.status == 200

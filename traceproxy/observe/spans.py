@@ -110,7 +110,9 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         tail = b"".join(read[-TAIL_BYTES:] for read in record.response_tail)
     else:
         head = tail = request_tail = b""  # only its access log line is wanted: no GenAI evidence
-    return RequestSummary(
+    # Every field, in order, through tuple.__new__: the named tuple's generated __new__
+    # (a Python function of forty arguments) was a third of this, once per request.
+    return _new_tuple(RequestSummary, (
         record.trace_id, record.span_id, record.parent_span_id, record.sampled,
         record.tracestate.decode("latin-1"), (record.rejected_traceparent or b"").decode("latin-1"),
         record.request_id, record.method, record.target, record.http_version, record.status or 0,
@@ -120,20 +122,21 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         -1 if record.idle_gap_ns is None else record.idle_gap_ns, record.user_agent, server, upstream,
         record.downstream_rx_body_bytes, record.downstream_tx_body_bytes, record.upstream_rx_chunks,
         record.max_chunk_gap_ns, head, tail, request_tail,
-        tuple(_summarize_attempt(a) for a in record.attempts),
-        tuple((e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls),
+        tuple(map(_summarize_attempt, record.attempts)),
+        tuple([(e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls])
+        if record.stalls else (),
         keep_spans, evidence(record) if keep_spans else (), None,
         summary_tokens(token_progress(record)), record.conversation_id,
-    )
+    ))
 
 
 def _summarize_attempt(attempt) -> AttemptSummary:
     conn = attempt.connection
-    return AttemptSummary(
+    return _new_tuple(AttemptSummary, (
         attempt.span_id, attempt.index, conn.id if conn else 0, attempt.reused, attempt.idle_age_ns,
         attempt.connection_request_number, tuple(map(attempt.marks.get, UPSTREAM_ORDER, _UPSTREAM_ZEROS)),
         attempt.outcome.code if attempt.outcome else "", attempt.error or "", attempt.started_ns, attempt.status,
-    )
+    ))
 
 
 # ----------------------------------------------------------------------------------
