@@ -525,3 +525,16 @@ def test_the_proxy_process_says_why_it_could_not_bind_rather_than_a_traceback(tm
     assert result.returncode == 1
     assert "could not start:" in result.stderr and "address already in use" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_proxy_process_sets_the_allocator_as_serve_does(tmp_path, monkeypatch):
+    # A target is priced as serve runs it: serve sets glibc's thresholds before it serves
+    # (allocator.py), which changes what a request costs; the bench's process must too.
+    from traceproxy.bench import proxy_proc
+
+    order = []
+    monkeypatch.setattr(proxy_proc, "tune_allocator", lambda: order.append("allocator"))
+    monkeypatch.setattr(proxy_proc.uvloop, "run", lambda coroutine: (coroutine.close(), order.append("serve")))
+    assert proxy_proc.main(["--upstream", "http://127.0.0.1:9", "--port-file", str(tmp_path / "port"),
+                            "--set", "tracing.exporter=off", "--set", "access_log.path="]) == 0
+    assert order == ["allocator", "serve"]

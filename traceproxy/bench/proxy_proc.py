@@ -3,6 +3,8 @@
 ``python -m traceproxy.bench.proxy_proc --upstream URL --port-file F [--admin-port-file F]
 [--set KEY=VALUE ...]`` writes the port to F and serves until SIGTERM, then shuts down
 with a 1 s grace (and then stops its span exporter, which exports what it still holds).
+It sets glibc's allocator thresholds as ``serve`` does (``allocator.py``), so an in-tree
+target costs what ``serve`` with the same keys costs.
 
 ``--workers N --listen-port P [--admin-port A]`` (N > 1) serves as ``traceproxy serve
 --workers N`` does, this process the service's parent: the workers share a fixed port,
@@ -35,6 +37,7 @@ import sys
 
 import uvloop
 
+from ..allocator import tune_allocator
 from ..app import ProxyServer
 from ..config import ConfigError, default_settings
 from .procs import raise_fd_limit, wait_for_stop_signal, write_port_file
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = build_settings(args.upstream, args.set)
         if args.workers > 1:
             return serve_workers(settings, args.workers, args.listen_port, args.admin_port)
+        tune_allocator()  # as serve does (app.run): the targets are serve's process, priced alike
         uvloop.run(serve(settings, args.port_file, args.admin_port_file))
     except ConfigError as exc:  # found at startup (a log path it cannot write): said, not a traceback
         sys.stderr.write(f"configuration error: {exc}\n")
