@@ -286,7 +286,7 @@ def test_a_request_in_flight_starts_at_its_first_byte_as_its_stall_span_dates_it
     assert f"timeline (start {wall_clock(T0 * 1000 + s // 2)}, still in flight 4.500 s later):" in text, text
     assert _timeline(text) == [(0.0, "first_downstream_rx_byte"), (2500.0, "stall"), (4500.0, "stall")], text
     assert "+2.500 s  stall FBS wait began (awaiting_upstream_headers)   [stall span]" in text
-    assert "+4.500 s  stall detected: FBS   [stall span]" in text
+    assert "+2.000 s  stall detected: FBS   [stall span]" in text  # the gap from the row above
 
 
 def test_a_request_in_flight_without_its_age_starts_where_its_stall_wait_did_and_says_so():
@@ -421,9 +421,10 @@ def test_jaeger_by_trace_id_maps_to_the_same_timeline(jaeger):
     assert [t for t, _ in rows][-3:] == [1200.0, 1900.0, 2000.0]  # µs from Jaeger, ms from the start
     assert "+800.000 ms" in out and "+1.150 s" in out and "+799.700 ms" in out  # from start, gap
     assert "[attempt 2 (resend 1)]" in out
-    # The wait for the response head, with the stall detected part way through it:
+    # The wait for the response head, cut in two by the stall detected part way through it:
+    # its first part, up to the detection, is the longest stretch with nothing seen.
     assert out.count("<- longest wait") == 1
-    assert "last_upstream_rx_header_byte   [attempt 2 (resend 1)]   <- longest wait" in out
+    assert "+800.000 ms    +799.700 ms  stall FBS (awaiting_upstream_headers)   <- longest wait" in out
 
 
 def test_jaeger_by_request_id_searches_the_tag(jaeger):
@@ -506,7 +507,7 @@ def test_a_request_found_by_either_of_its_ids_has_its_server_and_stall_spans():
         assert found.server is server and found.stalls == [stall], ident
 
 
-def test_the_longest_wait_is_between_marks_whatever_stall_events_fall_inside_it():
+def test_each_gap_runs_from_the_row_above_and_the_longest_wait_is_the_longest_gap():
     from traceproxy.diagnose import Event, Span, _timeline_lines
 
     ms = 1_000_000
@@ -515,15 +516,19 @@ def test_the_longest_wait_is_between_marks_whatever_stall_events_fall_inside_it(
         return Event("stall", at, {"traceproxy.stall.outcome": code, "traceproxy.stall.phase": phase})
 
     # 2.45 s waiting for a pooled connection (the proxy), then 2.8 s for the first
-    # byte (the engine); each wait has a stall event part way through it.
+    # byte (the engine); each wait has a stall event part way through it, which is a row
+    # of its own: the gaps add up to the time from the start.
     events = [Event("first_downstream_rx_byte", 0, {}), Event("pool_queued", 0, {}),
               stall(500 * ms, "PWS", "awaiting_upstream_connection"), Event("pool_acquired", 2450 * ms, {}),
               stall(3950 * ms, "FBS", "awaiting_upstream_headers"), Event("first_upstream_rx_byte", 5250 * ms, {})]
     server = Span(TRACE, SERVER, "", "POST /v1/chat/completions", "server", 0, 5300 * ms,
                   {"traceproxy.request_id": "r", "traceproxy.outcome": "OK"}, events)
     found = find_requests([server], "r")[0]
+    rows = [line.split() for line in _timeline_lines(found)[2:]]
+    assert [" ".join(row[2:4]) for row in rows] == ["+0.000 ms", "+0.000 ms", "+500.000 ms", "+1.950 s",
+                                                    "+1.500 s", "+1.300 s"], rows
     [marked] = [line for line in _timeline_lines(found) if "<- longest wait" in line]
-    assert "first_upstream_rx_byte" in marked and "+2.800 s" in marked, marked
+    assert "pool_acquired" in marked and "+1.950 s" in marked, marked
 
 
 def test_an_attempt_whose_connect_failed_shows_no_connection():
@@ -663,7 +668,7 @@ def test_a_hung_request_shows_the_engine_stages_that_ended_and_the_one_it_is_in(
         loop_thread.run(up.stop())
 
 
-def test_engine_stages_from_jaeger_join_the_timeline_without_cutting_the_proxys_waits():
+def test_engine_stages_from_jaeger_join_the_timeline_each_a_row_with_its_gap():
     # The decode worker's stages as Jaeger keeps them, under its thread span, under the resend.
     thread = "4444444444444444"
     engine = [
@@ -680,8 +685,11 @@ def test_engine_stages_from_jaeger_join_the_timeline_without_cutting_the_proxys_
     assert ("engines: every worker finished; the last stage that ended: decode (decode decode_forward ended, "
             "sglang-decode host 01234567 pid 77; from spans)") in text, text
     assert "decode_transferred ended   [engine decode, sglang-decode]" in text
-    # The proxy's longest wait is still the one between its own marks.
-    assert "last_upstream_rx_header_byte   [attempt 2 (resend 1)]   <- longest wait" in text
+    # An engine stage's end is a row like a mark: the next row's gap runs from it.
+    rows = [line for line in text.splitlines() if line.startswith("    ") and line.split()[0].startswith("+")]
+    after = rows.index(next(r for r in rows if "decode_transferred ended" in r)) + 1
+    assert "decode_waiting ended" in rows[after] and "+200.010 ms  decode_waiting" in rows[after], rows
+    assert text.count("<- longest wait") == 1
 
 
 def test_without_engine_spans_the_report_is_unchanged(traced):

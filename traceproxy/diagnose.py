@@ -2,7 +2,7 @@
 
 Given a trace id (32 hex digits) or a request id (the ``x-request-id`` the proxy
 returned or kept), find the request's spans and print its timeline: the lifecycle
-marks in order with the gap from the previous mark and from the start, the bytes,
+marks in order with the gap from the row above and from the start, the bytes,
 the keep-alive ledger (client connection and request sequence, idle gap; per
 upstream attempt: connection new or reused, idle age, request number), every
 upstream attempt (resends), the stalls, and the outcome with its blame and error;
@@ -504,7 +504,8 @@ def request_lines(found: RequestSpans) -> list[str]:
     lines += [line for attempt in found.attempts for line in _attempt_lines(attempt)]
     lines += _timeline_lines(found)
     lines += _stall_lines(found)
-    lines += diagnose_engines.summary_lines(found.engine)
+    stalled_at = _ended_stalled_at(found)
+    lines += diagnose_engines.summary_lines(found.engine, stalled_at.attributes if stalled_at is not None else None)
     lines += _downstream_lines(found)
     lines.append(_join_key_line(found))
     return lines
@@ -682,17 +683,12 @@ def _timeline_lines(found: RequestSpans) -> list[str]:
                    "request began")
     lines = [f"  timeline ({heading}):",
              f"    {'from start':>14} {'gap':>14}  mark"]
-    # Gaps run from mark to mark: a stall event or an engine stage's end in the middle of
-    # a wait shows how far it had got, but does not cut the wait in two (the longest wait
-    # is a mark's).
-    gaps, marks, previous_mark = [], [], start
-    for when, what, where in entries:
-        gaps.append(when - previous_mark)
-        if not what.startswith("stall ") and not where.startswith(diagnose_engines.ENGINE_WHERE):
-            marks.append(len(gaps) - 1)
-            previous_mark = when
-    longest = max(marks, key=lambda index: gaps[index], default=-1)
-    if longest >= 0 and gaps[longest] <= 0:
+    # Each gap runs from the row above: a stall's detection or an engine stage's end is a
+    # row like a mark, so the column adds up to the "from start" one and the longest wait
+    # is the longest stretch in which nothing was seen.
+    gaps = [when - previous for (when, _, _), previous in zip(entries, [start] + [e[0] for e in entries])]
+    longest = max(range(len(gaps)), key=gaps.__getitem__)
+    if gaps[longest] <= 0:
         longest = -1
     for index, ((when, what, where), gap) in enumerate(zip(entries, gaps)):
         lines.append(f"    {'+' + duration(when - start):>14} {'+' + duration(gap):>14}  {what}"
@@ -701,18 +697,22 @@ def _timeline_lines(found: RequestSpans) -> list[str]:
 
 
 def _stall_lines(found: RequestSpans) -> list[str]:
-    stalls = _stalls_from_events(found.server) if found.server is not None else _stalls_from_spans(found.stalls)
+    stalls = (_stalls_from_events(found.server, found.stalls) if found.server is not None
+              else _stalls_from_spans(found.stalls))
     if not stalls:
         return ["  stalls: none"]
     return ["  stalls:"] + [f"    {text}" for text in stalls]
 
 
-def _stalls_from_events(server: Span) -> list[str]:
-    """One line per stall event, with the resolution that followed it."""
+def _stalls_from_events(server: Span, stall_spans: list[Span] = ()) -> list[str]:
+    """One line per stall event, with the resolution that followed it, and where the
+    engines had the request when it was detected (its stall span says, the event not)."""
     stalls, still_open = _paired_stalls(server)
     ended_ok = server.attributes.get(sc.OUTCOME) == "OK"
     texts = []
     for index, (a, duration) in enumerate(stalls):
+        stall_span = _stall_span_of(a, stall_spans)
+        engine = _engine_at_stall(stall_span) if stall_span is not None else ""
         if duration is not None:
             state = f"resolved after {_seconds(duration)}"
         elif ended_ok:
@@ -722,8 +722,30 @@ def _stalls_from_events(server: Span) -> list[str]:
         else:
             state = "no resolution recorded"  # a later stall of the same code replaced it (a resend)
         texts.append(f"{a.get(sc.STALL_OUTCOME, '-')} in {a.get(sc.STALL_PHASE, '-')}: detected after "
-                     f"{_seconds(a.get(sc.STALL_WAITED))}, blame {a.get(sc.BLAME, '-')}; {state}")
+                     f"{_seconds(a.get(sc.STALL_WAITED))}, blame {a.get(sc.BLAME, '-')}{engine}; {state}")
     return texts
+
+
+def _stall_span_of(event_attributes: dict, stall_spans: list[Span]) -> Span | None:
+    """The stall span exported for a stall event: of its code and phase; the same code can
+    stall twice (a stream with two long gaps), each span then taken in turn by its wait."""
+    code, phase = event_attributes.get(sc.STALL_OUTCOME), event_attributes.get(sc.STALL_PHASE)
+    waited = event_attributes.get(sc.STALL_WAITED)
+    same = [s for s in stall_spans if s.attributes.get(sc.STALL_OUTCOME) == code
+            and s.attributes.get(sc.STALL_PHASE) == phase]
+    exact = [s for s in same if waited is not None and s.attributes.get(sc.STALL_WAITED) == waited]
+    return (exact or same or [None])[0]
+
+
+def _ended_stalled_at(found: RequestSpans) -> Span | None:
+    """The stall span of the stall the request ended in (or is still in, with no SERVER
+    span yet): the one whose engine facts say where the engines held it."""
+    if found.server is None:
+        return found.stalls[-1] if found.stalls else None
+    if found.server.attributes.get(sc.OUTCOME) == "OK":
+        return None
+    cause = _open_stall(found.server)
+    return _stall_span_of(cause, found.stalls) if cause is not None else None
 
 
 def _stalls_from_spans(stalls: list[Span]) -> list[str]:

@@ -12,7 +12,8 @@ when that came, the stage it was in the one after the last that ended.
 
 from __future__ import annotations
 
-from .lifecycle.pd_stages import STAGES, EngineStage, role_of_stage, role_of_thread
+from .lifecycle.pd_stages import STAGES, EngineStage, Worker, role_of_stage, role_of_thread
+from .observe import semconv as sc
 from .observe.engine_spans import EngineSpanStore
 from .observe.otlp_reader import ResourceBatch, SpanFacts
 
@@ -58,13 +59,45 @@ def timeline_entries(spans: list) -> list[tuple[int, str, str]]:
     return entries
 
 
-def summary_lines(spans: list) -> list[str]:
+def summary_lines(spans: list, at_stall: dict | None = None) -> list[str]:
+    """Where the engines had the request. ``at_stall``: the attributes of the stall span of
+    the stall it ended in (or is still in), which say what the live join named then.
+
+    A stage's span is exported only when the stage ends: a request that ended stalled in
+    a stage whose span never came was not finished there, whatever the spans that did
+    come say (a worker's thread span ends when it drops the request, not when its stage
+    ends). The stall's words then stand, with the last stage the spans saw end."""
     stage = where_it_was(spans)
+    stalled_in = stage_at_stall(at_stall) if at_stall else None
+    if (stalled_in is not None and not any(s.name == stalled_in.stage for s in spans)
+            and (stage is None or stage.state == "ended")):
+        line = (f"  engines: the request ended stalled in {stalled_in.words()}, as the proxy named it at the "
+                f"stall; that stage's span never ended")
+        if stage is not None and stage.state == "ended":
+            line += f" (the last stage that ended: {stage.words()})"
+        return [line]
     if stage is None:
         return []
     if stage.state == "ended":
         return [f"  engines: every worker finished; the last stage that ended: {stage.words()}"]
     return [f"  engines: when these spans were written the request was in {stage.words()}"]
+
+
+def stage_at_stall(attributes: dict) -> EngineStage | None:
+    """The stage a stall span names (what the live join said at the stall), when it names
+    one the request was in, from spans; None otherwise (gauges speak for the engines as a
+    whole, not for this request)."""
+    if (attributes.get(sc.ENGINE_SOURCE) != "spans" or attributes.get(sc.ENGINE_STAGE_STATE, "in") != "in"
+            or not attributes.get(sc.ENGINE_STAGE) or not attributes.get(sc.ENGINE_COMPONENT)):
+        return None
+    pid = attributes.get(sc.ENGINE_WORKER_PID)
+    worker = Worker(str(attributes.get(sc.ENGINE_WORKER_SERVICE) or ""), str(attributes.get(sc.ENGINE_WORKER_HOST)
+                                                                           or ""),
+                    pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
+    return EngineStage(str(attributes[sc.ENGINE_COMPONENT]), str(attributes.get(sc.ENGINE_ROLE) or ""),
+                       str(attributes[sc.ENGINE_STAGE]), "in", None,
+                       worker if worker.service or worker.host or worker.pid is not None else None, "spans",
+                       str(attributes.get(sc.ENGINE_DETAIL) or ""))
 
 
 def _roles(spans: list) -> dict[str, str]:
