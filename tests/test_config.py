@@ -707,3 +707,11 @@ def test_an_upstream_that_is_the_proxys_own_listener_is_refused(tmp_path, listen
 def test_an_upstream_that_is_the_admin_listener_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"is this proxy's own admin address '127.0.0.1:9464' \(from default\)"):
         load(tmp_path, ["--listen", "127.0.0.1:7000", "--upstream", "http://localhost:9464"])
+
+
+def test_the_http_receivers_help_gives_sglang_the_full_traces_url():
+    # SGLang hands --otlp-traces-endpoint to the OTLP/HTTP exporter as the URL to post to:
+    # a bare http://HOST:PORT would post to /, which the receiver does not serve.
+    [receiver] = [s for s in SCHEMA if s.dotted == "engines.otlp_receiver"]
+    assert "--otlp-traces-endpoint http://HOST:PORT/v1/traces" in receiver.meaning
+    assert "--otlp-traces-endpoint http://HOST:PORT " not in receiver.meaning
