@@ -323,6 +323,34 @@ def test_admin_faults_can_be_read_replaced_and_cleared(start_worker):
     assert http_post_json(decode.url + "/admin/faults", {"faults": []}) == (200, {"faults": []})
 
 
+@pytest.mark.parametrize("role, fault, home", [
+    ("decode", "bootstrap_stall", "prefill"),  # decode alone has no handshake to hold
+    ("decode", "kv_transfer_stall", "prefill"),
+    ("prefill", "decode_stall:2", "decode"),
+    ("prefill", "decode_waiting_stall", "decode"),
+])
+def test_a_fault_posted_to_a_worker_that_never_acts_on_it_is_refused_naming_its_role(start_worker, role, fault,
+                                                                                       home):
+    worker = start_worker(role, default_faults=["idle_close:5"])
+    status, body = http_post_json(worker.url + "/admin/faults", {"faults": [fault]})
+    assert status == 400, body
+    assert f"acts on the {home} worker" in body["error"] and fault.split(":")[0] in body["error"], body
+    assert json.loads(http_get(worker.url + "/admin/faults")) == {"faults": ["idle_close:5"]}  # unchanged
+
+
+def test_a_decode_worker_takes_the_prefill_faults_it_acts_on_when_it_serves_alone(start_worker):
+    decode = start_worker("decode")
+    assert http_post_json(decode.url + "/admin/faults", {"faults": ["prefill_stall"]}) == (
+        200, {"faults": ["prefill_stall"]})
+
+
+def test_sim_worker_refuses_a_fault_its_role_never_acts_on(capsys):
+    assert _exit_status(["sim", "worker", "--role", "decode", "--fault", "bootstrap_stall"]) == 2
+    err = capsys.readouterr().err
+    assert "fault bootstrap_stall acts on the prefill worker" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def _pair_and_check(prefill_port: int, bootstrap_port: int, decode: SimWorker, room: int) -> None:
     """Decode first: it must wait (prealloc queue) until its prefill has run."""
     decode_client = RawClient(decode.port)

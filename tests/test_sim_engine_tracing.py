@@ -211,12 +211,36 @@ def test_export_settings_sglang_would_refuse_are_one_line_errors(capsys, monkeyp
     ("grpc", "collector", "over gRPC, HOST:PORT such as 127.0.0.1:4317"),
     ("grpc", "127.0.0.1:70000", "over gRPC, HOST:PORT such as 127.0.0.1:4317"),
     ("http/protobuf", "127.0.0.1:4318", "over http/protobuf, an http(s):// URL"),
+    # gRPC has no path: the exporter would drop it and send to the port anyway
+    ("grpc", "http://127.0.0.1:4318/v1/traces", "over gRPC, HOST:PORT such as 127.0.0.1:4317"),
 ])
 def test_an_endpoint_the_protocol_cannot_use_is_a_one_line_error(capsys, monkeypatch, protocol, endpoint, message):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
     assert cli_main(["sim", "worker", "--role", "decode", "--otlp-endpoint", endpoint]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in err and "--otlp-endpoint" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_worker_whose_span_destination_is_gone_still_stops_promptly(monkeypatch, loop_thread):
+    import socket
+
+    from traceproxy.sim.otel import SHUTDOWN_TIMEOUT_S, make_tracing
+
+    with socket.socket() as gone:  # a port nothing listens on once closed
+        gone.bind(("127.0.0.1", 0))
+        port = gone.getsockname()[1]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    monkeypatch.setenv("SGLANG_OTLP_EXPORTER_SCHEDULE_DELAY_MILLIS", "50")
+    tracing = make_tracing("decode", f"127.0.0.1:{port}")
+    trace = tracing.request("rid-1", 7, {}, "decode")
+    trace.stage("decode_prepare", time.time_ns(), time.time_ns())
+    time.sleep(0.3)  # an export is under way, retrying with backoff
+    trace.finish(time.time_ns())
+    began = time.monotonic()
+    loop_thread.run(tracing.shutdown())
+    # Bounded by SHUTDOWN_TIMEOUT_S, not the exporter's 10 s of retries (a generous margin for a busy machine).
+    assert time.monotonic() - began < SHUTDOWN_TIMEOUT_S + 3
 
 
 # ----------------------------------------------------------------------------------

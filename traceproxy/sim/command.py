@@ -16,7 +16,7 @@ import sys
 from urllib.parse import urlsplit
 
 from ..hostnames import is_hostname
-from .faults import FaultError, fault_table, parse_faults
+from .faults import FaultError, check_role, fault_table, parse_faults
 from .routers import LOG_LEVELS, ROUTER_NAMES
 
 DESCRIPTION = """\
@@ -197,7 +197,9 @@ def listen_argument(text: str) -> tuple[str, int]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        parse_faults(args.fault)
+        faults = parse_faults(args.fault)
+        if args.sim_command == "worker":
+            check_role(faults, args.role)  # the deployment sends each fault to its home itself
         _check_rates(args)
         # Checked whether or not --faulty-proxy is given: a bad value is a mistake either way.
         hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1

@@ -46,7 +46,7 @@ from . import gauges as g
 from . import router_calls
 from .aioserve import quiet_logger, start_app
 from .bootstrap import BootstrapServer, Rooms, poll_handler, register_local, unregister_local
-from .faults import FaultError, applies, parse_faults, request_fault_specs
+from .faults import FaultError, applies, check_role, parse_faults, request_fault_specs
 from .generation import HOLD_LIMIT, Job, serve
 from .otel import make_tracing
 from .pairing import pairing_of
@@ -341,9 +341,14 @@ class SimWorker:
             specs = payload["faults"]
             if not isinstance(specs, list):
                 raise FaultError('"faults" must be a list of fault specs')
-            self.set_faults(specs)
+            faults = parse_faults(specs)
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"expected {{\"faults\": [...]}}: {exc}"}, status=400)
+        try:
+            check_role(faults, self.role)
+        except FaultError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        self.set_faults(specs)
         self.log.info("%s worker faults now: %s", self.role, [str(f) for f in self.faults.values()] or "none")
         return await self._get_faults(request)
 

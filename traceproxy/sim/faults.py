@@ -162,6 +162,26 @@ def applies(fault: Fault, role: str, standalone: bool) -> bool:
     return fault.home in ("any", role) or (role == "decode" and standalone)
 
 
+# The faults that act between the two workers of a PD pair: none has anything to act on
+# when decode serves a request on its own.
+NEEDS_PD_PEER = ("bootstrap_stall", "kv_transfer_stall", "decode_waiting_stall")
+
+
+def can_apply(fault: Fault, role: str) -> bool:
+    """Whether a worker in ``role`` would ever act on ``fault``: paired (its home), or for
+    decode serving alone (every fault but those that need a PD peer)."""
+    return applies(fault, role, standalone=False) or (role == "decode" and fault.name not in NEEDS_PD_PEER)
+
+
+def check_role(faults: Mapping[str, Fault], role: str) -> None:
+    """A FaultError naming the worker each fault belongs on, for any ``role`` would never act on:
+    set there, it would be taken and do nothing."""
+    wrong = [fault for fault in faults.values() if not can_apply(fault, role)]
+    if wrong:
+        raise FaultError("; ".join(f"fault {fault.name} acts on the {fault.home} worker, not on this {role} "
+                                   f"worker: set it on the {fault.home} worker" for fault in wrong))
+
+
 def split_by_home(specs: str | Iterable[str] | None) -> dict[str, list[str]]:
     """Deployment-wide specs -> {"prefill": [...], "decode": [...]}, by each fault's home."""
     out: dict[str, list[str]] = {role: [] for role in ROLES}

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 import uuid
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -102,9 +103,12 @@ def check_endpoint(protocol: str, endpoint: str) -> None:
                              "http://127.0.0.1:4318 (or its /v1/traces URL)")
         return
     host, sep, port = endpoint.rpartition(":")
-    if not (_http_url(endpoint) or (sep and host and "/" not in endpoint and port.isdigit() and 0 < int(port) < 65536)):
+    # A gRPC exporter takes scheme, host and port of a URL and drops its path: a /v1/traces
+    # URL would go, silently, to whatever gRPC listens on that port (or nowhere).
+    grpc_url = _http_url(endpoint) and urlsplit(endpoint).path in ("", "/")
+    if not (grpc_url or (sep and host and "/" not in endpoint and port.isdigit() and 0 < int(port) < 65536)):
         raise ValueError(f"--otlp-endpoint {endpoint!r}: over gRPC, HOST:PORT such as 127.0.0.1:4317 "
-                         "(or http://HOST:PORT)")
+                         "(or http://HOST:PORT, no path)")
 
 
 def _http_url(endpoint: str) -> bool:
@@ -161,10 +165,16 @@ def host_id() -> str:
     return uuid.UUID(int=mac).hex if mac else "unknown"
 
 
+# How long a stopping worker gives its last spans: an exporter whose destination is gone
+# retries for its whole timeout (10 s) with backoff, and the sim must still stop promptly.
+SHUTDOWN_TIMEOUT_S = 1.5
+
+
 class WorkerTracing:
-    def __init__(self, role: str, provider: TracerProvider) -> None:
+    def __init__(self, role: str, provider: TracerProvider, exporter=None) -> None:
         self.role = role
         self.provider = provider
+        self.exporter = exporter
         self.tracer: Tracer = provider.get_tracer(SCOPE_NAME)
         self.host_id = host_id()
         self.pid = os.getpid()  # a scheduler is a process of its own in SGLang; here the sim's
@@ -174,7 +184,18 @@ class WorkerTracing:
 
     async def shutdown(self) -> None:
         # shutdown() flushes over the network: off the event loop.
-        await asyncio.to_thread(self.provider.shutdown)
+        await asyncio.to_thread(self._shutdown)
+
+    def _shutdown(self) -> None:
+        """The provider's shutdown sends what is left, for up to SHUTDOWN_TIMEOUT_S; then the
+        exporter is shut down under it, which ends a retry in progress (and the provider's
+        own call to it then only logs that it already was)."""
+        flush = threading.Thread(target=self.provider.shutdown, name="sim-tracing-shutdown", daemon=True)
+        flush.start()
+        flush.join(SHUTDOWN_TIMEOUT_S)
+        if flush.is_alive() and self.exporter is not None:
+            self.exporter.shutdown()
+            flush.join(SHUTDOWN_TIMEOUT_S)
 
 
 class RequestTrace:
@@ -244,6 +265,7 @@ def make_tracing(role: str, explicit_endpoint: str | None) -> WorkerTracing | No
     protocol, delay_ms, batch_size = export_settings()
     # Resource.create: OTEL_RESOURCE_ATTRIBUTES adds to it, service.name stays SGLang's.
     provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}), id_generator=_RandomIds())
-    provider.add_span_processor(BatchSpanProcessor(_exporter(protocol, explicit_endpoint),
-                                                   schedule_delay_millis=delay_ms, max_export_batch_size=batch_size))
-    return WorkerTracing(role, provider)
+    exporter = _exporter(protocol, explicit_endpoint)
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms,
+                                                   max_export_batch_size=batch_size))
+    return WorkerTracing(role, provider, exporter)
