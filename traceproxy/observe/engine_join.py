@@ -176,11 +176,15 @@ def stage_from_tuple(fields: tuple) -> EngineStage:
 
 
 class StageFacts:
-    """A worker's stages of its requests, as the service's parent sends them."""
+    """A worker's stages of its requests, as the service's parent sends them.
+
+    Kept as they came (plain tuples) and made an ``EngineStage`` only when asked: most
+    of the traces that change are not this process's, or are never asked about, and the
+    engines change a few a second per request they serve."""
 
     def __init__(self, max_traces: int) -> None:
         self.max_traces = max_traces
-        self.stages: dict[int, EngineStage] = {}
+        self.stages: dict[int, EngineStage | tuple] = {}
         self.unplaced: dict[int, int] = {}  # trace id -> when it came (monotonic), not claimed yet
         self.claimed: frozenset[int] = frozenset()
         self.seen_engine_spans = False
@@ -195,10 +199,13 @@ class StageFacts:
                 if len(self.unplaced) >= self.max_traces:
                     continue
                 self.unplaced[trace_id] = now_ns
-            self.stages[trace_id] = stage_from_tuple(fields)
+            self.stages[trace_id] = fields
 
     def stage_of(self, trace_id: int) -> EngineStage | None:
-        return self.stages.get(trace_id)
+        found = self.stages.get(trace_id)
+        if found is not None and not isinstance(found, EngineStage):
+            found = self.stages[trace_id] = stage_from_tuple(found)
+        return found
 
     def claim(self, trace_ids: Iterable[int], now_ns: int) -> None:
         """The traces this worker has in flight now: keep theirs, forget the rest."""
