@@ -234,28 +234,50 @@ HEARTBEATS_ONLY_FBS = {"output_events": 0, "heartbeats": 18, "since_last_token_s
 HEX_REQUEST_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
-@pytest.mark.parametrize("with_engine_stage", [False, True])
-def test_top_keeps_the_token_column_at_80_columns(with_engine_stage):
-    # Piped, top --once renders 80 columns: the waits an event stream is judged on stay,
-    # the path and the request id are cut instead (an ENGINE column too wide to fit goes).
+def _token_stalls() -> list[dict]:
     fbs = {**_entry(HEARTBEATS_ONLY_FBS, "hb-none2"),
            "verdict": {"outcome": "FBS", "blame": "engine", "waiting_for_s": 2.6, "stall_after_s": 1.0,
                        "stalled": True}}
     mss = {**_entry(SINCE_TOKEN, HEX_REQUEST_ID),
            "verdict": {"outcome": "MSS", "blame": "engine", "waiting_for_s": 2.1, "stall_after_s": 1.0,
                        "stalled": True}}
-    entries = [fbs, mss]
-    if with_engine_stage:
-        entries.append({**_entry(None, "req-json"), "engine_stage": {
-            "component": "kv_transfer", "stage": "prefill_transfer_kv_cache", "source": "spans"}})
+    return [fbs, mss]
+
+
+def test_top_keeps_the_token_column_at_80_columns():
+    # Piped, top --once renders 80 columns: the waits an event stream is judged on stay,
+    # the path and the request id are cut instead.
+    entries = _token_stalls()
     lines = top.render_table(entries, 80, use_color=False)
     assert all(len(line) <= 80 for line in lines)
     assert "TOKEN/HB" in lines[0] and "REQUEST ID" in lines[0]
     assert "head+2.6s 18hb" in next(line for line in lines if "hb-none2" in line)
     assert "2.1s 14hb" in next(line for line in lines if HEX_REQUEST_ID[:6] in line)
-    # Narrower still, the token column goes and the rest stays within the width.
+    assert "hidden" not in lines[-1]
+    # Narrower still, the token column goes, the rest stays within the width, and a line says so.
     narrow = top.render_table(entries, 60, use_color=False)
     assert "TOKEN/HB" not in narrow[0] and all(len(line) <= 60 for line in narrow)
+    assert narrow[-1].startswith("(TOKEN/HB hidden: widen to ") and narrow[-1].endswith(" columns)"), narrow
+
+
+def test_at_80_columns_the_engine_column_outranks_the_token_column():
+    # A PD stall's component is the first thing to look at: with an engine stage in flight,
+    # ENGINE keeps its place (cut to the component and the start of the stage) and TOKEN/HB
+    # goes, with a line under the table that says so and how wide a terminal shows it.
+    entries = _token_stalls() + [{**_entry(None, "req-json"), "engine_stage": {
+        "component": "kv_transfer", "stage": "prefill_transfer_kv_cache", "source": "spans"}}]
+    lines = top.render_table(entries, 80, use_color=False)
+    assert all(len(line) <= 80 for line in lines)
+    assert "ENGINE" in lines[0] and "REQUEST ID" in lines[0] and "TOKEN/HB" not in lines[0]
+    assert "kv_transfer " in next(line for line in lines if "req-json" in line)
+    [note] = [line for line in lines if "hidden" in line]
+    assert note == lines[-1] and note.startswith("(TOKEN/HB hidden: widen to "), lines
+    needed = int(note.split("widen to ")[1].split()[0])
+    assert 80 < needed and "TOKEN/HB" in top.render_table(entries, needed, use_color=False)[0]
+    assert "TOKEN/HB" not in top.render_table(entries, needed - 1, use_color=False)[0]
+    # Narrower still, both go, and the line names both.
+    narrow = top.render_table(entries, 60, use_color=False)
+    assert narrow[-1].startswith("(ENGINE, TOKEN/HB hidden: widen to "), narrow
 
 
 # ----------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ the gauges say so, for the engines as a whole). With event streams in flight, th
 TOKEN/HB column says, for each, the time since its last token and its heartbeats
 (``2.1s 14hb``), or, while no token came, the time since its response head
 (``head+2.1s 14hb``): what an event stream's stall is judged on. In a narrow terminal
-the columns that say why a request waits (TOKEN/HB, ENGINE) outlast the others: the
-optional ones go first, then METHOD PATH and REQUEST ID are cut short (``WHY_RANK``).
+the columns that say why a request waits (ENGINE, then TOKEN/HB) outlast the others: the
+optional ones go first, then METHOD PATH, ENGINE's stage and REQUEST ID are cut short
+(``WHY_RANK``). When one of those two is left out all the same, a line under the table
+says so, and how wide a terminal shows it.
 
 Rendering is a set of pure functions (JSON in, lines of text out) and the screen
 is a plain ANSI redraw: home the cursor, write the frame, clear what is left.
@@ -273,6 +275,9 @@ def _out_cell(entry: dict) -> str:
 
 
 FLEX_MIN_WIDTH, FLEX_MAX_WIDTH = 12, 60  # the METHOD PATH column
+# "kv_transfer prefill_transfer_kv_cache" with room; cut, "kv_transfer prefill_transfer_kv..",
+# and at the narrowest "kv_transfer p..": every component name still fits whole.
+ENGINE_MAX_WIDTH, ENGINE_SQUEEZE_WIDTH = 40, 15
 # Optional columns ranked up to here (TOKEN/HB, ENGINE) say why a request waits: before
 # one of them goes, the squeezable columns (METHOD PATH, REQUEST ID) are cut as far as
 # their squeeze_width. Those ranked above it (CONN/SEQ and the rest) go before that.
@@ -298,7 +303,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("WAIT/AFTER", _wait_cell, 15, right=True),
     Column("VERDICT", _verdict_field("outcome"), 7),
     Column("BLAME", _verdict_field("blame"), 7),
-    Column("ENGINE", engine_cell, 40, drop_rank=1, only_with="engine_stage"),
+    # ENGINE outranks TOKEN/HB: a PD stall's component is the first thing to look at. Its
+    # cell is cut rather than dropped, down to the component and the start of the stage.
+    Column("ENGINE", engine_cell, ENGINE_MAX_WIDTH, drop_rank=1, only_with="engine_stage",
+           squeeze_width=ENGINE_SQUEEZE_WIDTH),
     Column("TOKEN/HB", token_cell, 16, right=True, drop_rank=2, only_with="tokens"),
     # Squeezed, the path keeps its method ("POST..") and the request id a prefix to grep for.
     Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True, squeeze_width=6),
@@ -327,7 +335,11 @@ def _cuts(columns: tuple[Column, ...], shown: list[int], natural: list[int], squ
     flexible column to FLEX_MIN_WIDTH; squeezed, then each squeezable one to its squeeze_width."""
     cuts = [(i, min(natural[i], FLEX_MIN_WIDTH)) for i in shown if columns[i].flexible]
     if squeezed:
-        cuts += [(i, min(natural[i], columns[i].squeeze_width)) for i in shown if columns[i].squeeze_width]
+        # The path first; then the stage after the engine's component; the request id (the
+        # handle diagnose takes) last.
+        squeezable = sorted((i for i in shown if columns[i].squeeze_width),
+                            key=lambda i: 0 if columns[i].flexible else 1 if columns[i].drop_rank else 2)
+        cuts += [(i, min(natural[i], columns[i].squeeze_width)) for i in squeezable]
     return cuts
 
 
@@ -403,6 +415,9 @@ def render_table(entries: list[dict], width: int, use_color: bool = True,
     layout = fit_columns(columns, rows, width)
     title = _join([columns[i].title for i, _ in layout], layout, columns)
     lines = [_paint(clip(title, width), BOLD, use_color)]
+    note = hidden_note(columns, rows, layout, width)
+    if max_rows is not None and note:
+        max_rows -= 1
     fits = max_rows is None or len(entries) <= max_rows
     shown = len(entries) if fits else max(max_rows - 1, 0)  # keep a line to say how many are hidden
     for entry, row in zip(entries[:shown], rows):
@@ -410,7 +425,24 @@ def render_table(entries: list[dict], width: int, use_color: bool = True,
         lines.append(_paint(line, ROW_COLORS.get(row_state(entry)), use_color))
     if not fits:
         lines.append(clip(f"... {len(entries) - shown} more not shown (a taller terminal shows them)", width))
+    if note:
+        lines.append(clip(note, width))
     return lines
+
+
+def hidden_note(columns: tuple[Column, ...], rows: list[list[str]], layout: list[tuple[int, int]],
+                width: int) -> str:
+    """``(ENGINE, TOKEN/HB hidden: widen to 118 columns)`` when a column that says why a
+    request waits was left out for width; "" otherwise (the other optional ones go quietly)."""
+    shown = {i for i, _ in layout}
+    hidden = [i for i, c in enumerate(columns) if i not in shown and 0 < c.drop_rank <= WHY_RANK]
+    if not hidden:
+        return ""
+    # Every column at its natural width fits at the latest: the first width up to that which shows them.
+    most = sum(_natural_width(c, [r[i] for r in rows]) for i, c in enumerate(columns)) + len(GAP) * len(columns)
+    needed = next((w for w in range(width + 1, most + 1)
+                   if set(hidden) <= {i for i, _ in fit_columns(columns, rows, w)}), most)
+    return f"({', '.join(columns[i].title for i in hidden)} hidden: widen to {needed} columns)"
 
 
 # --- the header ---
