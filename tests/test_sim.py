@@ -678,10 +678,12 @@ def test_cli_starts_the_deployment_prints_urls_and_stops_everything_on_sigterm(r
     proc = sim_command("--router", router, "--faulty-proxy", "--log-level", "warning", stderr=subprocess.PIPE)
     children: list[psutil.Process] = []
     try:
-        lines = read_lines(proc, 5, timeout=60)
+        lines = read_lines(proc, 6, timeout=60)
         urls = dict(line.split(" ", 1) for line in lines)
-        assert list(urls) == ["prefill", "decode", "router", "faulty-proxy", "bootstrap"]
+        assert list(urls) == ["prefill", "decode", "router", "router-metrics", "faulty-proxy", "bootstrap"]
         assert all(url.startswith("http://127.0.0.1:") for url in urls.values())
+        # The URL [engines] router_metrics_urls takes: the router's Prometheus endpoint.
+        assert urls["router-metrics"].endswith("/metrics") and b"# TYPE " in http_get(urls["router-metrics"])
         which, placement = read_lines(proc, 2, timeout=5, stream="stderr")
         assert which.startswith(f"router {router} {kind.version} at {urls['router']}: ")
         assert placement.startswith(f"faulty-proxy {urls['faulty-proxy']} stands in front of the router"

@@ -291,6 +291,16 @@ def test_engine_gauges_and_the_orphan_verdict_are_shown():
     assert engine_fields({"requests": []}) == []
 
 
+def test_a_routers_gauges_are_shown_as_debug_inflight_lists_them():
+    from traceproxy.top import engine_fields
+
+    router = {"engines": {"http://127.0.0.1:3/metrics": {
+        "gauges": {"smg_worker_requests_active": 0.0, "smg_http_connections_active": 6.0},
+        "last_scrape_age_s": 0.2, "error": None, "errors": 0}}}
+    assert engine_fields(router) == [
+        "engine http://127.0.0.1:3/metrics: http_connections_active 6, worker_requests_active 0 (0.2 s ago)"]
+
+
 class _OddAdmin:
     """A loopback server answering every connection with ``answer(sock)``, in a thread, until closed."""
 

@@ -487,8 +487,9 @@ def _workers_field(health: dict) -> list[str]:
 
 
 def _gauge_label(name: str) -> str:
-    """``sglang:num_prefill_inflight_queue_reqs`` -> ``prefill_inflight_queue``."""
-    short = name.split(":", 1)[-1]
+    """``sglang:num_prefill_inflight_queue_reqs`` -> ``prefill_inflight_queue``;
+    a router's ``smg_http_connections_active`` -> ``http_connections_active``."""
+    short = name.split(":", 1)[-1].removeprefix("smg_")
     return short.removeprefix("num_").removesuffix("_reqs")
 
 
@@ -499,8 +500,9 @@ def engine_fields(inflight: dict) -> list[str]:
         if endpoint.get("error"):
             fields.append(f"engine {url}: scrape failing ({endpoint['error']})")
             continue
-        gauges = ", ".join(f"{_gauge_label(name)} {value:g}" for name, value in sorted(endpoint.get("gauges", {}).items())
-                           if not name.startswith("smg_"))
+        # Every gauge /debug/inflight lists for the endpoint, a router's smg_* ones too: the
+        # same answer in both places.
+        gauges = ", ".join(f"{_gauge_label(name)} {value:g}" for name, value in sorted(endpoint.get("gauges", {}).items()))
         age = endpoint.get("last_scrape_age_s")
         fields.append(f"engine {url}: {gauges or 'no gauges'}" + (f" ({age:.1f} s ago)" if age is not None else ""))
     orphan = (inflight.get("correlation") or {}).get("orphan") or {}

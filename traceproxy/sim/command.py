@@ -26,8 +26,8 @@ or vllm-router (default: the first of these installed; without any, no router).
 The workers speak the PD protocol of either: SGLang's bootstrap rooms (sglang-router,
 smg) or vLLM's kv_transfer_params (vllm-router). Optionally a faulty keep-alive proxy
 in front of the router or of any URL. Prints one "NAME URL" line per listener
-(prefill, decode, router, faulty-proxy, bootstrap) on stdout, and on stderr which
-router runs and what the faulty proxy stands in front of, and runs until
+(prefill, decode, router, router-metrics, faulty-proxy, bootstrap) on stdout, and on
+stderr which router runs and what the faulty proxy stands in front of, and runs until
 SIGINT/SIGTERM. Faults are armed once the router is ready: its start-up traffic never
 meets them. A start that fails (a port in use, a router that is not ready in time)
 says why in one line and exits non-zero.

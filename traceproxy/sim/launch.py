@@ -115,6 +115,11 @@ class RouterProcess:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint: ``[engines] router_metrics_urls`` takes it."""
+        return f"http://{self.host}:{self.prometheus_port}/metrics"
+
+    @property
     def name(self) -> str:
         return self.kind.name
 
@@ -295,10 +300,10 @@ class SimDeployment:
         return self.faulty_proxy.url if self.faulty_proxy is not None else None
 
     def urls(self) -> list[tuple[str, str]]:
-        """(name, URL) of every listener: prefill, decode, router, faulty-proxy, bootstrap."""
+        """(name, URL) of every listener: prefill, decode, router, router-metrics, faulty-proxy, bootstrap."""
         out = [("prefill", self.prefill.url), ("decode", self.decode.url)]
         if self.router is not None:
-            out.append(("router", self.router.url))
+            out += [("router", self.router.url), ("router-metrics", self.router.metrics_url)]
         if self.faulty_proxy is not None:
             out.append(("faulty-proxy", self.faulty_proxy.url))
         out.append(("bootstrap", self.prefill.bootstrap_url))  # the prefill's KV bootstrap listener
