@@ -229,3 +229,16 @@ def test_a_relayed_request_is_one_otlp_json_line_with_hex_ids():
     assert "\n" not in line
     # What the line says is what was sent: read back through protobuf's JSON mapping, the same request.
     assert ExportTraceServiceRequest.FromString(sent.SerializeToString()) == sent
+
+
+@pytest.mark.parametrize("role, nested", [("decode", ("fake_output", "decode_loop")), ("prefill", ("chunked_prefill",))])
+def test_a_request_finished_in_one_batch_with_its_nested_stages_is_not_work_at_the_engines(role, nested):
+    # An exporter's batch often holds a worker's last nested stages (decode_loop, ...)
+    # and its thread span together: the worker finished the request, so nothing is
+    # held there, and no worker of another role appears out of the nested spans.
+    trace_id = random_trace_id()
+    request = Request(trace_id, role)
+    store = store_with(request.stages(5) + [request.nested(name) for name in nested] + request.finish())
+    assert store.open_traces() == []
+    assert store.stage_of(trace_id).state == "ended"
+    assert len(store.traces[trace_id].workers) == 1

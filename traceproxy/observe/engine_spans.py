@@ -207,12 +207,20 @@ class EngineSpanStore:
 
     def _open_worker_of(self, trace: _Trace, nested: str, key: int, resource: dict,
                         source: str) -> _WorkerSpans | None:
-        """The unfinished worker a nested stage belongs to: the latest (after a resend) whose
-        role has the stage it is nested in."""
+        """The worker a nested stage belongs to: the latest (after a resend) unfinished one
+        whose role has the stage it is nested in; else the latest finished one of that role.
+        Hazard: a batch often holds a worker's last nested stages together with its thread
+        span, which ``add`` reads first; a worker made here for them would be a second one,
+        of no role, never finished: work at the engines that no request has."""
         parent_stage = NESTED_IN[nested]
+        finished = None
         for worker in reversed(list(trace.workers.values())):
-            if not worker.finished and parent_stage in STAGE_ORDER.get(_role_guess(worker), ()):
-                return worker
+            if parent_stage in STAGE_ORDER.get(_role_guess(worker), ()):
+                if not worker.finished:
+                    return worker
+                finished = finished or worker
+        if finished is not None:
+            return finished
         found = self._worker(trace, key, resource, source)
         if found is not None:
             found.role = found.role or role_of_stage(nested) or ""
