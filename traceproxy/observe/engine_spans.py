@@ -43,6 +43,7 @@ bookkeeping (grace, eviction order) uses the monotonic time passed in. No clock 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..lifecycle.pd_stages import (DECODE, NESTED_IN, PREFILL, STAGE_ORDER, STAGES, EngineStage, Worker,
                                    WorkerProgress, holding, role_of_stage, role_of_thread)
@@ -79,6 +80,17 @@ class _Trace:
     spans: int = 0  # the spans it was built from
 
 
+class StageRun(NamedTuple):
+    """A worker's top-level stage spans of one request in one export request (same trace,
+    same parent: its thread span), as ``read_engine_request`` gathers them: the store
+    takes them at once rather than span by span."""
+
+    trace_id: int
+    parent_span_id: int
+    names: tuple[str, ...]  # in the order they came
+    end_ns: int  # the latest end
+
+
 class EngineSpanStore:
     def __init__(self, max_traces: int) -> None:
         self.max_traces = max_traces
@@ -103,6 +115,11 @@ class EngineSpanStore:
             source = f"{exporter}|{resource.get('service.name', '')}|{resource.get('service.instance.id', '')}"
             nested: dict[int, SpanFacts] = {}  # per trace, its last nested stage: all the others say
             for span in batch.spans:
+                if type(span) is StageRun:
+                    trace = self._stage_run(span, resource, source, now_ns)
+                    if trace is not None:
+                        touched[span.trace_id] = trace
+                    continue
                 name = span.name
                 if name in NESTED_IN:
                     last = nested.get(span.trace_id)
@@ -125,6 +142,22 @@ class EngineSpanStore:
         # request's decode_loop steps.
         for trace_id, trace in touched.items():
             self._updated(trace_id, trace)
+
+    def _stage_run(self, run: StageRun, resource: dict, source: str, now_ns: int) -> _Trace | None:
+        """A worker's top-level stage spans of one request, in one batch: as ``_stage`` for each."""
+        trace = self._trace(run.trace_id, now_ns, spans=len(run.names))
+        if trace is None:
+            return None
+        self.seen_engine_spans = True
+        worker = self._worker(trace, run.parent_span_id, resource, source)
+        if worker is None:
+            return None
+        for name in run.names:
+            if name not in worker.ended:
+                worker.ended.append(name)
+            worker.role = worker.role or role_of_stage(name) or ""
+        worker.last_end_ns = max(worker.last_end_ns, run.end_ns)
+        return trace
 
     def _stage(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> _Trace | None:
         trace = self._trace(span.trace_id, now_ns)
@@ -163,7 +196,7 @@ class EngineSpanStore:
         self._learn(source, worker)
         return trace
 
-    def _trace(self, trace_id: int, now_ns: int, create: bool = True) -> _Trace | None:
+    def _trace(self, trace_id: int, now_ns: int, create: bool = True, spans: int = 1) -> _Trace | None:
         trace = self.traces.pop(trace_id, None)  # popped and put back: the dict stays in update order
         if trace is None:
             if not create:
@@ -172,8 +205,8 @@ class EngineSpanStore:
             trace = _Trace()
         self.traces[trace_id] = trace
         trace.updated_ns = now_ns
-        trace.spans += 1
-        self.spans_kept += 1
+        trace.spans += spans
+        self.spans_kept += spans
         return trace
 
     def _make_room(self, now_ns: int) -> None:
@@ -298,18 +331,21 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
 
     As ``otlp_reader.read_export_request`` with ``keep``, for less: building a span's
     facts in Python, not protobuf's C parse, is what reading a batch costs (about 2 us a
-    span against 0.2), so they are built only for the spans ``add`` reads: a stage's
-    (without its status, which the store does not read), a thread's (with its kept
-    attributes), and of the nested stages (``decode_loop``, ...; most of a decode
-    worker's batch) only the last of each trace in its resource. Every stage span's ids
-    are still checked, so a body with a bad one is refused whichever span it is."""
+    span against 0.2), so they are built only for the spans ``add`` reads, and at most
+    once per worker and request: a worker's top-level stage spans of one request (same
+    trace, same parent) become one ``StageRun``; of its nested stages (``decode_loop``,
+    ...; most of a decode worker's batch) only the last of each trace is read; a thread
+    span's facts are built with its kept attributes. The runs come first, then the
+    thread spans, then the nested stages (a thread span ends after its stages). Every
+    stage span's ids are still checked, so a body with a bad one is refused whichever
+    span it is."""
     try:
         request = ExportTraceServiceRequest.FromString(data)
     except (DecodeError, ValueError) as exc:
         raise MalformedOtlp(f"not an OTLP ExportTraceServiceRequest ({exc})") from None
     batches = []
     for resource_spans in request.resource_spans:
-        kept, received, nested = [], 0, {}
+        threads, received, runs, nested = [], 0, {}, {}
         for scope_spans in resource_spans.scope_spans:
             spans = scope_spans.spans
             received += len(spans)
@@ -322,9 +358,20 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
                     if last is None or span.end_time_unix_nano >= last.end_time_unix_nano:
                         nested[trace_id] = span
                 elif name in STAGES:
-                    kept.append(_stage_facts(span, name))
+                    key = (span.trace_id, span.parent_span_id)
+                    run = runs.get(key)
+                    if run is None:
+                        _check_ids(span, key[0], span.span_id, key[1])
+                        runs[key] = [[name], span.end_time_unix_nano]
+                    else:
+                        _check_ids(span, key[0], span.span_id, key[1])
+                        run[0].append(name)
+                        run[1] = max(run[1], span.end_time_unix_nano)
                 elif _THREAD_MARK in name:
-                    kept.append(_span(span, True))
+                    threads.append(_span(span, True))
+        kept: list = [StageRun(int.from_bytes(trace_id, "big"), int.from_bytes(parent, "big") if parent else 0,
+                               tuple(names), end) for (trace_id, parent), (names, end) in runs.items()]
+        kept += threads
         kept.extend(_stage_facts(span, span.name) for span in nested.values())
         batches.append(ResourceBatch(_kept(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES), kept,
                                      received))
