@@ -175,6 +175,15 @@ def test_a_flood_of_traces_keeps_the_store_bounded_and_work_stuck_at_the_engines
     assert store.spans_dropped == 4 + 2 * (1000 - 50)  # the stuck trace's four, then each evicted one's two
 
 
+def test_a_request_with_more_traces_than_room_leaves_the_store_bounded_and_sweepable():
+    finished = [Request(random_trace_id(), "prefill") for _ in range(3)]
+    store = store_with([span for request in finished for span in request.stages(5) + request.finish()],
+                       max_traces=2)
+    assert len(store.traces) == 2 and set(store._past) <= set(store.traces)
+    store.sweep(GRACE_NS * 2)  # every trace it holds is past the engines and past the grace
+    assert not store.traces
+
+
 def test_a_trace_the_engines_finished_is_dropped_after_the_grace_an_open_one_is_not():
     done, hung = random_trace_id(), random_trace_id()
     finished = Request(done, "decode")

@@ -141,7 +141,8 @@ class EngineSpanStore:
         # Once per trace and request, not per span: a decode worker's batch is mostly one
         # request's decode_loop steps.
         for trace_id, trace in touched.items():
-            self._updated(trace_id, trace)
+            if self.traces.get(trace_id) is trace:  # not evicted since, by a later trace of this request
+                self._updated(trace_id, trace)
 
     def _stage_run(self, run: StageRun, resource: dict, source: str, now_ns: int) -> _Trace | None:
         """A worker's top-level stage spans of one request, in one batch: as ``_stage`` for each."""
