@@ -38,6 +38,8 @@ def exchange(sent: list[bytes], answers: int, pause_after_first: bool = False):
     async def take(body: bytes, peer: str) -> None:
         if body == b"bad":
             raise BodyRefused("malformed", "not an OTLP ExportTraceServiceRequest")
+        if body == b"fault":
+            raise KeyError("a fault of the receiver's own")
         taken.append((body, peer.startswith("http:127.0.0.1:")))
 
     async def scenario():
@@ -114,3 +116,10 @@ def test_a_declared_length_over_the_cap_is_refused_before_the_body_is_sent():
     head = b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n" + PROTOBUF + b"Content-Length: %d\r\n\r\n" % (MAX_BODY + 1)
     answers, taken, refused, closed = exchange([head, b"x" * (MAX_BODY + 1)], answers=1, pause_after_first=True)
     assert answers[0][0] == 413 and refused == ["too_large"] and taken == [] and closed
+
+
+def test_a_fault_in_taking_a_request_is_answered_500_and_the_connection_goes_on():
+    answers, taken, refused, _ = exchange([post(b"fault"), post(b"next", PROTOBUF + b"Connection: close\r\n")],
+                                          answers=2)
+    assert [status for status, _, _ in answers] == [500, 200] and b"failed to take" in answers[0][2]
+    assert taken == [(b"next", True)] and refused == []

@@ -22,7 +22,9 @@ A complete body goes to ``take(body, peer)``, which raises ``BodyRefused`` for o
 is not an export request; requests of one connection are answered in order, one at a
 time (reading pauses while two wait). Answers as a collector gives them: 200 with an
 empty body, or the status with a ``google.rpc.Status`` naming the reason. A request
-llhttp cannot parse (a bad request line, a bad chunk) is 400 and the connection closes.
+llhttp cannot parse (a bad request line, a bad chunk) is 400 and the connection closes;
+a fault in ``take`` itself is logged and answered 500 (an exporter retries), never left
+unanswered.
 
 Bounds: a request line and headers over ``MAX_HEADER_BYTES``, 400 (counted as
 malformed); a connection that sends no complete request head for ``IDLE_TIMEOUT_S``
@@ -32,6 +34,7 @@ malformed); a connection that sends no complete request head for ``IDLE_TIMEOUT_
 from __future__ import annotations
 
 import asyncio
+import logging
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -40,18 +43,19 @@ import httptools
 
 from .otlp_proto import length_delimited, varint
 
+log = logging.getLogger("traceproxy.engine_spans")
 PATH = b"/v1/traces"
 PROTOBUF = "application/x-protobuf"
 MAX_HEADER_BYTES = 64 << 10
 IDLE_TIMEOUT_S = 75.0
 LINGER_S = 5.0
 PIPELINED = 2  # requests waiting for their answer, past which reading pauses
-_INVALID_ARGUMENT, _RESOURCE_EXHAUSTED = 3, 8  # google.rpc.Code
+_INVALID_ARGUMENT, _RESOURCE_EXHAUSTED, _INTERNAL = 3, 8, 13  # google.rpc.Code
 STATUS = {"malformed": (400, _INVALID_ARGUMENT), "too_large": (413, _RESOURCE_EXHAUSTED),
           "unsupported_media_type": (415, _INVALID_ARGUMENT)}
 REASONS = tuple(STATUS)  # what a refusal is counted as
 _REASON_PHRASE = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
-                  413: b"Payload Too Large", 415: b"Unsupported Media Type"}
+                  413: b"Payload Too Large", 415: b"Unsupported Media Type", 500: b"Internal Server Error"}
 _WBITS = {b"gzip": 31, b"x-gzip": 31, b"deflate": 15}  # deflate: zlib-wrapped, as RFC 9110 says
 
 
@@ -307,6 +311,9 @@ class _Connection(asyncio.Protocol):
                 return 200, b""
             except BodyRefused as exc:
                 refusal = exc
+            except Exception:  # a fault of ours: answered (the exporter retries), never a hung client
+                log.exception("engine spans from %s could not be taken", self.peer)
+                return 500, rpc_status(_INTERNAL, "the receiver failed to take this request")
         self.server.refused(refusal, self.peer)
         return _refusal_answer(refusal)
 
