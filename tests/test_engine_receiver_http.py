@@ -123,3 +123,12 @@ def test_a_fault_in_taking_a_request_is_answered_500_and_the_connection_goes_on(
                                           answers=2)
     assert [status for status, _, _ in answers] == [500, 200] and b"failed to take" in answers[0][2]
     assert taken == [(b"next", True)] and refused == []
+
+
+def test_an_exporter_given_the_receivers_base_url_posts_to_the_root_and_is_taken():
+    # SGLang hands --otlp-traces-endpoint to its OTLP/HTTP exporter as the URL to post
+    # to: http://HOST:PORT (a collector's base URL, as written for gRPC) posts to "/".
+    answers, taken, refused, _ = exchange([post(b"at the root", PROTOBUF + b"Connection: close\r\n", path=b"/")],
+                                         answers=1)
+    assert [status for status, _, _ in answers] == [200]
+    assert taken == [(b"at the root", True)] and refused == []

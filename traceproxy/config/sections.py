@@ -325,7 +325,7 @@ class Engines:
         "Address of an OTLP/HTTP receiver (POST /v1/traces, protobuf) for the engines' own spans (SGLang "
         "--enable-trace --otlp-traces-endpoint http://HOST:PORT/v1/traces with "
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf: SGLang posts to that URL as given, so without "
-        "/v1/traces it posts to /). Every request is relayed unchanged to traceproxy's span destination; the stage "
+        "/v1/traces it posts to /, which is taken too). Every request is relayed unchanged to traceproxy's span destination; the stage "
         "spans say which PD stage and worker hold each request in flight. off disables it.")
     otlp_receiver_grpc: HostPort | None = setting(
         address(off=True), "off",

@@ -1,5 +1,5 @@
 """The OTLP/HTTP engine span receiver's server: HTTP/1.1 on asyncio and llhttp
-(``httptools``), for ``POST /v1/traces`` alone.
+(``httptools``), for ``POST /v1/traces`` alone (and ``POST /``, see ``PATHS``).
 
 Why not aiohttp's server, as before: an engine's export request is small (64 spans, a
 few KiB) and comes hundreds of times a second; aiohttp's request and response objects,
@@ -44,7 +44,10 @@ import httptools
 from .otlp_proto import length_delimited, varint
 
 log = logging.getLogger("traceproxy.engine_spans")
-PATH = b"/v1/traces"
+# OTLP/HTTP's traces path, and the root: an exporter handed an endpoint URL for traces
+# posts to it as given, so SGLang told `--otlp-traces-endpoint http://HOST:PORT` (as a
+# collector's base URL would be written) posts to "/". Nothing else is served here.
+PATHS = (b"/v1/traces", b"/")
 PROTOBUF = "application/x-protobuf"
 MAX_HEADER_BYTES = 64 << 10
 IDLE_TIMEOUT_S = 75.0
@@ -214,7 +217,7 @@ class _Connection(asyncio.Protocol):
         path = request.path.split(b"?", 1)[0]
         if request.head_bytes > MAX_HEADER_BYTES:
             request.refusal = BodyRefused("malformed", f"a request line and headers over {MAX_HEADER_BYTES} bytes")
-        elif path != PATH:
+        elif path not in PATHS:
             request.status = 404
         elif request.method != b"POST":
             request.status = 405
