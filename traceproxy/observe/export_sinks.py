@@ -87,9 +87,9 @@ class FileSink:
         return self._append(self._encoder.line(spans))
 
     def export_raw(self, payload: bytes) -> bool:
-        from .otlp_relay import json_line
+        from .otlp_relay import line
 
-        return self._append(json_line(payload).encode("utf-8"))
+        return self._append(line(payload))
 
     def _append(self, line: bytes) -> bool:
         try:
