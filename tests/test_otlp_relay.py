@@ -39,6 +39,15 @@ def reference_line(body: bytes) -> str:
     return json.dumps(document, separators=(",", ":"))
 
 
+@pytest.fixture
+def walked_only(monkeypatch):
+    """The walk writes the line itself: protobuf's mapping is not asked."""
+    def refused(request):
+        raise AssertionError("the walk left the request to protobuf's mapping")
+
+    monkeypatch.setattr(otlp_relay, "_reference", refused)
+
+
 def assert_same_json(body: bytes) -> None:
     written = line(body)
     assert isinstance(written, bytes) and b"\n" not in written
@@ -114,11 +123,11 @@ def every_field_request() -> ExportTraceServiceRequest:
     return request
 
 
-def test_every_field_and_value_type_is_written_as_protobuf_maps_it():
+def test_every_field_and_value_type_is_written_as_protobuf_maps_it(walked_only):
     assert_same_json(every_field_request().SerializeToString())
 
 
-def test_sglang_shaped_requests_are_written_as_protobuf_maps_them():
+def test_sglang_shaped_requests_are_written_as_protobuf_maps_them(walked_only):
     rng = random.Random(7)
     for role in ("prefill", "decode"):
         request = Request(random_trace_id(), role, parent=rng.getrandbits(64).to_bytes(8, "big"))
@@ -134,7 +143,7 @@ def random_value(rng: random.Random, depth: int = 0):
             lambda: {f"k{i}": random_value(rng, depth + 1) for i in range(rng.randrange(3))}][kind]()
 
 
-def test_random_spans_are_written_as_protobuf_maps_them():
+def test_random_spans_are_written_as_protobuf_maps_them(walked_only):
     rng = random.Random(2024)
     for _ in range(30):
         request = ExportTraceServiceRequest()
@@ -205,6 +214,48 @@ def in_a_request(*span_bodies: bytes) -> bytes:
 ])
 def test_odd_but_valid_encodings_are_read_as_protobuf_reads_them(span_body):
     assert_same_json(in_a_request(span_body))
+
+
+def test_spans_as_the_sdk_exports_them_are_written_as_protobuf_maps_them(walked_only):
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Link, Status as SdkStatus, StatusCode, set_span_in_context
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("sglang server", "0.4.6")
+    thread = tracer.start_span("Scheduler", attributes={"tp_rank": 0, "pid": 4242, "thread_label": "Scheduler"})
+    previous = None
+    for name in ("decode_prepare", "decode_forward", "decode_loop"):
+        stage = tracer.start_span(name, context=set_span_in_context(thread),
+                                  links=[Link(previous.get_span_context())] if previous else None,
+                                  attributes={"batch_size": 8, "ratio": 0.5, "ids": [1, 2]})
+        stage.add_event("scheduled", {"queue": "waiting"})
+        stage.end()
+        previous = stage
+    thread.set_status(SdkStatus(StatusCode.ERROR, "aborted"))
+    thread.end()
+    assert_same_json(encode_spans(memory.get_finished_spans()).SerializeToString())
+
+
+def test_an_attribute_seen_before_is_the_same_json_in_each_span(walked_only):
+    request = Request(random_trace_id(), "decode")
+    spans = [request.nested("decode_loop", batch_size=8) for _ in range(3)] + request.finish()
+    body = payload(spans)
+    assert_same_json(body)
+    assert_same_json(body)
+
+
+def test_fields_only_protobuf_maps_are_left_to_it():
+    request = every_field_request()
+    entity = request.resource_spans[0].resource.entity_refs.add()
+    entity.type, entity.id_keys[:] = "service", ["service.name"]
+    request.resource_spans[0].scope_spans[0].spans[0].attributes.add(key_strindex=3)
+    request.resource_spans[0].scope_spans[0].spans[0].attributes.add().value.string_value_strindex = 4
+    assert_same_json(request.SerializeToString())
 
 
 def test_an_empty_request_is_an_empty_document():
