@@ -58,7 +58,7 @@ import signal
 import site
 import sys
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import traceproxy
@@ -75,6 +75,9 @@ CHILD_MODULE = "traceproxy.observe.exporter_main"
 KILL_RESERVE_SHARE, KILL_RESERVE_MAX = 0.25, 1.0
 # A batch is sent once the kept requests in it carry this much body evidence.
 BATCH_EVIDENCE_BYTES = 1 << 20
+# Relayed engine requests written as one frame (submit_raw_many): far below the exporter's
+# MAX_FRAME_BYTES whatever their number, each at most the receiver's body limit.
+RAW_FRAME_BYTES = 16 << 20
 
 
 class SpanExportPipe:
@@ -191,17 +194,39 @@ class SpanExportPipe:
     def submit_raw(self, raw: RawSpans) -> bool:
         """An engine's export request, relayed as it came, in a frame of its own at once;
         counted (and bounded in the queue) as the spans it holds. False: dropped."""
+        return self.submit_raw_many([raw])[0]
+
+    def submit_raw_many(self, raws: Sequence[RawSpans]) -> list[bool]:
+        """``submit_raw`` for each of several requests (what the engine span receiver took
+        since the last), each taken or dropped on its own, those taken written together:
+        one frame, or one per ``RAW_FRAME_BYTES`` of requests. True: taken."""
         if not self.config.needs_process or self.config.exporter == "off":
-            return False
-        self._submitted += raw.spans
-        if not self._accepting or self._writer_lost or not self._has_room_for(raw.spans):
-            self._dropped += raw.spans
-            return False
-        data, _ = frame([flatten_raw(raw)])
+            return [False] * len(raws)
+        taken, frame_items, frame_spans, frame_bytes = [], [], 0, 0
+        for raw in raws:
+            self._submitted += raw.spans
+            if not self._accepting or self._writer_lost or not self._has_room_for(frame_spans + raw.spans):
+                self._dropped += raw.spans
+                taken.append(False)
+                continue
+            if frame_items and frame_bytes + len(raw.payload) > RAW_FRAME_BYTES:
+                self._write_raw(frame_items, frame_spans)
+                frame_items, frame_spans, frame_bytes = [], 0, 0
+            frame_items.append(flatten_raw(raw))
+            frame_spans += raw.spans
+            frame_bytes += len(raw.payload)
+            taken.append(True)
+        if frame_items:
+            self._write_raw(frame_items, frame_spans)
+        return taken
+
+    def _write_raw(self, flat_items: list[tuple], spans: int) -> None:
+        # Written before it is counted as waiting: settling compares the count with the
+        # transport's buffer, which must already hold the frame.
+        data, _ = frame(flat_items)  # bytes and ints: marshal writes them all
         self._writer.write(data)
-        self._waiting.add(len(data), raw.spans)
+        self._waiting.add(len(data), spans)
         self._settle_waiting()
-        return True
 
     def _drop_uncollected(self, spans: Iterable[SpanData]) -> None:
         if not self.config.needs_process:
