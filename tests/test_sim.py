@@ -338,17 +338,42 @@ def test_a_fault_posted_to_a_worker_that_never_acts_on_it_is_refused_naming_its_
     assert json.loads(http_get(worker.url + "/admin/faults")) == {"faults": ["idle_close:5"]}  # unchanged
 
 
-def test_a_decode_worker_takes_the_prefill_faults_it_acts_on_when_it_serves_alone(start_worker):
+def test_a_decode_worker_without_a_router_takes_the_prefill_faults_it_acts_on_when_it_serves_alone(start_worker):
     decode = start_worker("decode")
     assert http_post_json(decode.url + "/admin/faults", {"faults": ["prefill_stall"]}) == (
         200, {"faults": ["prefill_stall"]})
 
 
-def test_sim_worker_refuses_a_fault_its_role_never_acts_on(capsys):
-    assert _exit_status(["sim", "worker", "--role", "decode", "--fault", "bootstrap_stall"]) == 2
+@pytest.mark.parametrize("fault", ["prefill_stall", "pinned_request"])
+def test_a_decode_worker_behind_a_pd_router_refuses_the_prefill_faults_it_never_acts_on(start_worker, fault):
+    # Behind the router every request decode gets names its prefill: it never serves alone,
+    # so a prefill fault set on it would be taken and ignored.
+    decode = start_worker("decode", pd=True, default_faults=["idle_close:5"])
+    status, body = http_post_json(decode.url + "/admin/faults", {"faults": [fault]})
+    assert status == 400, body
+    assert body["error"] == (f"fault {fault} acts on the prefill worker, not on this decode worker: "
+                             "set it on the prefill worker")
+    assert json.loads(http_get(decode.url + "/admin/faults")) == {"faults": ["idle_close:5"]}  # unchanged
+
+
+def test_a_deployment_behind_a_router_puts_its_workers_in_pd_mode_and_one_without_does_not():
+    assert SimDeployment(router=True).decode.pd and SimDeployment(router=True).prefill.pd
+    assert not SimDeployment(router=False).decode.pd
+
+
+@pytest.mark.parametrize("fault, home", [("bootstrap_stall", "prefill"), ("prefill_stall", "prefill"),
+                                         ("pinned_request", "prefill")])
+def test_sim_worker_refuses_a_fault_its_role_never_acts_on(capsys, fault, home):
+    assert _exit_status(["sim", "worker", "--role", "decode", "--fault", fault]) == 2
     err = capsys.readouterr().err
-    assert "fault bootstrap_stall acts on the prefill worker" in err and "Traceback" not in err
+    assert f"fault {fault} acts on the {home} worker, not on this decode worker" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_sim_help_says_when_a_decode_worker_acts_on_the_prefill_faults(capsys):
+    assert _exit_status(["sim", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "refuses the (prefill) faults too" in help_text and "--no-router" in help_text
 
 
 def _pair_and_check(prefill_port: int, bootstrap_port: int, decode: SimWorker, room: int) -> None:

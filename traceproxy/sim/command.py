@@ -45,6 +45,10 @@ prefill's --bootstrap-port).
 
 FAULTS_EPILOG = """\
 faults: --fault NAME[:ARG], repeatable or comma-separated; (role) is the worker it acts on.
+A worker refuses a fault it never acts on. A decode worker behind the router (and every
+"sim worker", which is made for one) gets every request paired with its prefill, so it
+refuses the (prefill) faults too; only with --no-router, a decode worker serving requests
+on its own, does its own prefill and acts on them (per request, or POST /admin/faults).
 Per worker at runtime: POST /admin/faults {"faults": [...]} (POST /admin/release drops held
 requests). Per request: header x-sim-fault (every router drops it), or the body field sim_fault
 on /v1/completions, or metadata.sim_fault on /v1/chat/completions (both survive the routers).
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         faults = parse_faults(args.fault)
         if args.sim_command == "worker":
-            check_role(faults, args.role)  # the deployment sends each fault to its home itself
+            check_role(faults, args.role, pd=True)  # the deployment sends each fault to its home itself
         _check_rates(args)
         # Checked whether or not --faulty-proxy is given: a bad value is a mistake either way.
         hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1
@@ -254,7 +258,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     worker = SimWorker(args.role, *args.listen, model=args.model,
                        prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
                        default_faults=args.fault, bootstrap_port=args.bootstrap_port,
-                       otlp_endpoint=args.otlp_endpoint, prefill_url=args.prefill_url)
+                       otlp_endpoint=args.otlp_endpoint, prefill_url=args.prefill_url, pd=True)
     given = {args.role: ("--listen", args.listen[1]), "bootstrap": ("--bootstrap-port", args.bootstrap_port)}
     return _run_until_stopped(run_worker(worker), {name: flag for name, (flag, port) in given.items() if port},
                               host_flag="--listen")

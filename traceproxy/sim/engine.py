@@ -107,7 +107,7 @@ class SimWorker:
                  prefill_tokens_per_s: float = 8000.0, decode_tokens_per_s: float = 100.0, default_faults=(), *,
                  bootstrap_port: int = 0, bootstrap_timeout: float = 60.0, max_running_requests: int = 64,
                  model_path: str | None = None, otlp_endpoint: str | None = None,
-                 prefill_url: str | None = None) -> None:
+                 prefill_url: str | None = None, pd: bool = False) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, not {role!r}")
         if prefill_tokens_per_s <= 0 or decode_tokens_per_s <= 0:
@@ -121,6 +121,7 @@ class SimWorker:
         self.model_path = model_path
         self.otlp_endpoint = otlp_endpoint
         self.prefill_url = prefill_url  # decode: poll this prefill's /bootstrap, not the body's address
+        self.pd = pd  # behind a PD router: decode never serves alone, so refuses the prefill's faults
         self.log = logging.getLogger(f"traceproxy.sim.{role}")
         self.metrics = g.EngineMetrics(model)
         self.rooms = Rooms()
@@ -345,7 +346,7 @@ class SimWorker:
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"expected {{\"faults\": [...]}}: {exc}"}, status=400)
         try:
-            check_role(faults, self.role)
+            check_role(faults, self.role, self.pd)
         except FaultError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         self.set_faults(specs)

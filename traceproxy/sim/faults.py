@@ -22,7 +22,11 @@ fault when it is the fault's home, or when it is a decode worker serving a
 request on its own (no ``bootstrap_room``: it then does the prefill itself, so
 every fault applies; the ones that need a PD peer, ``bootstrap_stall``,
 ``kv_transfer_stall`` and ``decode_waiting_stall``, have nothing to act on).
-``SimDeployment(faults=...)`` uses the home to send each fault to the right worker.
+Behind a PD router a decode worker never serves on its own (every router sends it
+the prefill's room or ``kv_transfer_params``), so there it refuses the prefill's
+faults as the prefill refuses decode's; only a decode worker used without a router
+takes them. ``SimDeployment(faults=...)`` uses the home to send each fault to the
+right worker.
 
 The stalls hang a request in one of SGLang's stages each (``stages.py``), which is
 where its spans stop: ``bootstrap_stall`` in the handshake, ``prefill_stall`` in
@@ -167,16 +171,19 @@ def applies(fault: Fault, role: str, standalone: bool) -> bool:
 NEEDS_PD_PEER = ("bootstrap_stall", "kv_transfer_stall", "decode_waiting_stall")
 
 
-def can_apply(fault: Fault, role: str) -> bool:
+def can_apply(fault: Fault, role: str, pd: bool = False) -> bool:
     """Whether a worker in ``role`` would ever act on ``fault``: paired (its home), or for
-    decode serving alone (every fault but those that need a PD peer)."""
-    return applies(fault, role, standalone=False) or (role == "decode" and fault.name not in NEEDS_PD_PEER)
+    decode serving alone (every fault but those that need a PD peer). A worker behind a PD
+    router (``pd``) never serves alone: every request it gets names its peer."""
+    if applies(fault, role, standalone=False):
+        return True
+    return role == "decode" and not pd and fault.name not in NEEDS_PD_PEER
 
 
-def check_role(faults: Mapping[str, Fault], role: str) -> None:
-    """A FaultError naming the worker each fault belongs on, for any ``role`` would never act on:
-    set there, it would be taken and do nothing."""
-    wrong = [fault for fault in faults.values() if not can_apply(fault, role)]
+def check_role(faults: Mapping[str, Fault], role: str, pd: bool = False) -> None:
+    """A FaultError naming the worker each fault belongs on, for any ``role`` would never act on
+    (``pd``: behind a PD router): set there, it would be taken and do nothing."""
+    wrong = [fault for fault in faults.values() if not can_apply(fault, role, pd)]
     if wrong:
         raise FaultError("; ".join(f"fault {fault.name} acts on the {fault.home} worker, not on this {role} "
                                    f"worker: set it on the {fault.home} worker" for fault in wrong))

@@ -281,7 +281,7 @@ class SimDeployment:
         self.workdir = ""
         by_home = split_by_home(faults)
         common = dict(host=host, model=model, prefill_tokens_per_s=prefill_tokens_per_s,
-                      decode_tokens_per_s=decode_tokens_per_s, otlp_endpoint=otlp_endpoint)
+                      decode_tokens_per_s=decode_tokens_per_s, otlp_endpoint=otlp_endpoint, pd=bool(router))
         self.prefill = SimWorker("prefill", port=prefill_port, default_faults=by_home["prefill"],
                                  bootstrap_port=bootstrap_port, **common)
         self.decode = SimWorker("decode", port=decode_port, default_faults=by_home["decode"], **common)
