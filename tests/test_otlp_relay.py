@@ -211,6 +211,13 @@ def in_a_request(*span_bodies: bytes) -> bytes:
                                                  + AnyValue(int_value=0).SerializeToString())),
     # a long varint for a small number
     tag(6, 0) + b"\x81\x80\x80\x00" + delimited(5, b"x"),
+    # an empty status and flags last, as an SDK ends a span, but a status and flags before them too
+    delimited(15, Status(code=2).SerializeToString()) + delimited(5, b"n") + delimited(15, b"")
+    + tag(16, 5) + struct.pack("<I", 0x100),
+    tag(16, 5) + struct.pack("<I", 1) + delimited(15, b"") + tag(16, 5) + struct.pack("<I", 0x300),
+    # the last field's bytes end as an empty status and flags would
+    delimited(5, b"n") + delimited(9, KeyValue(key="k", value=AnyValue(
+        bytes_value=b"\x7a\x00\x85\x01\x00\x01\x00\x00")).SerializeToString()),
 ])
 def test_odd_but_valid_encodings_are_read_as_protobuf_reads_them(span_body):
     assert_same_json(in_a_request(span_body))
@@ -256,6 +263,12 @@ def test_fields_only_protobuf_maps_are_left_to_it():
     request.resource_spans[0].scope_spans[0].spans[0].attributes.add(key_strindex=3)
     request.resource_spans[0].scope_spans[0].spans[0].attributes.add().value.string_value_strindex = 4
     assert_same_json(request.SerializeToString())
+
+
+def test_a_scope_sent_twice_is_merged_as_protobuf_merges_it():
+    first, second = b"\x0a\x01a", b"\x12\x01v"  # a name, then a version
+    span = delimited(2, delimited(5, b"n"))
+    assert_same_json(delimited(1, delimited(2, delimited(1, first) + span + delimited(1, second))))
 
 
 def test_an_empty_request_is_an_empty_document():

@@ -175,7 +175,6 @@ _LEN, _VARINT, _I64, _I32 = 2, 0, 1, 5
 #                      number: (wire type, repeats, is a sub-message)
 _RESOURCE_SPANS = {1: (_LEN, False, True), 2: (_LEN, True, True), 3: (_LEN, False, False)}
 _RESOURCE = {1: (_LEN, True, True), 2: (_VARINT, False, False)}
-_SCOPE_SPANS = {1: (_LEN, False, True), 2: (_LEN, True, True), 3: (_LEN, False, False)}
 _SCOPE = {1: (_LEN, False, False), 2: (_LEN, False, False), 3: (_LEN, True, True), 4: (_VARINT, False, False)}
 _EVENT = {1: (_I64, False, False), 2: (_LEN, False, False), 3: (_LEN, True, True), 4: (_VARINT, False, False)}
 _LINK = {1: (_LEN, False, False), 2: (_LEN, False, False), 3: (_LEN, False, False), 4: (_LEN, True, True),
@@ -208,18 +207,39 @@ def _resource_spans(buf: bytes, pos: int, end: int) -> dict:
 
 
 def _scope_spans(buf: bytes, pos: int, end: int) -> dict:
-    fields = _fields(buf, pos, end, _SCOPE_SPANS)
+    # Its own loop, not _fields: it holds the spans, hundreds to a request.
+    scope = schema = None
+    spans = []
+    while pos < end:
+        key = buf[pos]
+        if key != 0x12 and key != 0x0A and key != 0x1A:
+            raise _Unusual
+        size = buf[pos + 1]
+        if size < 0x80:
+            pos += 2
+        else:
+            size, pos = _varint(buf, pos + 2, size)
+        after = pos + size
+        if key == 0x12:  # 2
+            spans.append(_span(buf, pos, after))
+        elif key == 0x0A:  # 1
+            if scope is not None:
+                raise _Unusual  # merged by protobuf
+            scope = (pos, after)
+        else:  # 3
+            schema = (pos, after)
+        pos = after
     out = {}
-    if 1 in fields:
-        scope = _fields(buf, *fields[1], _SCOPE)
+    if scope is not None:
+        fields = _fields(buf, *scope, _SCOPE)
         scope_out = {}
         for number, name in ((1, "name"), (2, "version")):
-            if (where := scope.get(number)) and where[1] > where[0]:
+            if (where := fields.get(number)) and where[1] > where[0]:
                 scope_out[name] = _text(buf, where)
-        out["scope"] = _with_attributes(buf, scope_out, scope.get(3), scope.get(4))
-    if 2 in fields:
-        out["spans"] = [_span(buf, *where) for where in fields[2]]
-    if (schema := fields.get(3)) and schema[1] > schema[0]:
+        out["scope"] = _with_attributes(buf, scope_out, fields.get(3), fields.get(4))
+    if spans:
+        out["spans"] = spans
+    if schema is not None and schema[1] > schema[0]:
         out["schemaUrl"] = _text(buf, schema)
     return out
 
@@ -251,6 +271,14 @@ def _span(buf: bytes, pos: int, end: int) -> dict:
             kind = buf[after + 1]
             start, stop = _START_END.unpack_from(buf, after + 3)
             pos = after + 20
+    # An SDK ends a span with its status, most often empty, and its flags: taken as the
+    # last of each, the loop stops before them (and gives up on another status or flags).
+    # Were these bytes the end of another field, that field would run past the loop's end.
+    flags_last = end - pos >= 8 and buf[end - 8:end - 4] == b"\x7a\x00\x85\x01"
+    if flags_last:
+        status = {}
+        (flags,) = _FIXED32.unpack_from(buf, end - 4)
+        end -= 8
     while pos < end:
         key = buf[pos]
         if key & 7 == 2 and key < 0x80:  # length-delimited
@@ -313,11 +341,13 @@ def _span(buf: bytes, pos: int, end: int) -> dict:
                 dropped_events = value
             else:
                 dropped_links = value
-        elif key == 0x85 and buf[pos + 1] == 0x01:  # 16, fixed32
+        elif key == 0x85 and buf[pos + 1] == 0x01 and not flags_last:  # 16, fixed32
             (flags,) = _FIXED32.unpack_from(buf, pos + 2)
             pos += 6
         else:
             raise _Unusual
+    if pos != end:
+        raise _Unusual
     out = {}
     if trace_id:
         out["traceId"] = trace_id.hex()
