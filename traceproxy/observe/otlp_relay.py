@@ -12,7 +12,7 @@ line says what the engine said.
 
 The line is read from the request's encoding field by field (``_wire_document``, the
 span's fields in one loop) and written by orjson: protobuf's ``MessageToDict`` and
-``json.dumps`` cost the exporter process about four times as much a span, the largest
+``json.dumps`` cost the exporter process four to five times as much a span, the largest
 cost of relaying to a file. The request is still parsed by protobuf first, so one it
 refuses is refused here too and the walk reads only well-formed bytes. What the walk
 does not expect goes protobuf's way (``_reference``), the same document more slowly:
