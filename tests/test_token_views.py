@@ -246,7 +246,7 @@ def _token_stalls() -> list[dict]:
 
 def test_top_keeps_the_token_column_at_80_columns():
     # Piped, top --once renders 80 columns: the waits an event stream is judged on stay,
-    # the path and the request id are cut instead.
+    # the path goes and the request id is cut instead.
     entries = _token_stalls()
     lines = top.render_table(entries, 80, use_color=False)
     assert all(len(line) <= 80 for line in lines)

@@ -431,3 +431,47 @@ def test_the_header_names_engine_work_nobody_waits_for_and_the_receivers_counts(
     assert fields[1] == ("held at the engines, in flight nowhere here: kv_transfer prefill_transfer_kv_cache on "
                          "sglang pid 99 for 75s (trace 3a92ea8bd6837bdabb1d39854ee1490b)")
     assert fields[2] == "engine spans: 120 received, 3 traces kept, 0 dropped, 1 bodies refused"
+
+
+KV_BY_GAUGES = _entry(request_id="req-gauges", engine_stage={
+    "component": "kv_transfer", "role": "prefill", "stage": "prefill_transfer_kv_cache", "state": "in",
+    "worker": None, "since_s": None, "source": "gauges", "detail": "prefill holds 1 in its KV-transfer queue"})
+
+
+def test_at_80_columns_the_path_goes_whole_before_the_engine_stage_is_cut():
+    # Piped, top --once renders 80 columns. The path says nothing of why a request waits: it
+    # goes before the engine's stage is cut, and the request id stays whole.
+    lines = top.render_table([KV_STUCK, KV_BY_GAUGES, HEALTHY], 80, use_color=False)
+    assert all(len(line) <= 80 for line in lines)
+    assert "METH" not in lines[0] and "POST" not in "".join(lines), lines
+    assert "ENGINE" in lines[0] and "REQUEST ID" in lines[0]
+    assert " kv_transfer pre" in lines[1] and lines[1].endswith(" req-kv"), lines
+    assert "~kv_transfer pre" in lines[2] and lines[2].endswith(" req-gauges"), lines
+    # Where the stage must be cut, the gauges' guess still shows the start of it.
+    assert top.engine_cell(KV_BY_GAUGES)[:16] == "~kv_transfer pre"
+    assert top.clip(top.engine_cell(KV_BY_GAUGES), top.ENGINE_SQUEEZE_WIDTH) == "~kv_transfer p.."
+
+
+@pytest.mark.parametrize("text, width, shown", [
+    ("POST /v1/chat/completions", 6, "POST"),  # "POST.." is wider and says no more
+    ("~kv_transfer prefill_transfer_kv_cache", 15, "~kv_transfer"),
+    ("kv_transfer prefill_transfer_kv_cache", 15, "kv_transfer p.."),
+    ("req-stuck-fbs", 12, "req-stuck-.."),
+    ("METHOD PATH", 6, "METH.."),
+])
+def test_a_cut_marks_itself_only_where_the_mark_saves_width(text, width, shown):
+    assert top.clip(text, width) == shown
+    assert len(shown) <= width
+
+
+def test_the_engine_span_counts_start_a_header_line_of_their_own():
+    gauges = {name: 0.0 for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs",
+                                     "sglang:num_decode_transfer_queue_reqs")}
+    inflight = {"requests": [], "engines": {
+        "http://127.0.0.1:2/metrics": {"gauges": gauges, "last_scrape_age_s": 0.4, "error": None, "errors": 0}},
+        "engine_spans": {"spans_received": 12, "traces": 1, "spans_dropped_no_room": 0, "rejected": {}}}
+    frame = top.render_frame(top.Snapshot(inflight, None, None), "http://a:1", 250, "12:00:00", use_color=False)
+    spans_line = next(line for line in frame if "engine spans:" in line)
+    assert spans_line.startswith("engine spans: 12 received"), frame
+    gauge_lines = [line for line in frame if "metrics:" in line]
+    assert gauge_lines and not any("engine spans" in line for line in gauge_lines)

@@ -276,11 +276,13 @@ def _out_cell(entry: dict) -> str:
 
 FLEX_MIN_WIDTH, FLEX_MAX_WIDTH = 12, 60  # the METHOD PATH column
 # "kv_transfer prefill_transfer_kv_cache" with room; cut, "kv_transfer prefill_transfer_kv..",
-# and at the narrowest "kv_transfer p..": every component name still fits whole.
-ENGINE_MAX_WIDTH, ENGINE_SQUEEZE_WIDTH = 40, 15
+# and at the narrowest "~kv_transfer p..": every component name, the gauges' "~" with it,
+# still fits whole with the first letter of its stage.
+ENGINE_MAX_WIDTH, ENGINE_SQUEEZE_WIDTH = 40, 16
 # Optional columns ranked up to here (TOKEN/HB, ENGINE) say why a request waits: before
-# one of them goes, the squeezable columns (METHOD PATH, REQUEST ID) are cut as far as
-# their squeeze_width. Those ranked above it (CONN/SEQ and the rest) go before that.
+# one of them goes, the squeezable columns (ENGINE, REQUEST ID) are cut as far as their
+# squeeze_width. Those ranked above it (METHOD PATH, CONN/SEQ and the rest) go before that:
+# a path cut to "POST.." says less than the engine's stage.
 WHY_RANK = 2
 
 
@@ -308,22 +310,30 @@ COLUMNS: tuple[Column, ...] = (
     Column("ENGINE", engine_cell, ENGINE_MAX_WIDTH, drop_rank=1, only_with="engine_stage",
            squeeze_width=ENGINE_SQUEEZE_WIDTH),
     Column("TOKEN/HB", token_cell, 16, right=True, drop_rank=2, only_with="tokens"),
-    # Squeezed, the path keeps its method ("POST..") and the request id a prefix to grep for.
-    Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True, squeeze_width=6),
+    # The path is cut to FLEX_MIN_WIDTH, then goes whole (the last of the optional columns
+    # that say nothing of why a request waits); the request id, the handle diagnose takes,
+    # always stays, squeezed to a prefix to grep for.
+    Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True, drop_rank=3),
     Column("REQUEST ID", lambda e: e.get("request_id") or "-", 12, squeeze_width=8),
-    Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=3),
-    Column("UPSTREAM", _upstream_cell, 12, drop_rank=4),
-    Column("OUT", _out_cell, 6, right=True, drop_rank=5),
-    Column("CHUNKS", lambda e: str(e.get("chunks", "-")), 7, right=True, drop_rank=6),
+    Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=4),
+    Column("UPSTREAM", _upstream_cell, 12, drop_rank=5),
+    Column("OUT", _out_cell, 6, right=True, drop_rank=6),
+    Column("CHUNKS", lambda e: str(e.get("chunks", "-")), 7, right=True, drop_rank=7),
 )
 GAP = " "
 
 
 def clip(text: str, width: int) -> str:
-    """text cut to width, marking the cut with '..'."""
+    """text cut to width, marking the cut with '..'. A cut that would keep only whole words
+    ("POST /v1/..." to 6) keeps them unmarked ("POST"): "POST.." is wider and says no more."""
     if len(text) <= width:
         return text
-    return text[:width] if width <= 2 else text[: width - 2] + ".."
+    if width <= 2:
+        return text[:width]
+    kept = text[: width - 2]
+    if kept.endswith(" ") or text[width - 2] == " ":
+        return kept.rstrip()
+    return kept + ".."
 
 
 def _natural_width(column: Column, cells: list[str]) -> int:
@@ -335,10 +345,10 @@ def _cuts(columns: tuple[Column, ...], shown: list[int], natural: list[int], squ
     flexible column to FLEX_MIN_WIDTH; squeezed, then each squeezable one to its squeeze_width."""
     cuts = [(i, min(natural[i], FLEX_MIN_WIDTH)) for i in shown if columns[i].flexible]
     if squeezed:
-        # The path first; then the stage after the engine's component; the request id (the
-        # handle diagnose takes) last.
+        # The stage after the engine's component first; the request id (the handle diagnose
+        # takes) last.
         squeezable = sorted((i for i in shown if columns[i].squeeze_width),
-                            key=lambda i: 0 if columns[i].flexible else 1 if columns[i].drop_rank else 2)
+                            key=lambda i: 0 if columns[i].drop_rank else 1)
         cuts += [(i, min(natural[i], columns[i].squeeze_width)) for i in squeezable]
     return cuts
 
@@ -495,6 +505,18 @@ def _gauge_label(name: str) -> str:
 
 def engine_fields(inflight: dict) -> list[str]:
     """One field per scraped engine endpoint, and the orphan verdict when reported."""
+    return [field for group in engine_field_groups(inflight) for field in group]
+
+
+def engine_field_groups(inflight: dict) -> list[list[str]]:
+    """The engine header's fields in groups that each start a line of their own: the
+    endpoints' gauges; the orphan verdict and the work behind it; the span receivers' counts
+    (joined onto a gauge line, they read as one more of that endpoint's gauges)."""
+    return [group for group in (_gauge_fields(inflight), _orphan_fields(inflight), _receiver_fields(inflight))
+            if group]
+
+
+def _gauge_fields(inflight: dict) -> list[str]:
     fields = []
     for url, endpoint in (inflight.get("engines") or {}).items():
         if endpoint.get("error"):
@@ -505,17 +527,26 @@ def engine_fields(inflight: dict) -> list[str]:
         gauges = ", ".join(f"{_gauge_label(name)} {value:g}" for name, value in sorted(endpoint.get("gauges", {}).items()))
         age = endpoint.get("last_scrape_age_s")
         fields.append(f"engine {url}: {gauges or 'no gauges'}" + (f" ({age:.1f} s ago)" if age is not None else ""))
+    return fields
+
+
+def _orphan_fields(inflight: dict) -> list[str]:
+    fields = []
     orphan = (inflight.get("correlation") or {}).get("orphan") or {}
     if orphan.get("reported"):
         fields.append(f"{orphan['outcome']} {orphan['name']}: {orphan['unexplained']:g} engine requests no client "
                       f"waits on (blame {orphan['blame']})")
     fields += [_engine_work_field(work) for work in (orphan.get("engine_work") or ())[:ENGINE_WORK_SHOWN]]
-    received = inflight.get("engine_spans")
-    if received:
-        refused = sum((received.get("rejected") or {}).values())
-        fields.append(f"engine spans: {received.get('spans_received', 0)} received, {received.get('traces', 0)} "
-                      f"traces kept, {received.get('spans_dropped_no_room', 0)} dropped, {refused} bodies refused")
     return fields
+
+
+def _receiver_fields(inflight: dict) -> list[str]:
+    received = inflight.get("engine_spans")
+    if not received:
+        return []
+    refused = sum((received.get("rejected") or {}).values())
+    return [f"engine spans: {received.get('spans_received', 0)} received, {received.get('traces', 0)} "
+            f"traces kept, {received.get('spans_dropped_no_room', 0)} dropped, {refused} bodies refused"]
 
 
 ENGINE_WORK_SHOWN = 3
@@ -549,7 +580,8 @@ def render_frame(snapshot: Snapshot, base_url: str, width: int, clock: str, use_
     stalled = any(row_state(e) == STALLED for e in entries)
     summary = [_paint(line, RED_BOLD if stalled else None, use_color)
                for line in pack([summary_line(entries), f"admin {base_url}", clock], width, "   ")]
-    header = pack(health_fields(snapshot), width) + pack(engine_fields(snapshot.inflight), width) + summary + [""]
+    engine = [line for group in engine_field_groups(snapshot.inflight) for line in pack(group, width)]
+    header = pack(health_fields(snapshot), width) + engine + summary + [""]
     max_rows = None if height is None else height - len(header) - 1
     return header + render_table(entries, width, use_color, max_rows)
 
