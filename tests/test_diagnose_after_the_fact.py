@@ -4,7 +4,10 @@ run from row to row."""
 
 from __future__ import annotations
 
-from traceproxy.diagnose import Event, Span, _timeline_lines, find_requests, request_lines
+import io
+import json
+
+from traceproxy.diagnose import Event, Span, _timeline_lines, find_requests, request_lines, run
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SERVER, ATTEMPT, STALL, THREAD = "00f067aa0ba902b7", "1111111111111111", "2222222222222222", "3333333333333333"
@@ -93,3 +96,123 @@ def test_each_gap_is_the_time_since_the_row_before_it_engine_stages_included():
     [longest] = [line for line in _timeline_lines(find_requests(_hung_in_kv_transfer_then_the_client_left(),
                                                                 "hung-diag-1")[0]) if "<- longest wait" in line]
     assert "downstream_closed" in longest, longest
+
+
+# --- no stall fired: the client left first (curl --max-time below the first-byte threshold) ---
+
+PREFILL_THREAD, DECODE_THREAD = "5555555555555555", "6666666666666666"
+AT_END = {"component": "kv_transfer", "role": "prefill", "stage": "prefill_transfer_kv_cache", "state": "in",
+          "worker": {"service": "sglang", "host": "3d1219c7", "pid": 20283}, "since_s": 9.8, "source": "spans"}
+
+
+def _client_left_before_any_stall(status: str = "error") -> list[Span]:
+    """A PD request held in the KV transfer; its client left after 10 s (DC), before the
+    first-byte threshold, so no stall fired. Then both engines aborted it: each worker's
+    thread span ended (with ``status``), prefill's stages up to prefill_forward and decode's
+    up to decode_bootstrap had ended; the transfer's spans never did."""
+    server = Span(TRACE, SERVER, "", "POST /v1/chat/completions", "server", T0, T0 + 10_002 * MS,
+                  {"traceproxy.request_id": "hang-1", "traceproxy.outcome": "DC",
+                   "traceproxy.outcome.name": "client disconnected", "traceproxy.blame": "client"},
+                  [Event("first_downstream_rx_byte", T0), Event("downstream_closed", T0 + 10_002 * MS)])
+    attempt = Span(TRACE, ATTEMPT, SERVER, "POST /v1/chat/completions", "client", T0 + 1 * MS, T0 + 10_002 * MS,
+                   {"traceproxy.outcome": "DC"}, [Event("first_upstream_tx_byte", T0 + 2 * MS)])
+    threads = [Span(TRACE, PREFILL_THREAD, ATTEMPT, "Prefill Scheduler [TP 0] (host:3d1219c7 | pid:20283)",
+                    "internal", T0 + 3 * MS, T0 + 10_010 * MS, {"thread_label": "Prefill Scheduler", "pid": 20283},
+                    status=status, service="sglang"),
+               Span(TRACE, DECODE_THREAD, ATTEMPT, "Decode Scheduler [TP 0] (host:9f00aa11 | pid:20284)",
+                    "internal", T0 + 3 * MS, T0 + 10_011 * MS, {"thread_label": "Decode Scheduler", "pid": 20284},
+                    status=status, service="sglang")]
+    stages = [Span(TRACE, f"44444444444444{n:02d}", PREFILL_THREAD, name, "internal", T0 + (3 + n) * MS,
+                   T0 + (4 + n) * MS, {}, service="sglang")
+              for n, name in enumerate(("prefill_prepare", "prefill_bootstrap", "prefill_waiting", "prefill_forward"))]
+    stages += [Span(TRACE, f"77777777777777{n:02d}", DECODE_THREAD, name, "internal", T0 + (3 + n) * MS,
+                    T0 + (4 + n) * MS, {}, service="sglang")
+               for n, name in enumerate(("decode_prepare", "decode_bootstrap"))]
+    return [server, attempt, *threads, *stages]
+
+
+def _engines_line(spans, access_log: dict | None = None) -> str:
+    [found] = find_requests(spans, "hang-1")
+    found.access_log = access_log
+    [line] = [line for line in request_lines(found) if line.startswith("  engines:")]
+    return line
+
+
+def test_with_no_stall_the_engines_line_says_where_the_proxy_had_the_request_when_it_ended():
+    line = _engines_line(_client_left_before_any_stall(), {"trace_id": TRACE, "outcome": "DC", "engine_stage": AT_END})
+    assert line.startswith("  engines: when the request ended (DC) the engines had it in kv_transfer (prefill "
+                           "prefill_transfer_kv_cache, sglang host 3d1219c7 pid 20283; from spans); afterwards "
+                           "every worker ended (status error)"), line
+    assert "finished" not in line.replace("not finished", ""), line
+
+
+def test_from_spans_alone_workers_that_dropped_the_request_are_not_called_finished():
+    # No access log to read: the spans still show the engines aborted it mid-stage.
+    line = _engines_line(_client_left_before_any_stall())
+    assert "every worker finished" not in line, line
+    assert "every worker ended (status error)" in line, line
+    assert "prefill_transfer_kv_cache (prefill)" in line and "decode_transferred (decode)" in line, line
+    assert "never ended; the last stage that ended: " in line, line
+
+
+def test_a_worker_that_ended_before_its_last_stage_did_dropped_the_request_whatever_its_status():
+    line = _engines_line(_client_left_before_any_stall(status="unset"))
+    assert "every worker finished" not in line and "(status error)" not in line, line
+    assert "prefill_transfer_kv_cache (prefill)" in line and "never ended" in line, line
+
+
+def test_the_server_spans_own_engine_facts_are_read_when_it_carries_them():
+    spans = _client_left_before_any_stall()
+    spans[0].attributes.update(AT_STALL)  # the same traceproxy.engine.* keys a stall span carries
+    assert "when the request ended (DC) the engines had it in kv_transfer (prefill prefill_transfer_kv_cache" \
+        in _engines_line(spans)
+
+
+def _otlp_document(spans: list[Span]) -> dict:
+    kinds = {"internal": 1, "server": 2, "client": 3}
+
+    def value(v):
+        return {"intValue": str(v)} if isinstance(v, int) else {"stringValue": str(v)}
+
+    return {"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
+        "scopeSpans": [{"spans": [{
+            "traceId": s.trace_id, "spanId": s.span_id, "parentSpanId": s.parent_id, "name": s.name,
+            "kind": kinds[s.kind], "startTimeUnixNano": str(s.start_ns), "endTimeUnixNano": str(s.end_ns),
+            "attributes": [{"key": k, "value": value(v)} for k, v in s.attributes.items()],
+            "events": [{"name": e.name, "timeUnixNano": str(e.time_ns),
+                        "attributes": [{"key": k, "value": value(v)} for k, v in e.attributes.items()]}
+                       for e in s.events],
+            "status": {"code": 2} if s.status == "error" else {}}
+            for s in spans if (s.service or "traceproxy") == service]}]}
+        for service in ("traceproxy", "sglang")]}
+
+
+def _files(tmp_path) -> tuple[str, str]:
+    spans_path, log_path = tmp_path / "spans.jsonl", tmp_path / "access.log"
+    spans_path.write_text(json.dumps(_otlp_document(_client_left_before_any_stall())) + "\n")
+    log_path.write_text("\n".join([
+        json.dumps({"trace_id": "0" * 32, "request_id": "other", "outcome": "OK"}),
+        "{torn",
+        json.dumps({"trace_id": TRACE, "request_id": "hang-1", "outcome": "DC", "engine_stage": AT_END})]) + "\n")
+    return str(spans_path), str(log_path)
+
+
+def test_diagnose_reads_the_access_log_named_by_flag_or_by_the_variable_serve_reads(tmp_path):
+    spans_path, log_path = _files(tmp_path)
+    for flag, environ in ((log_path, {}), (None, {"TRACEPROXY_ACCESS_LOG_PATH": log_path})):
+        out, err = io.StringIO(), io.StringIO()
+        assert run("hang-1", spans_path, out=out, err=err, environ=environ, access_log=flag) == 0, err.getvalue()
+        assert "when the request ended (DC) the engines had it in kv_transfer" in out.getvalue(), out.getvalue()
+    # serve's default access log is stdout: nothing to read, the spans alone speak.
+    out = io.StringIO()
+    assert run("hang-1", spans_path, out=out, err=io.StringIO(), environ={}) == 0
+    assert "every worker ended (status error)" in out.getvalue() and "when the request ended" not in out.getvalue()
+
+
+def test_an_access_log_named_but_missing_is_a_usage_error_naming_it(tmp_path):
+    spans_path, _ = _files(tmp_path)
+    err = io.StringIO()
+    assert run("hang-1", spans_path, out=io.StringIO(), err=err, environ={},
+               access_log=str(tmp_path / "nope.log")) == 2
+    assert f"no access log at {tmp_path / 'nope.log'} (--access-log)" in err.getvalue(), err.getvalue()

@@ -35,6 +35,13 @@ Which span file: ``--spans PATH``, else ``TRACEPROXY_TRACING_FILE_PATH`` (the va
 taken from the current folder, as serve takes it from its own: run from another folder,
 the command says which absolute path it looked in and how to point it elsewhere.
 
+Where the engines had a request when it ended: the proxy knew it then (the live join's
+``engine_stage``) and wrote it on the request's access log line, not on its spans; a
+request whose client left before any stall fired has no stall span to carry it. So the
+access log is read too when it is a file: ``--access-log PATH``, else
+``TRACEPROXY_ACCESS_LOG_PATH`` (``[access_log] path``), else serve's default (stdout: not
+read), found as the span file is.
+
 Exit status: 0 found, 1 not found, 2 usage or I/O error.
 """
 
@@ -63,6 +70,11 @@ from .observe import semconv as sc
 _FILE_PATH_SETTING = next(s for s in SCHEMA if s.dotted == "tracing.file_path")
 DEFAULT_SPANS = _FILE_PATH_SETTING.default
 SPANS_ENV = _FILE_PATH_SETTING.env
+# The access log is serve's [access_log] path: "-" (stdout) or "" (off) are no file to read.
+_ACCESS_LOG_SETTING = next(s for s in SCHEMA if s.dotted == "access_log.path")
+DEFAULT_ACCESS_LOG = _ACCESS_LOG_SETTING.default
+ACCESS_LOG_ENV = _ACCESS_LOG_SETTING.env
+NOT_A_FILE = ("", "-")
 DEFAULT_SERVICE = "traceproxy"
 JAEGER_TIMEOUT_S = 10.0
 JAEGER_LIMIT = 20
@@ -98,14 +110,28 @@ class SpanFile:
 def span_file(flag: str | None, environ=None) -> SpanFile:
     """``--spans``, else the environment variable serve reads, else serve's default;
     relative to the current folder."""
+    path, named_by = _named_path(flag, "--spans", SPANS_ENV, DEFAULT_SPANS, environ)
+    return _absolute(path, named_by)
+
+
+def access_log_file(flag: str | None, environ=None) -> SpanFile | None:
+    """``--access-log``, else the variable serve reads, else serve's default, as the span
+    file is found; None when that is stdout or off (no file to read)."""
+    path, named_by = _named_path(flag, "--access-log", ACCESS_LOG_ENV, DEFAULT_ACCESS_LOG, environ)
+    return None if path.strip() in NOT_A_FILE else _absolute(path, named_by)
+
+
+def _named_path(flag: str | None, flag_name: str, env: str, default: str, environ) -> tuple[str, str]:
     environ = os.environ if environ is None else environ
-    from_env = (environ.get(SPANS_ENV) or "").strip()
+    from_env = (environ.get(env) or "").strip()
     if flag is not None:
-        path, named_by = flag, "--spans"
-    elif from_env:
-        path, named_by = from_env, f"env {SPANS_ENV}"
-    else:
-        path, named_by = DEFAULT_SPANS, "the default"
+        return flag, flag_name
+    if from_env:
+        return from_env, f"env {env}"
+    return default, "the default"
+
+
+def _absolute(path: str, named_by: str) -> SpanFile:
     if not os.path.isabs(path):
         named_by += f" {path}, from the current folder"
     return SpanFile(Path(os.path.abspath(path)), named_by)
@@ -157,6 +183,7 @@ class RequestSpans:
     downstream: list[Span] = field(default_factory=list)  # depth first, each parent before its children
     depth: dict[str, int] = field(default_factory=dict)  # span id -> 1 for an attempt's child, 2 below it, ...
     engine: list[Span] = field(default_factory=list)  # the engines' stage and thread spans of its trace, by end
+    access_log: dict | None = None  # its access log line, when the access log is a file that has it
 
     @property
     def start_ns(self) -> int:
@@ -273,6 +300,29 @@ def file_spans(path: str | Path, ident: str) -> list[Span]:
         return [s for s in _scan_file(path, traces) if s.trace_id in traces]
     except OSError as exc:
         raise DiagnoseError(f"cannot read {path}: {exc}") from None
+
+
+def access_log_lines(path: str | Path, trace_ids: set[str]) -> dict[str, dict]:
+    """trace id -> the last access log line of that trace (a resent request's last word);
+    a torn or foreign line is skipped. Only lines holding one of the ids are parsed."""
+    path = Path(path)
+    if not path.is_file():
+        raise DiagnoseError(f"no access log at {path}")
+    found: dict[str, dict] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                if not any(trace_id in line for trace_id in trace_ids):
+                    continue
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict) and entry.get("trace_id") in trace_ids:
+                    found[entry["trace_id"]] = entry
+    except OSError as exc:
+        raise DiagnoseError(f"cannot read {path}: {exc}") from None
+    return found
 
 
 def _mentions(span: Span, ident: str) -> bool:
@@ -505,10 +555,27 @@ def request_lines(found: RequestSpans) -> list[str]:
     lines += _timeline_lines(found)
     lines += _stall_lines(found)
     stalled_at = _ended_stalled_at(found)
-    lines += diagnose_engines.summary_lines(found.engine, stalled_at.attributes if stalled_at is not None else None)
+    lines += diagnose_engines.summary_lines(found.engine, stalled_at.attributes if stalled_at is not None else None,
+                                            _engines_at_end(found))
     lines += _downstream_lines(found)
     lines.append(_join_key_line(found))
     return lines
+
+
+def _engines_at_end(found: RequestSpans) -> tuple[str, diagnose_engines.EngineStage] | None:
+    """(outcome, where the engines had it) as the proxy knew it when the request ended:
+    from its SERVER span when that carries it, else from its access log line."""
+    if found.server is not None:
+        stage = diagnose_engines.stage_from_attributes(found.server.attributes)
+        if stage is not None:
+            return str(found.server.attributes.get(sc.OUTCOME, "-")), stage
+    if found.access_log is not None:
+        stage = diagnose_engines.stage_from_access_log(found.access_log)
+        if stage is not None:
+            outcome = (found.server.attributes.get(sc.OUTCOME) if found.server is not None else None) \
+                or found.access_log.get("outcome") or "-"
+            return str(outcome), stage
+    return None
 
 
 def _in_flight_lines(found: RequestSpans) -> list[str]:
@@ -800,17 +867,18 @@ def report_lines(requests: list[RequestSpans], ident: str, source: str) -> list[
 # The command
 # ----------------------------------------------------------------------------------
 def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
-        service: str = DEFAULT_SERVICE, out=None, err=None, environ=None) -> int:
+        service: str = DEFAULT_SERVICE, out=None, err=None, environ=None, access_log: str | None = None) -> int:
     """Print the timeline of the request(s) ``ident`` names; the exit status.
-    ``spans_path`` None: the variable serve reads, else serve's default."""
+    ``spans_path``, ``access_log`` None: the variable serve reads, else serve's default."""
     out, err = out or sys.stdout, err or sys.stderr
     ident = ident.strip()
     if not ident:
         print("traceproxy diagnose: give a trace id or a request id", file=err)
         return ERROR
-    if spans_path is not None and not spans_path.strip():
-        print("traceproxy diagnose: --spans takes the span file's path, not an empty string", file=err)
-        return ERROR
+    for flag, value, what in (("--spans", spans_path, "span file"), ("--access-log", access_log, "access log")):
+        if value is not None and not value.strip():
+            print(f"traceproxy diagnose: {flag} takes the {what}'s path, not an empty string", file=err)
+            return ERROR
     where = None if jaeger else span_file(spans_path, environ)
     try:
         spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(where.path, ident)
@@ -822,6 +890,16 @@ def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
         print("\n".join(lines), file=err)
         return ERROR
     requests = find_requests(spans, ident)
+    access = access_log_file(access_log, environ)
+    if requests and access is not None:
+        try:
+            entries = access_log_lines(access.path, {found.trace_id for found in requests})
+        except DiagnoseError as exc:
+            print(f"traceproxy diagnose: {exc} ({access.named_by}); --access-log PATH or {ACCESS_LOG_ENV}=PATH "
+                  "names the file serve writes ([access_log] path)", file=err)
+            return ERROR
+        for found in requests:
+            found.access_log = entries.get(found.trace_id)
     source = f"Jaeger at {jaeger} (service {service})" if jaeger else str(where)
     lines = report_lines(requests, ident, source)
     if not requests and where is not None:
@@ -840,6 +918,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--spans", default=None, metavar="PATH",
                         help=f"the proxy's span file, OTLP/JSON lines (default: ${SPANS_ENV} as serve reads it, "
                         f"else {DEFAULT_SPANS}; relative to the current folder)")
+    parser.add_argument("--access-log", default=None, metavar="PATH",
+                        help=f"the proxy's access log, read for where the engines had the request when it ended "
+                        f"(default: ${ACCESS_LOG_ENV} as serve reads it, else {DEFAULT_ACCESS_LOG}; stdout or off: "
+                        "not read; relative to the current folder)")
     parser.add_argument("--jaeger", metavar="URL", default=None,
                         help="ask Jaeger's HTTP query API instead (e.g. http://127.0.0.1:16686)")
     parser.add_argument("--service", default=DEFAULT_SERVICE,
@@ -848,4 +930,4 @@ def add_arguments(parser) -> None:
 
 
 def run_args(args) -> int:
-    return run(args.id, args.spans, args.jaeger, args.service)
+    return run(args.id, args.spans, args.jaeger, args.service, access_log=args.access_log)

@@ -12,7 +12,7 @@ when that came, the stage it was in the one after the last that ended.
 
 from __future__ import annotations
 
-from .lifecycle.pd_stages import STAGES, EngineStage, Worker, role_of_stage, role_of_thread
+from .lifecycle.pd_stages import STAGE_ORDER, STAGES, EngineStage, Worker, role_of_stage, role_of_thread, stage_in
 from .observe import semconv as sc
 from .observe.engine_spans import EngineSpanStore
 from .observe.otlp_reader import ResourceBatch, SpanFacts
@@ -59,14 +59,19 @@ def timeline_entries(spans: list) -> list[tuple[int, str, str]]:
     return entries
 
 
-def summary_lines(spans: list, at_stall: dict | None = None) -> list[str]:
+def summary_lines(spans: list, at_stall: dict | None = None,
+                  at_end: tuple[str, EngineStage] | None = None) -> list[str]:
     """Where the engines had the request. ``at_stall``: the attributes of the stall span of
     the stall it ended in (or is still in), which say what the live join named then.
+    ``at_end``: (outcome, stage) the proxy knew when the request ended (its access log line).
 
     A stage's span is exported only when the stage ends: a request that ended stalled in
     a stage whose span never came was not finished there, whatever the spans that did
     come say (a worker's thread span ends when it drops the request, not when its stage
-    ends). The stall's words then stand, with the last stage the spans saw end."""
+    ends). The stall's words then stand, with the last stage the spans saw end. Without
+    a stall, what the proxy knew at the end stands the same way; and from the spans
+    alone, a worker that ended with error status, or before its last stage did, dropped
+    the request: it did not finish it."""
     stage = where_it_was(spans)
     stalled_in = stage_at_stall(at_stall) if at_stall else None
     if (stalled_in is not None and not any(s.name == stalled_in.stage for s in spans)
@@ -76,11 +81,74 @@ def summary_lines(spans: list, at_stall: dict | None = None) -> list[str]:
         if stage is not None and stage.state == "ended":
             line += f" (the last stage that ended: {stage.words()})"
         return [line]
+    if at_end is not None and at_end[1].state == "in" and (stage is None or stage.state == "ended"):
+        outcome, held = at_end
+        line = f"  engines: when the request ended ({outcome}) the engines had it in {held.words()}"
+        if stage is not None:
+            line += f"; afterwards {_how_workers_ended(spans)}"
+        return [line]
     if stage is None:
         return []
     if stage.state == "ended":
+        if _dropped(spans):
+            return [f"  engines: {_how_workers_ended(spans)}; the last stage that ended: {stage.words()}"]
         return [f"  engines: every worker finished; the last stage that ended: {stage.words()}"]
     return [f"  engines: when these spans were written the request was in {stage.words()}"]
+
+
+def _threads(spans: list) -> list:
+    return [s for s in spans if s.name not in STAGES]
+
+
+def stages_never_ended(spans: list) -> list[tuple[str, str]]:
+    """(role, stage) for each worker whose thread span ended before its last stage did:
+    the stage it was in when it dropped the request (that span is never exported)."""
+    roles = _roles(spans)
+    found = []
+    for thread in _threads(spans):
+        role = roles.get(thread.span_id)
+        if role not in STAGE_ORDER:
+            continue
+        current = stage_in(role, [s.name for s in spans if s.parent_id == thread.span_id and s.name in STAGES])
+        if current is not None:
+            found.append((role, current))
+    return found
+
+
+def _dropped(spans: list) -> bool:
+    return any(s.status == "error" for s in _threads(spans)) or bool(stages_never_ended(spans))
+
+
+def _how_workers_ended(spans: list) -> str:
+    """``every worker ended (status error), prefill_transfer_kv_cache (prefill) never ended``;
+    ``every worker finished`` when none dropped it."""
+    if not _dropped(spans):
+        return "every worker finished"
+    threads = _threads(spans)
+    errors = sum(s.status == "error" for s in threads)
+    words = "every worker ended"
+    if errors:
+        words += " (status error)" if errors == len(threads) else f" ({errors} of {len(threads)} with status error)"
+    never = stages_never_ended(spans)
+    if never:
+        words += ", not finished: " + ", ".join(f"{name} ({role})" for role, name in never) + " never ended"
+    return words
+
+
+def stage_from_access_log(entry: dict) -> EngineStage | None:
+    """The ``engine_stage`` of an access log line (``EngineStage.as_dict``), None when it has
+    none or it is not of that shape."""
+    stage = entry.get("engine_stage")
+    if not isinstance(stage, dict) or not isinstance(stage.get("component"), str):
+        return None
+    worker = stage.get("worker") if isinstance(stage.get("worker"), dict) else None
+    pid = (worker or {}).get("pid")
+    return EngineStage(stage["component"], str(stage.get("role") or ""), stage.get("stage") or None,
+                       str(stage.get("state") or "in"), None,
+                       Worker(str(worker.get("service") or ""), str(worker.get("host") or ""),
+                              pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
+                       if worker else None,
+                       str(stage.get("source") or "-"), str(stage.get("detail") or ""))
 
 
 def stage_at_stall(attributes: dict) -> EngineStage | None:
@@ -88,16 +156,24 @@ def stage_at_stall(attributes: dict) -> EngineStage | None:
     one the request was in, from spans; None otherwise (gauges speak for the engines as a
     whole, not for this request)."""
     if (attributes.get(sc.ENGINE_SOURCE) != "spans" or attributes.get(sc.ENGINE_STAGE_STATE, "in") != "in"
-            or not attributes.get(sc.ENGINE_STAGE) or not attributes.get(sc.ENGINE_COMPONENT)):
+            or not attributes.get(sc.ENGINE_STAGE)):
+        return None
+    return stage_from_attributes(attributes)
+
+
+def stage_from_attributes(attributes: dict) -> EngineStage | None:
+    """The engine stage a span's ``traceproxy.engine.*`` attributes name; None without one."""
+    if not attributes.get(sc.ENGINE_COMPONENT):
         return None
     pid = attributes.get(sc.ENGINE_WORKER_PID)
     worker = Worker(str(attributes.get(sc.ENGINE_WORKER_SERVICE) or ""), str(attributes.get(sc.ENGINE_WORKER_HOST)
                                                                            or ""),
                     pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
     return EngineStage(str(attributes[sc.ENGINE_COMPONENT]), str(attributes.get(sc.ENGINE_ROLE) or ""),
-                       str(attributes[sc.ENGINE_STAGE]), "in", None,
-                       worker if worker.service or worker.host or worker.pid is not None else None, "spans",
-                       str(attributes.get(sc.ENGINE_DETAIL) or ""))
+                       str(attributes.get(sc.ENGINE_STAGE) or "") or None,
+                       str(attributes.get(sc.ENGINE_STAGE_STATE) or "in"), None,
+                       worker if worker.service or worker.host or worker.pid is not None else None,
+                       str(attributes.get(sc.ENGINE_SOURCE) or "-"), str(attributes.get(sc.ENGINE_DETAIL) or ""))
 
 
 def _roles(spans: list) -> dict[str, str]:
