@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 COMPONENTS = ("router", "prefill", "bootstrap", "kv_transfer", "decode")
 ROUTER, PREFILL_C, BOOTSTRAP, KV_TRANSFER, DECODE_C = COMPONENTS
@@ -181,13 +182,20 @@ class EngineStage:
 
 def position(progress: WorkerProgress) -> tuple[str, str]:
     """(stage, state) of one worker: the stage it is in, or its last stage that ended."""
-    if not progress.finished:
-        current = stage_in(progress.role, progress.ended) if progress.role in STAGE_ORDER else None
+    return _position(progress.role, progress.ended, progress.finished, progress.nested)
+
+
+@lru_cache(maxsize=4096)
+def _position(role: str, ended: tuple[str, ...], finished: bool, nested: str) -> tuple[str, str]:
+    # Cached: the span store asks at every export request for each trace it touched, and a
+    # request's workers go through a handful of (role, stages ended) on their way.
+    if not finished:
+        current = stage_in(role, ended) if role in STAGE_ORDER else None
         if current is not None:
             return current, "in"
-    order = STAGE_ORDER.get(progress.role, ())
-    ended = [name for name in progress.ended if name in order]
-    last = max(ended, key=order.index) if ended else progress.nested
+    order = STAGE_ORDER.get(role, ())
+    done = [name for name in ended if name in order]
+    last = max(done, key=order.index) if done else nested
     return last, "ended"
 
 

@@ -70,6 +70,7 @@ class _WorkerSpans:
     service: str = ""
     host: str = ""
     pid: int | None = None
+    identity: Worker | None = None  # the last Worker made for it: made again only when it changes
 
 
 @dataclass(slots=True)
@@ -285,8 +286,11 @@ class EngineSpanStore:
         if not worker.finished and (not host or pid is None):
             learned_host, learned_pid = self.identities.get((worker.exporter, worker.role), _AMBIGUOUS)
             host, pid = host or learned_host, pid if pid is not None else learned_pid
+        identity = worker.identity
+        if identity is None or identity.host != host or identity.pid != pid:
+            identity = worker.identity = Worker(worker.service, host, pid)
         return WorkerProgress(_role_guess(worker), tuple(worker.ended), worker.last_end_ns, worker.finished,
-                              Worker(worker.service, host, pid), worker.nested)
+                              identity, worker.nested)
 
     # -- reading -----------------------------------------------------------------------
     def stage_of(self, trace_id: int) -> EngineStage | None:
@@ -352,31 +356,39 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
             received += len(spans)
             for span in spans:
                 name = span.name
-                if name in NESTED_IN:
-                    trace_id = span.trace_id
-                    _check_ids(span, trace_id, span.span_id, span.parent_span_id)
+                kind = _SPAN_KIND.get(name)
+                if kind is None:
+                    if _THREAD_MARK in name:
+                        threads.append(_span(span, True))
+                    continue  # Bootstrap Room, Req and other services' spans: relayed, never read
+                # Inline, not a call: this runs for nearly every span of a batch.
+                trace_id, parent = span.trace_id, span.parent_span_id
+                if len(trace_id) != 16 or len(span.span_id) != 8 or len(parent) != 8:
+                    _check_ids(span, trace_id, span.span_id, parent)  # raises, unless a root span
+                end = span.end_time_unix_nano
+                if kind is _NESTED:
                     last = nested.get(trace_id)
-                    if last is None or span.end_time_unix_nano >= last.end_time_unix_nano:
-                        nested[trace_id] = span
-                elif name in STAGES:
-                    key = (span.trace_id, span.parent_span_id)
-                    run = runs.get(key)
+                    if last is None or end >= last[0]:
+                        nested[trace_id] = (end, span)
+                else:
+                    run = runs.get((trace_id, parent))
                     if run is None:
-                        _check_ids(span, key[0], span.span_id, key[1])
-                        runs[key] = [[name], span.end_time_unix_nano]
+                        runs[trace_id, parent] = [[name], end]
                     else:
-                        _check_ids(span, key[0], span.span_id, key[1])
                         run[0].append(name)
-                        run[1] = max(run[1], span.end_time_unix_nano)
-                elif _THREAD_MARK in name:
-                    threads.append(_span(span, True))
+                        if end > run[1]:
+                            run[1] = end
         kept: list = [StageRun(int.from_bytes(trace_id, "big"), int.from_bytes(parent, "big") if parent else 0,
                                tuple(names), end) for (trace_id, parent), (names, end) in runs.items()]
         kept += threads
-        kept.extend(_stage_facts(span, span.name) for span in nested.values())
+        kept.extend(_stage_facts(span, span.name) for _, span in nested.values())
         batches.append(ResourceBatch(_kept(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES), kept,
                                      received))
     return batches
+
+
+_TOP, _NESTED = 1, 2
+_SPAN_KIND = {**dict.fromkeys(STAGES, _TOP), **dict.fromkeys(NESTED_IN, _NESTED)}  # nested ones are stages too
 
 
 def _stage_facts(span, name: str) -> SpanFacts:
