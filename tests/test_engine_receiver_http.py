@@ -30,20 +30,31 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-def exchange(sent: list[bytes], answers: int, pause_after_first: bool = False):
+def exchange(sent: list[bytes], answers: int, pause_after_first: bool = False, take_now_bytes: int | None = None,
+             ways: list | None = None):
     """Send ``sent`` on one connection; the answers read, what ``take`` got, the refusals
-    counted, and whether the server then closed the connection."""
+    counted, and whether the server then closed the connection. ``take_now_bytes``: the
+    server also has a ``take_now`` for bodies up to that size; ``ways`` gets, per body
+    taken or refused by either, "now" or "task"."""
     taken, refused = [], []
 
-    async def take(body: bytes, peer: str) -> None:
+    def take_now(body: bytes, peer: str) -> None:
+        if ways is not None:
+            ways.append("now")
         if body == b"bad":
             raise BodyRefused("malformed", "not an OTLP ExportTraceServiceRequest")
         if body == b"fault":
             raise KeyError("a fault of the receiver's own")
         taken.append((body, peer.startswith("http:127.0.0.1:")))
 
+    async def take(body: bytes, peer: str) -> None:
+        take_now(body, peer)
+        if ways is not None:
+            ways[-1] = "task"  # hazard: not reached when take_now raises; the tests of ways refuse nothing
+
     async def scenario():
-        server = OtlpHttpServer(take, lambda refusal, peer: refused.append(refusal.reason), MAX_BODY)
+        extra = {} if take_now_bytes is None else {"take_now": take_now, "take_now_bytes": take_now_bytes}
+        server = OtlpHttpServer(take, lambda refusal, peer: refused.append(refusal.reason), MAX_BODY, **extra)
         port = await server.start("127.0.0.1", 0)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -68,7 +79,8 @@ def exchange(sent: list[bytes], answers: int, pause_after_first: bool = False):
     return answers_read, taken, refused, closed
 
 
-def test_requests_on_one_keep_alive_connection_are_taken_and_answered_in_order():
+@pytest.mark.parametrize("take_now_bytes", [None, 8], ids=["task", "now-and-task"])
+def test_requests_on_one_keep_alive_connection_are_taken_and_answered_in_order(take_now_bytes):
     chunked = (b"POST /v1/traces HTTP/1.1\r\nHost: x\r\n" + PROTOBUF + b"Transfer-Encoding: chunked\r\n\r\n"
                b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
     deflated = zlib.compress(b"deflated body")
@@ -76,7 +88,7 @@ def test_requests_on_one_keep_alive_connection_are_taken_and_answered_in_order()
     answers, taken, refused, closed = exchange(
         [post(b"one") + post(b"bad"), chunked, post(gzip.compress(b"gzipped body"), PROTOBUF +
                                                         b"Content-Encoding: gzip\r\n"),
-         post(deflated, PROTOBUF + b"Content-Encoding: deflate\r\n"), last], answers=6)
+         post(deflated, PROTOBUF + b"Content-Encoding: deflate\r\n"), last], answers=6, take_now_bytes=take_now_bytes)
     assert [status for status, _, _ in answers] == [200, 400, 200, 200, 200, 200]
     assert b"not an OTLP ExportTraceServiceRequest" in answers[1][2]
     assert taken == [(b"one", True), (b"abcde", True), (b"gzipped body", True), (b"deflated body", True),
@@ -118,11 +130,25 @@ def test_a_declared_length_over_the_cap_is_refused_before_the_body_is_sent():
     assert answers[0][0] == 413 and refused == ["too_large"] and taken == [] and closed
 
 
-def test_a_fault_in_taking_a_request_is_answered_500_and_the_connection_goes_on():
+@pytest.mark.parametrize("take_now_bytes", [None, 8], ids=["task", "now"])
+def test_a_fault_in_taking_a_request_is_answered_500_and_the_connection_goes_on(take_now_bytes):
     answers, taken, refused, _ = exchange([post(b"fault"), post(b"next", PROTOBUF + b"Connection: close\r\n")],
-                                          answers=2)
+                                          answers=2, take_now_bytes=take_now_bytes)
     assert [status for status, _, _ in answers] == [500, 200] and b"failed to take" in answers[0][2]
     assert taken == [(b"next", True)] and refused == []
+
+
+def test_a_small_body_alone_on_its_connection_is_taken_at_once_a_larger_one_or_one_behind_it_by_a_task():
+    """``take_now`` (no task) for a body up to ``take_now_bytes`` when nothing waits before
+    it on the connection; else the task, which keeps the answers in order."""
+    ways: list[str] = []
+    big = b"x" * 100
+    answers, taken, refused, closed = exchange(  # "one" answered before the rest is sent
+        [post(b"one"), post(big) + post(b"two", PROTOBUF + b"Connection: close\r\n")], answers=3,
+        pause_after_first=True, take_now_bytes=8, ways=ways)
+    assert [status for status, _, _ in answers] == [200, 200, 200] and closed and refused == []
+    assert [body for body, _ in taken] == [b"one", big, b"two"]
+    assert ways == ["now", "task", "task"]
 
 
 def test_an_exporter_given_the_receivers_base_url_posts_to_the_root_and_is_taken():

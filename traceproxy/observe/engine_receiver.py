@@ -87,7 +87,8 @@ class EngineSpans:
         self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="traceproxy-engine-spans")
 
     async def _start_http(self, address) -> None:
-        self._http = OtlpHttpServer(self.take, self._refused, MAX_BODY_BYTES)
+        self._http = OtlpHttpServer(self.take, self._refused, MAX_BODY_BYTES, take_now=self.take_now,
+                                    take_now_bytes=THREAD_BODY_BYTES)
         try:
             self.http_port = await self._http.start(address.host, address.port)
         except OSError as exc:
@@ -139,13 +140,23 @@ class EngineSpans:
     # -- one export request ------------------------------------------------------------
     async def take(self, body: bytes, peer: str) -> int:
         """Keep what the join needs and relay the request; the spans it held. Raises BodyRefused."""
+        if len(body) <= THREAD_BODY_BYTES:
+            return self.take_now(body, peer)
         try:
-            if len(body) > THREAD_BODY_BYTES:
-                batches = await asyncio.to_thread(read_engine_request, body)
-            else:
-                batches = read_engine_request(body)
+            batches = await asyncio.to_thread(read_engine_request, body)
         except MalformedOtlp as exc:
             raise BodyRefused("malformed", str(exc)) from None
+        return self._keep(batches, body, peer)
+
+    def take_now(self, body: bytes, peer: str) -> int:
+        """``take`` on the loop, for a body of at most ``THREAD_BODY_BYTES``."""
+        try:
+            batches = read_engine_request(body)
+        except MalformedOtlp as exc:
+            raise BodyRefused("malformed", str(exc)) from None
+        return self._keep(batches, body, peer)
+
+    def _keep(self, batches: list, body: bytes, peer: str) -> int:
         spans = count_spans(batches)
         self.requests += 1
         self.store.add(batches, peer, time.monotonic_ns())

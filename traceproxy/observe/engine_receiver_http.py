@@ -75,11 +75,16 @@ def rpc_status(code: int, message: str) -> bytes:
 
 class OtlpHttpServer:
     """``take(body, peer)``: the receiver's, per complete body; ``refused(refusal, peer)``:
-    told of every refusal, to count it."""
+    told of every refusal, to count it. ``take_now``: the same, not a coroutine, for a
+    body of at most ``take_now_bytes`` that is the only request of its connection
+    waiting: answered from llhttp's callback, with no task (a task, its coroutines and
+    their scheduling cost about as much as the HTTP layer's own work for an export request)."""
 
     def __init__(self, take: Callable[[bytes, str], Awaitable[object]],
-                 refused: Callable[[BodyRefused, str], None], max_body: int) -> None:
+                 refused: Callable[[BodyRefused, str], None], max_body: int, *,
+                 take_now: Callable[[bytes, str], object] | None = None, take_now_bytes: int = 0) -> None:
         self.take, self.refused, self.max_body = take, refused, max_body
+        self.take_now, self.take_now_bytes = take_now, take_now_bytes
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
 
@@ -275,6 +280,10 @@ class _Connection(asyncio.Protocol):
             return
         if request.refusal is None and request.inflater is not None and not request.inflater.eof:
             request.refusal = BodyRefused("malformed", "a body that cannot be read: its compressed stream is cut short")
+        if self.answering is None and not self.waiting and self.server.take_now is not None \
+                and request.size <= self.server.take_now_bytes:
+            self._answer_now(request)
+            return
         self._queue(request)
         if len(self.waiting) >= PIPELINED and not self.paused:
             self.paused = True
@@ -305,20 +314,41 @@ class _Connection(asyncio.Protocol):
     async def _answer(self, request: _Request) -> tuple[int, bytes]:
         if request.status:
             return request.status, b""
-        refusal = request.refusal
-        if refusal is None:
-            body = b"".join(request.parts)
-            request.parts = []
+        if request.refusal is not None:
+            return self._refuse(request.refusal)
+        try:
+            await self.server.take(_body(request), self.peer)
+            return 200, b""
+        except BodyRefused as refusal:
+            return self._refuse(refusal)
+        except Exception:  # a fault of ours: answered (the exporter retries), never a hung client
+            return self._fault()
+
+    def _answer_now(self, request: _Request) -> None:
+        """As ``_answer_all`` for one request, from llhttp's callback (``take_now``)."""
+        if request.refusal is not None:
+            status, body = self._refuse(request.refusal)
+        else:
             try:
-                await self.server.take(body, self.peer)
-                return 200, b""
-            except BodyRefused as exc:
-                refusal = exc
-            except Exception:  # a fault of ours: answered (the exporter retries), never a hung client
-                log.exception("engine spans from %s could not be taken", self.peer)
-                return 500, rpc_status(_INTERNAL, "the receiver failed to take this request")
+                self.server.take_now(_body(request), self.peer)
+                status, body = 200, b""
+            except BodyRefused as refusal:
+                status, body = self._refuse(refusal)
+            except Exception:  # as in _answer
+                status, body = self._fault()
+        self._write(status, body, keep_alive=request.keep_alive)
+        if not request.keep_alive:
+            self.close()
+        elif not self.closed:
+            self._close_in(IDLE_TIMEOUT_S)  # cancelled by the next request's headers
+
+    def _refuse(self, refusal: BodyRefused) -> tuple[int, bytes]:
         self.server.refused(refusal, self.peer)
         return _refusal_answer(refusal)
+
+    def _fault(self) -> tuple[int, bytes]:
+        log.exception("engine spans from %s could not be taken", self.peer)
+        return 500, rpc_status(_INTERNAL, "the receiver failed to take this request")
 
     def _write(self, status: int, body: bytes, keep_alive: bool) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -330,6 +360,12 @@ class _Connection(asyncio.Protocol):
         if not keep_alive:
             head.append(b"Connection: close")
         self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+
+
+def _body(request: _Request) -> bytes:
+    body = b"".join(request.parts)
+    request.parts = []
+    return body
 
 
 def _refusal_answer(refusal: BodyRefused) -> tuple[int, bytes]:
