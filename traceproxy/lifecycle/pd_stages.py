@@ -87,6 +87,7 @@ def role_of_stage(name: str) -> str | None:
     return _ROLE_OF_STAGE.get(name)
 
 
+@lru_cache(maxsize=1024)  # a worker's label (or thread span name) comes with every request it finishes
 def role_of_thread(label: str) -> str | None:
     """``Prefill Scheduler`` -> prefill, ``Decode Scheduler`` -> decode, ``Scheduler`` -> unified
     (SGLang's thread labels, also the start of its thread span names)."""

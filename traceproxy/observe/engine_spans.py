@@ -50,7 +50,7 @@ from ..lifecycle.pd_stages import (DECODE, NESTED_IN, PREFILL, STAGE_ORDER, STAG
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from .otlp_reader import KEPT_RESOURCE_ATTRIBUTES, MalformedOtlp, ResourceBatch, SpanFacts, _kept, _span
+from .otlp_reader import KEPT_RESOURCE_ATTRIBUTES, MalformedOtlp, ResourceBatch, SpanFacts, _kept
 
 GRACE_NS = 30_000_000_000
 SWEEP_EVERY_NS = 1_000_000_000  # when full, finished traces are looked for at most this often
@@ -340,7 +340,7 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
     once per worker and request: a worker's top-level stage spans of one request (same
     trace, same parent) become one ``StageRun``; of its nested stages (``decode_loop``,
     ...; most of a decode worker's batch) only the last of each trace is read; a thread
-    span's facts are built with its kept attributes. The runs come first, then the
+    span's facts are built with the attributes ``_thread`` reads. The runs come first, then the
     thread spans, then the nested stages (a thread span ends after its stages). Every
     stage span's ids are still checked, so a body with a bad one is refused whichever
     span it is."""
@@ -359,7 +359,7 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
                 kind = _SPAN_KIND.get(name)
                 if kind is None:
                     if _THREAD_MARK in name:
-                        threads.append(_span(span, True))
+                        threads.append(_thread_facts(span))
                     continue  # Bootstrap Room, Req and other services' spans: relayed, never read
                 # Inline, not a call: this runs for nearly every span of a batch.
                 trace_id, parent = span.trace_id, span.parent_span_id
@@ -389,6 +389,28 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
 
 _TOP, _NESTED = 1, 2
 _SPAN_KIND = {**dict.fromkeys(STAGES, _TOP), **dict.fromkeys(NESTED_IN, _NESTED)}  # nested ones are stages too
+
+
+_THREAD_ATTRIBUTES = frozenset({"thread_label", "host_id", "pid"})  # what _thread reads
+_SCALARS = frozenset({"string_value", "int_value", "bool_value", "double_value"})
+
+
+def _thread_facts(span) -> SpanFacts:
+    """A thread span's facts, with the attributes the store reads and without its status
+    (``otlp_reader._span`` reads every kept one, and the status: a third more)."""
+    trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
+    _check_ids(span, trace_id, span_id, parent)
+    attributes = {}
+    for key_value in span.attributes:
+        key = key_value.key
+        if key in _THREAD_ATTRIBUTES:
+            value = key_value.value
+            kind = value.WhichOneof("value")
+            if kind in _SCALARS:
+                attributes[key] = getattr(value, kind)
+    return SpanFacts(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"),
+                     int.from_bytes(parent, "big") if parent else 0, span.name, span.start_time_unix_nano,
+                     span.end_time_unix_nano, attributes, 0)
 
 
 def _stage_facts(span, name: str) -> SpanFacts:
