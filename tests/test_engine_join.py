@@ -99,6 +99,11 @@ def test_a_hung_request_is_named_by_its_engine_stage_everywhere(start_proxy, scr
     [logged] = [json.loads(x) for x in access_path.read_text().splitlines() if "%032x" % trace_id in x]
     assert logged["outcome"] == "DC" and logged["engine_stage"]["stage"] == "prefill_transfer_kv_cache"
     assert logged["engine_stage"]["component"] == "kv_transfer" and logged["engine_stage"]["source"] == "spans"
+    # So does its own span, which diagnose reads after the fact.
+    assert wait_until(lambda: any(s.kind == "server" for s in file_spans(spans_path, "%032x" % trace_id)), timeout=10)
+    [server] = [s for s in file_spans(spans_path, "%032x" % trace_id) if s.kind == "server"]
+    assert server.attributes[sc.ENGINE_COMPONENT] == "kv_transfer"
+    assert server.attributes[sc.ENGINE_STAGE] == "prefill_transfer_kv_cache"
 
 
 def test_a_request_no_engine_opened_is_the_routers(start_proxy, scripted_upstream):

@@ -249,6 +249,8 @@ def _server_attributes(s: RequestSummary, route: str) -> dict:
         attrs[sc.ERROR_MESSAGE] = s.error
     if BY_CODE[s.outcome].blame.value != "-" or s.status >= 500:
         attrs[sc.ERROR_TYPE] = BY_CODE[s.outcome].name if s.outcome != "OK" else str(s.status)
+    if s.engine_stage:  # where the engines had it when it ended: diagnose reads it after the fact
+        attrs.update(engine_stage_attributes(s.engine_stage))
     attrs.update(genai_attributes(path, s, s.marks[_FIRST_DOWNSTREAM_TX_BODY]))
     return attrs
 
@@ -304,8 +306,9 @@ def stall_span(record: RequestRecord, code: str, phase: str, since_ns: int, dete
 
 
 def engine_stage_attributes(stage: dict) -> dict:
-    """The attributes of an ``engine_stage`` (``EngineStage.as_dict``), for a stall span:
-    the component and stage, the worker, since when, and what says so."""
+    """The attributes of an ``engine_stage`` (``EngineStage.as_dict``), for a stall span
+    and a request's SERVER span: the component and stage, the worker, since when, and
+    what says so."""
     attrs = {sc.ENGINE_COMPONENT: stage["component"], sc.ENGINE_ROLE: stage["role"],
              sc.ENGINE_STAGE_STATE: stage["state"], sc.ENGINE_SOURCE: stage["source"]}
     if stage.get("stage"):
