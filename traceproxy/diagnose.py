@@ -271,20 +271,29 @@ def _otlp_span(raw: dict, service: str) -> Span:
     )
 
 
-def _scan_file(path: Path, needles: set[str]) -> Iterator[Span]:
-    """Spans of the lines that contain any needle; a torn or foreign line is skipped."""
+def _json_lines_with(path: Path, needles) -> Iterator[object]:
+    """The JSON documents of the lines of ``path`` that contain any needle; a torn or
+    foreign line is skipped (the file is the proxy's, but anything can be appended to it).
+    Only those lines are parsed: the files are large and the wanted lines few."""
     with open(path, encoding="utf-8", errors="replace") as lines:
         for line in lines:
             if not any(needle in line for needle in needles):
                 continue
             try:
-                document = json.loads(line)
-                # A line that is JSON but not an OTLP traces document is skipped like
-                # a torn one: the file is the proxy's, but anything can be appended to it.
-                spans = list(otlp_spans(document)) if isinstance(document, dict) else []
-            except (ValueError, TypeError, AttributeError):
+                yield json.loads(line)
+            except ValueError:
                 continue
-            yield from spans
+
+
+def _scan_file(path: Path, needles: set[str]) -> Iterator[Span]:
+    """Spans of the lines that contain any needle."""
+    for document in _json_lines_with(path, needles):
+        try:
+            # A line that is JSON but not an OTLP traces document is skipped like a torn one.
+            spans = list(otlp_spans(document)) if isinstance(document, dict) else []
+        except (ValueError, TypeError, AttributeError):
+            continue
+        yield from spans
 
 
 def file_spans(path: str | Path, ident: str) -> list[Span]:
@@ -310,16 +319,9 @@ def access_log_lines(path: str | Path, trace_ids: set[str]) -> dict[str, dict]:
         raise DiagnoseError(f"no access log at {path}")
     found: dict[str, dict] = {}
     try:
-        with open(path, encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                if not any(trace_id in line for trace_id in trace_ids):
-                    continue
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(entry, dict) and entry.get("trace_id") in trace_ids:
-                    found[entry["trace_id"]] = entry
+        for entry in _json_lines_with(path, trace_ids):
+            if isinstance(entry, dict) and entry.get("trace_id") in trace_ids:
+                found[entry["trace_id"]] = entry
     except OSError as exc:
         raise DiagnoseError(f"cannot read {path}: {exc}") from None
     return found
