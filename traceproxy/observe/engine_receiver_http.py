@@ -78,7 +78,7 @@ class OtlpHttpServer:
     told of every refusal, to count it. ``take_now``: the same, not a coroutine, for a
     body of at most ``take_now_bytes`` that is the only request of its connection
     waiting: answered from llhttp's callback, with no task (a task, its coroutines and
-    their scheduling cost about as much as the HTTP layer's own work for an export request)."""
+    their scheduling are work per export request that a body taken at once does not need)."""
 
     def __init__(self, take: Callable[[bytes, str], Awaitable[object]],
                  refused: Callable[[BodyRefused, str], None], max_body: int, *,
