@@ -10,7 +10,7 @@ its frames as they come, on the loop, each a few microseconds of work:
 * the stages that changed go to ``facts`` (``engine_join.StageFacts``, which keeps those
   of the requests in flight here, as a worker of several does);
 * the requests to relay (gathered by the receiver's process for up to 50 ms) go, each
-  as it came, to the proxy's exporter (``relay.submit_raw``); counted here as relayed
+  as it came, to the proxy's exporter (``relay.submit_raw_many``); counted here as relayed
   or dropped. No span is read here: the proxy's part is per export request, and per
   frame of them;
 * the receiver's counts and its open work (every second) are kept for ``numbers`` and
@@ -92,11 +92,15 @@ class EngineReceiverProcess:
         if kind == "stages":
             self.facts.update(message[1], time.monotonic_ns())
         elif kind == "raw":
-            for payload, spans in zip(message[1], message[2]):
-                if self.relay is not None and self.relay.submit_raw(RawSpans(payload, spans)):
-                    self.spans_relayed += spans
+            # A frame of export requests from the receiver's process: written to the
+            # exporter together (one pipe write), each still taken or dropped on its own.
+            raws = [RawSpans(payload, spans) for payload, spans in zip(message[1], message[2])]
+            taken = self.relay.submit_raw_many(raws) if self.relay is not None else [False] * len(raws)
+            for raw, was_taken in zip(raws, taken):
+                if was_taken:
+                    self.spans_relayed += raw.spans
                 else:
-                    self.relay_dropped += spans
+                    self.relay_dropped += raw.spans
         elif kind == "numbers":
             self._numbers = message[1]
             self._open_work = [(trace_id, stage_from_tuple(fields)) for trace_id, fields in message[2]]
