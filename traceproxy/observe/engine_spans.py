@@ -47,10 +47,8 @@ from typing import NamedTuple
 
 from ..lifecycle.pd_stages import (DECODE, NESTED_IN, PREFILL, STAGE_ORDER, STAGES, EngineStage, Worker,
                                    WorkerProgress, holding, role_of_stage, role_of_thread)
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from .otlp_reader import KEPT_RESOURCE_ATTRIBUTES, MalformedOtlp, ResourceBatch, SpanFacts, _kept
+from .otlp_reader import KEPT_RESOURCE_ATTRIBUTES, MalformedOtlp, ResourceBatch, SpanFacts, _kept, parse_export_request
 
 GRACE_NS = 30_000_000_000
 SWEEP_EVERY_NS = 1_000_000_000  # when full, finished traces are looked for at most this often
@@ -344,10 +342,7 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
     thread spans, then the nested stages (a thread span ends after its stages). Every
     stage span's ids are still checked, so a body with a bad one is refused whichever
     span it is."""
-    try:
-        request = ExportTraceServiceRequest.FromString(data)
-    except (DecodeError, ValueError) as exc:
-        raise MalformedOtlp(f"not an OTLP ExportTraceServiceRequest ({exc})") from None
+    request = parse_export_request(data)
     batches = []
     for resource_spans in request.resource_spans:
         threads, received, runs, nested = [], 0, {}, {}

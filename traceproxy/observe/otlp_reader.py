@@ -59,16 +59,21 @@ class ResourceBatch(NamedTuple):
 SKIP, IDS, WHOLE = 0, 1, 2  # left out; ids, name, times and status; and its kept attributes too
 
 
+def parse_export_request(data: bytes) -> ExportTraceServiceRequest:
+    """protobuf's parse of one export request; raises ``MalformedOtlp``."""
+    try:
+        return ExportTraceServiceRequest.FromString(data)
+    except (DecodeError, ValueError) as exc:
+        raise MalformedOtlp(f"not an OTLP ExportTraceServiceRequest ({exc})") from None
+
+
 def read_export_request(data: bytes, keep: Callable[[str], int] | None = None) -> list[ResourceBatch]:
     """The resources of one request, each with its spans; raises ``MalformedOtlp``.
 
     ``keep``: for each span's name, ``SKIP``, ``IDS`` or ``WHOLE`` (None: every span whole).
     Building a span's facts is most of the cost, and most of an engine's spans need no
     attribute read."""
-    try:
-        request = ExportTraceServiceRequest.FromString(data)
-    except (DecodeError, ValueError) as exc:
-        raise MalformedOtlp(f"not an OTLP ExportTraceServiceRequest ({exc})") from None
+    request = parse_export_request(data)
     batches = []
     for resource_spans in request.resource_spans:
         kept, received = [], 0
