@@ -71,7 +71,7 @@ def _line_with(lines: list[str], needle: str) -> str:
 def test_rows_name_the_outcome_and_whose_turn_it_is(width):
     lines = top.render_table(ENTRIES, width, use_color=False)
     assert len(lines) == 1 + len(ENTRIES)
-    assert "FBS" in lines[1] and "engine" in lines[1] and "req-stuck-.." in lines[1]
+    assert "FBS" in lines[1] and "engine" in lines[1] and "req-stuck-fbs" in lines[1]
     assert "DNR" in lines[2] and "client" in lines[2]
     assert "MSS" in lines[3] and "engine" in lines[3]
     assert "done" in lines[4]
@@ -456,7 +456,6 @@ def test_at_80_columns_the_path_goes_whole_before_the_engine_stage_is_cut():
     ("POST /v1/chat/completions", 6, "POST"),  # "POST.." is wider and says no more
     ("~kv_transfer prefill_transfer_kv_cache", 15, "~kv_transfer"),
     ("kv_transfer prefill_transfer_kv_cache", 15, "kv_transfer p.."),
-    ("req-stuck-fbs", 12, "req-stuck-.."),
     ("METHOD PATH", 6, "METH.."),
 ])
 def test_a_cut_marks_itself_only_where_the_mark_saves_width(text, width, shown):
@@ -475,3 +474,18 @@ def test_the_engine_span_counts_start_a_header_line_of_their_own():
     assert spans_line.startswith("engine spans: 12 received"), frame
     gauge_lines = [line for line in frame if "metrics:" in line]
     assert gauge_lines and not any("engine spans" in line for line in gauge_lines)
+
+
+def test_request_ids_that_share_their_start_stay_apart_when_cut():
+    # One repro run's ids share their start; top's rows must still say which is which,
+    # whole where there is room and, cut, with their ends.
+    ids = [f"repro-5db791-fresh-c1-t{turn}" for turn in (1, 2)]
+    entries = [_entry(request_id=request_id, phase="streaming", age_s=2.9) for request_id in ids]
+    wide = top.render_table(entries, 200, use_color=False)
+    assert all(any(request_id in line for line in wide) for request_id in ids)
+    cut = [top.clip_middle(request_id, 12) for request_id in ids]
+    assert cut == ["repro..c1-t1", "repro..c1-t2"]
+    narrow = top.render_table(entries, 60, use_color=False)
+    assert all(len(line) <= 60 for line in narrow)
+    rows = narrow[1:1 + len(ids)]
+    assert rows[0] != rows[1] and rows[0].rstrip().endswith("t1") and rows[1].rstrip().endswith("t2")

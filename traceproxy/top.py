@@ -296,6 +296,7 @@ class Column:
     flexible: bool = False  # takes the width left over, and is cut first
     only_with: str = ""  # shown only when some entry has this key (a feature that is on)
     squeeze_width: int = 0  # > 0: cut as far as this rather than drop a column ranked up to WHY_RANK
+    keep_end: bool = False  # cut in the middle: the end is what tells such values apart
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -314,7 +315,9 @@ COLUMNS: tuple[Column, ...] = (
     # that say nothing of why a request waits); the request id, the handle diagnose takes,
     # always stays, squeezed to a prefix to grep for.
     Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True, drop_rank=3),
-    Column("REQUEST ID", lambda e: e.get("request_id") or "-", 12, squeeze_width=8),
+    # Whole where there is room (a 32-hex id, repro's "repro-5db791-fresh-c1-t1"): one run's
+    # ids share their start, so a cut one keeps its end too ("repro..c1-t1").
+    Column("REQUEST ID", lambda e: e.get("request_id") or "-", 32, squeeze_width=8, keep_end=True),
     Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=4),
     Column("UPSTREAM", _upstream_cell, 12, drop_rank=5),
     Column("OUT", _out_cell, 6, right=True, drop_rank=6),
@@ -334,6 +337,17 @@ def clip(text: str, width: int) -> str:
     if kept.endswith(" ") or text[width - 2] == " ":
         return kept.rstrip()
     return kept + ".."
+
+
+def clip_middle(text: str, width: int) -> str:
+    """text cut to width in its middle, marked with '..': its start and, a little longer,
+    its end ("4bf92..e4736", "repro..c1-t1")."""
+    if len(text) <= width:
+        return text
+    if width <= 4:
+        return text[-width:]
+    head = (width - 2) // 2
+    return text[:head] + ".." + text[len(text) - (width - 2 - head):]
 
 
 def _natural_width(column: Column, cells: list[str]) -> int:
@@ -367,10 +381,11 @@ def _widths(columns: tuple[Column, ...], shown: list[int], natural: list[int], s
 
 
 def _squeezing(columns: tuple[Column, ...], shown: list[int]) -> bool:
-    """Whether the squeezable columns may be cut to their squeeze_width: only to keep a
-    column ranked up to WHY_RANK, and only once every column ranked above it has gone."""
+    """Whether the squeezable columns may be cut to their squeeze_width: only once every
+    optional column ranked above WHY_RANK has gone (to keep one ranked up to it, or, with
+    none left, rather than clip the row's end, where the request id is)."""
     ranks = [columns[i].drop_rank for i in shown if columns[i].drop_rank]
-    return bool(ranks) and max(ranks) <= WHY_RANK
+    return not ranks or max(ranks) <= WHY_RANK
 
 
 def fit_columns(columns: tuple[Column, ...], rows: list[list[str]], width: int) -> list[tuple[int, int]]:
@@ -406,7 +421,7 @@ def fit_columns(columns: tuple[Column, ...], rows: list[list[str]], width: int) 
 def _join(cells: list[str], layout: list[tuple[int, int]], columns: tuple[Column, ...]) -> str:
     parts = []
     for (index, width), text in zip(layout, cells):
-        text = clip(text, width)
+        text = clip_middle(text, width) if columns[index].keep_end else clip(text, width)
         parts.append(text.rjust(width) if columns[index].right else text.ljust(width))
     return GAP.join(parts).rstrip()
 
