@@ -46,7 +46,7 @@ from traceproxy.sim.stages import STAGE_ORDER
 
 from .otlp_receiver import OtlpGrpcReceiver
 from .router_harness import ROUTERS_UNDER_TEST, RouterHarness
-from .support import Done, LoopThread, RawClient, start_worker, wait_until  # noqa: F401  (start_worker: a fixture)
+from .support import Done, LoopThread, RawClient, recv_until, start_worker, wait_until  # noqa: F401  (start_worker: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"stall.first_byte": 0.5, "stall.stream_gap": 0.5}
@@ -1185,3 +1185,22 @@ def _exit_status(argv: list[str]) -> int:
         return cli_main(argv)
     except SystemExit as exc:
         return exc.code
+
+
+def test_a_faulty_proxy_stopped_mid_response_ends_its_connections_without_a_traceback(start_worker, loop_thread,
+                                                                                       caplog):
+    # Stopping aborts the clients' transports while a response is being relayed: the
+    # relay's next write meets a closed transport, which must end that connection
+    # quietly (the demo's Ctrl-C printed a traceback from here).
+    decode = start_worker("decode", decode_tokens_per_s=20)
+    proxy = loop_thread.run(FaultyProxy(decode.url, hang_after=(5, 5), seed=1).start())
+    client = RawClient(proxy.port, timeout=5)
+    try:
+        client.request("POST", "/v1/completions", JSON, chat_body(stream=True, max_tokens=40))
+        recv_until(client.sock, b"data:")  # the response is streaming through the proxy
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            loop_thread.run(proxy.stop())
+            time.sleep(0.3)  # the relay's next token write comes within 50 ms
+        assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+    finally:
+        client.sock.close()

@@ -121,6 +121,12 @@ class FaultyProxy:
                 client.start_next_cycle()
         except (ConnectionError, h11.ProtocolError, asyncio.TimeoutError, _UpstreamGone) as exc:
             log.debug("client connection ends: %r", exc)
+        except RuntimeError as exc:
+            # stop() aborts the clients' transports; a relay's next write then meets a
+            # closed one (uvloop says so with RuntimeError, asyncio with nothing at all).
+            if not writer.transport.is_closing():
+                raise
+            log.debug("client connection ends as the proxy stops: %r", exc)
         finally:
             self._writers.discard(writer)
             if upstream is not None:
