@@ -211,6 +211,8 @@ def in_a_request(*span_bodies: bytes) -> bytes:
                                                  + AnyValue(int_value=0).SerializeToString())),
     # a long varint for a small number
     tag(6, 0) + b"\x81\x80\x80\x00" + delimited(5, b"x"),
+    # a bool whose varint carries bits above 64: protobuf keeps the low 64 (zero), false
+    delimited(9, delimited(1, b"k") + delimited(2, tag(2, 0) + b"\x80" * 9 + b"\x02")),
     # an empty status and flags last, as an SDK ends a span, but a status and flags before them too
     delimited(15, Status(code=2).SerializeToString()) + delimited(5, b"n") + delimited(15, b"")
     + tag(16, 5) + struct.pack("<I", 0x100),

@@ -505,9 +505,9 @@ def _any_value(buf: bytes, pos: int, end: int) -> dict:
             value, pos = _varint(buf, pos, value)
         if pos != end:
             raise _Unusual
+        value &= 0xFFFFFFFFFFFFFFFF  # protobuf keeps a varint's low 64 bits, for a bool too
         if key == 0x10:
             return {"boolValue": value != 0}
-        value &= 0xFFFFFFFFFFFFFFFF
         return {"intValue": str(value - (1 << 64) if value > 0x7FFFFFFFFFFFFFFF else value)}
     if key == 0x21 and pos + 8 == end:
         (value,) = _DOUBLE.unpack_from(buf, pos)
