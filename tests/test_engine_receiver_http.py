@@ -11,7 +11,8 @@ import zlib
 
 import pytest
 
-from traceproxy.observe.engine_receiver_http import MAX_HEADER_BYTES, BodyRefused, OtlpHttpServer
+from traceproxy.observe import engine_receiver_http
+from traceproxy.observe.engine_receiver_http import MAX_HEADER_BYTES, PIPELINED, BodyRefused, OtlpHttpServer
 
 MAX_BODY = 1 << 16
 PROTOBUF = b"Content-Type: application/x-protobuf\r\n"
@@ -113,8 +114,14 @@ def test_requests_on_one_keep_alive_connection_are_taken_and_answered_in_order(t
      b"cannot be parsed"),
     (b"POST /v1/traces HTTP/1.1\r\nX-Pad: " + b"a" * MAX_HEADER_BYTES + b"\r\n\r\n", 400, "malformed",
      b"headers over"),
+    (post(gzip.compress(b"first") + gzip.compress(b"second"), PROTOBUF + b"Content-Encoding: gzip\r\n"), 400,
+     "malformed", b"after the end of its compressed stream"),
+    (post(gzip.compress(b"first") + b"junk", PROTOBUF + b"Content-Encoding: gzip\r\n"), 400, "malformed",
+     b"after the end of its compressed stream"),
+    (b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n" + PROTOBUF +
+     b"Content-Length: 1\r\n\r\nx", 400, "malformed", b"protocol upgrade"),
 ], ids=["path", "method", "json", "brotli", "gzip-bomb", "oversized", "gzip-cut-short", "not-gzip", "bad-chunk",
-        "huge-headers"])
+        "huge-headers", "gzip-two-members", "gzip-then-junk", "upgrade"])
 def test_what_is_not_an_export_request_is_answered_with_a_reason_and_counted(request_bytes, status, reason, words):
     answers, taken, refused, _ = exchange([request_bytes, post(b"after")], answers=1)
     assert answers[0][0] == status and words in answers[0][2]
@@ -158,3 +165,106 @@ def test_an_exporter_given_the_receivers_base_url_posts_to_the_root_and_is_taken
                                          answers=1)
     assert [status for status, _, _ in answers] == [200]
     assert taken == [(b"at the root", True)] and refused == []
+
+
+def test_requests_answered_from_their_headers_end_the_connection_after_the_first():
+    answers, taken, refused, closed = exchange([post(b"x", path=b"/a") + post(b"x", path=b"/b")], answers=1)
+    assert [status for status, _, _ in answers] == [404] and closed and taken == [] and refused == []
+
+
+@pytest.mark.parametrize("take_now_bytes", [None, 8], ids=["task", "now-and-task"])
+def test_a_request_that_cannot_be_parsed_behind_a_valid_one_is_answered_400_after_it(take_now_bytes):
+    answers, taken, refused, closed = exchange([post(b"x" * 100) + b"BOGUS\r\n\r\n"], answers=2,
+                                               take_now_bytes=take_now_bytes)
+    assert [status for status, _, _ in answers] == [200, 400] and b"cannot be parsed" in answers[1][2]
+    assert taken == [(b"x" * 100, True)] and refused == ["malformed"] and closed
+    assert answers[1][1].get("Connection") == "close"
+
+
+@pytest.mark.parametrize("take_now_bytes", [None, 8], ids=["task", "now-and-task"])
+def test_a_connection_that_stops_within_the_next_head_after_an_answer_is_closed_when_idle(monkeypatch,
+                                                                                           take_now_bytes):
+    monkeypatch.setattr(engine_receiver_http, "IDLE_TIMEOUT_S", 0.2)
+    answers, taken, refused, closed = exchange([post(b"x" * 100) + b"POST /v1/traces HTTP/1.1\r\nHo"], answers=1,
+                                               take_now_bytes=take_now_bytes)
+    assert [status for status, _, _ in answers] == [200] and closed and taken == [(b"x" * 100, True)]
+
+
+@pytest.mark.parametrize("after_an_answer", [False, True], ids=["first", "after-an-answer"])
+def test_a_body_that_stops_coming_is_answered_408_and_the_connection_closed(monkeypatch, after_an_answer):
+    monkeypatch.setattr(engine_receiver_http, "IDLE_TIMEOUT_S", 0.2)
+    stalled = post(b"x" * 100)[:-50]  # its head and half its body, then nothing
+    sent = [post(b"one") + stalled] if after_an_answer else [stalled]
+    answers, taken, refused, closed = exchange(sent, answers=1 + after_an_answer)
+    assert [status for status, _, _ in answers][-1] == 408 and b"no body bytes" in answers[-1][2]
+    assert closed and taken == ([(b"one", True)] if after_an_answer else []) and refused == []
+
+
+def test_a_body_that_keeps_coming_slowly_is_not_timed_out(monkeypatch):
+    monkeypatch.setattr(engine_receiver_http, "IDLE_TIMEOUT_S", 0.3)
+    body = b"x" * 6
+    whole = post(body, PROTOBUF + b"Connection: close\r\n")
+    head = whole[:-len(body)]
+
+    async def scenario(port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head)
+        for n in range(len(body)):  # 6 x 0.1 s: longer in all than the timeout, never quiet as long
+            await asyncio.sleep(0.1)
+            writer.write(body[n:n + 1])
+        answer = await read_answer(reader)
+        writer.close()
+        return answer
+
+    taken = []
+
+    async def take(got: bytes, peer: str) -> None:
+        taken.append(got)
+
+    async def main():
+        server = OtlpHttpServer(take, lambda refusal, peer: None, MAX_BODY)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            return await asyncio.wait_for(scenario(port), 10)
+        finally:
+            await server.stop()
+
+    assert asyncio.run(main())[0] == 200 and taken == [body]
+
+
+def test_pipelined_requests_in_one_piece_are_parsed_no_more_than_pipelined_at_a_time():
+    """llhttp is fed a request at a time: past ``PIPELINED`` waiting, the rest of what was
+    received is kept unparsed (each request could inflate to ``max_body``)."""
+    count = 12
+    bodies = [b"body %d" % n for n in range(count)]
+    taken, most_waiting = [], []
+
+    async def main():
+        release = asyncio.Event()
+
+        async def take(body: bytes, peer: str) -> None:
+            most_waiting.append(max(len(connection.waiting) for connection in server._connections))
+            if not taken:
+                await release.wait()  # the first holds its connection's answers back
+            taken.append(body)
+
+        server = OtlpHttpServer(take, lambda refusal, peer: None, MAX_BODY)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"".join(post(gzip.compress(body), PROTOBUF + b"Content-Encoding: gzip\r\n")
+                                  for body in bodies))
+            await writer.drain()
+            for _ in range(50):  # what the server would parse while the first is held
+                await asyncio.sleep(0.01)
+            held = max(len(connection.waiting) for connection in server._connections)
+            release.set()
+            answers = [await asyncio.wait_for(read_answer(reader), 10) for _ in bodies]
+            writer.close()
+            return held, answers
+        finally:
+            await server.stop()
+
+    held, answers = asyncio.run(main())
+    assert held <= PIPELINED and max(most_waiting) <= PIPELINED
+    assert [status for status, _, _ in answers] == [200] * count and taken == bodies

@@ -17,18 +17,25 @@ an unknown ``Content-Encoding`` (415). Such a request is answered at once, its b
 read and thrown away (lingering, at most ``LINGER_S``, so the client reads the answer
 rather than a reset), and the connection closed. Otherwise its body is gathered, gzip
 or deflate inflated as it comes, a piece at a time: past ``max_body`` (before or after
-inflating) it is refused with 413, never held whole; bytes that do not inflate are 400.
+inflating) it is refused with 413, never held whole; bytes that do not inflate, or that
+follow the end of the compressed stream (a second gzip member, junk), are 400.
 A complete body goes to ``take(body, peer)``, which raises ``BodyRefused`` for one that
 is not an export request; requests of one connection are answered in order, one at a
-time (reading pauses while two wait). Answers as a collector gives them: 200 with an
+time. Answers as a collector gives them: 200 with an
 empty body, or the status with a ``google.rpc.Status`` naming the reason. A request
-llhttp cannot parse (a bad request line, a bad chunk) is 400 and the connection closes;
+llhttp cannot parse (a bad request line, a bad chunk), or one asking for a protocol
+upgrade, is 400 (after the answers to the requests before it) and the connection closes;
 a fault in ``take`` itself is logged and answered 500 (an exporter retries), never left
 unanswered.
 
 Bounds: a request line and headers over ``MAX_HEADER_BYTES``, 400 (counted as
 malformed); a connection that sends no complete request head for ``IDLE_TIMEOUT_S``
-(aiohttp's keep-alive timeout) is closed; at most ``PIPELINED`` parsed requests wait.
+(aiohttp's keep-alive timeout) after it opens or after its last answer is closed; a body
+that goes ``IDLE_TIMEOUT_S`` without a byte is answered 408 and the connection closed
+(not counted as a refusal: nothing was judged of it). At most ``PIPELINED`` parsed
+requests wait: llhttp is fed a request at a time (a head, then a Content-Length body or a
+chunked body's line), and what was received past that many is kept unparsed, reading
+paused, until answers drain; so at most that many inflated bodies are held.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ STATUS = {"malformed": (400, _INVALID_ARGUMENT), "too_large": (413, _RESOURCE_EX
           "unsupported_media_type": (415, _INVALID_ARGUMENT)}
 REASONS = tuple(STATUS)  # what a refusal is counted as
 _REASON_PHRASE = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
-                  413: b"Payload Too Large", 415: b"Unsupported Media Type", 500: b"Internal Server Error"}
+                  408: b"Request Timeout", 413: b"Payload Too Large", 415: b"Unsupported Media Type",
+                  500: b"Internal Server Error"}
 _WBITS = {b"gzip": 31, b"x-gzip": 31, b"deflate": 15}  # deflate: zlib-wrapped, as RFC 9110 says
 
 
@@ -104,14 +112,16 @@ class OtlpHttpServer:
 
 
 class _Request:
-    __slots__ = ("method", "path", "content_type", "encoding", "length", "keep_alive", "parts", "size", "inflater",
-                 "refusal", "status", "head_bytes")
+    __slots__ = ("method", "path", "content_type", "encoding", "length", "chunked", "wire_bytes", "keep_alive",
+                 "parts", "size", "inflater", "refusal", "status", "head_bytes")
 
     def __init__(self) -> None:
         self.method = self.path = b""
         self.content_type = ""
         self.encoding = b""
         self.length = 0  # as declared (Content-Length); llhttp refuses one that is not a number
+        self.chunked = False
+        self.wire_bytes = 0  # of its body as sent (before inflating): where a Content-Length body ends
         self.keep_alive = True
         self.parts: list[bytes] = []
         self.size = 0
@@ -135,6 +145,9 @@ class _Connection(asyncio.Protocol):
         self.discarded_all = False  # and its body has all come
         self.closed = False
         self.paused = False
+        self.unparsed = b""  # received past the last request that could be held (PIPELINED): fed as answers go
+        self.failed = False  # a request that cannot be parsed: nothing after it is read
+        self.last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     # -- the connection --------------------------------------------------------------
@@ -155,21 +168,74 @@ class _Connection(asyncio.Protocol):
             self.answering.cancel()
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self.failed:
             return
-        if self._in_headers():
-            self.header_bytes += len(data)  # reset once they are complete, perhaps in this piece
+        self.last_read = asyncio.get_running_loop().time()
+        if self.discarding:
+            self._discard(data)
+        else:
+            self._feed(self.unparsed + data if self.unparsed else data)
+
+    def _discard(self, data) -> None:
+        """Answered from its headers: what follows is parsed only to see its body end."""
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail("a protocol upgrade, which this receiver does not take")
-            return
+        except httptools.HttpParserError:
+            pass
+
+    def _feed(self, data: bytes) -> None:
+        """Feed llhttp a request at a time, and nothing past the one that makes ``PIPELINED``
+        wait: llhttp cannot be paused from Python, so a piece holding many requests (each
+        perhaps inflating to ``max_body``) would otherwise all be parsed, and held, at once.
+        What is not fed waits in ``unparsed`` (reading paused) until answers drain."""
+        self.unparsed = b""
+        view, start, end = memoryview(data), 0, len(data)
+        while start < end:
+            if len(self.waiting) >= PIPELINED:
+                self.unparsed = data[start:]
+                if not self.paused:
+                    self.paused = True
+                    self.transport.pause_reading()
+                return
+            stop = self._piece_end(data, start)
+            if not self._parse(view[start:stop]) or self.closed:
+                return
+            if self.discarding:
+                self._discard(view[stop:])
+                return
+            start = stop
+
+    def _piece_end(self, data: bytes, start: int) -> int:
+        """Where the next piece to feed ends: at the end of a head, of a Content-Length body
+        or of a chunked body's line, so that at most one request completes per piece."""
+        request = self.request
+        if request is None or not request.method:
+            found = data.find(b"\r\n\r\n", start)
+            return len(data) if found < 0 else found + 4
+        if request.chunked:
+            found = data.find(b"\r\n", start)
+            return len(data) if found < 0 else found + 2
+        return min(len(data), start + max(1, request.length - request.wire_bytes))
+
+    def _parse(self, piece: memoryview) -> bool:
+        """Feed one piece; False once the connection is failed."""
+        if self._in_headers():
+            self.header_bytes += len(piece)  # reset once they are complete, perhaps in this piece
+        try:
+            self.parser.feed_data(piece)
+        except httptools.HttpParserUpgrade:  # refused from its headers (400): nothing after it is read
+            self.discarded_all = True
+            if self.answering is None:
+                self.close()
+            return False
         except httptools.HttpParserError as exc:
             if not self.discarding:
                 self._fail(f"a request that cannot be parsed: {exc}")
-            return
+            return False
         if self._in_headers() and self.header_bytes > MAX_HEADER_BYTES:
             self._fail(f"a request line and headers over {MAX_HEADER_BYTES} bytes")
+            return False
+        return True
 
     def _in_headers(self) -> bool:
         return self.request is None or not self.request.method
@@ -183,14 +249,37 @@ class _Connection(asyncio.Protocol):
     def _close_in(self, seconds: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self.close)
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._on_timer)
+
+    def _on_timer(self) -> None:
+        """The idle timer: a head must be complete within ``IDLE_TIMEOUT_S``; a body must
+        not go ``IDLE_TIMEOUT_S`` without a byte (answered 408, not counted as a refusal:
+        the client stopped sending, its body was not judged)."""
+        self._timer = None
+        request = self.request
+        if self.closed or request is None or not request.method or self.discarding or self.answering is not None:
+            self.close()
+            return
+        quiet = asyncio.get_running_loop().time() - self.last_read
+        if quiet < IDLE_TIMEOUT_S:
+            self._close_in(IDLE_TIMEOUT_S - quiet)
+            return
+        self._write(408, rpc_status(_INVALID_ARGUMENT, f"no body bytes for {IDLE_TIMEOUT_S:g} s"), keep_alive=False)
+        self.close()
 
     def _fail(self, message: str) -> None:
-        refusal = BodyRefused("malformed", message)
-        self.server.refused(refusal, self.peer)
-        if self.answering is None:  # nothing before it to answer first
-            self._write(*_refusal_answer(refusal), keep_alive=False)
-        self.close()
+        """A request that cannot be parsed: 400 and close, once the requests before it
+        are answered (in order); nothing after it is read."""
+        self.failed = True
+        self.unparsed = b""
+        failure = _Request()
+        failure.refusal = BodyRefused("malformed", message)
+        failure.keep_alive = False
+        if self.answering is None and not self.waiting:  # nothing before it to answer first
+            self._write(*self._refuse(failure.refusal), keep_alive=False)
+            self.close()
+            return
+        self.waiting.append(failure)
 
     # -- llhttp's callbacks ------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -210,17 +299,20 @@ class _Connection(asyncio.Protocol):
             self.request.encoding = value.strip().lower()
         elif name == b"content-length" and value.strip().isdigit():
             self.request.length = int(value)
+        elif name == b"transfer-encoding":
+            self.request.chunked = True  # llhttp refuses any coding but chunked, last
 
     def on_headers_complete(self) -> None:
+        if self.discarding:  # after a request answered with "Connection: close": thrown away, not answered
+            return
         request, parser = self.request, self.parser
         request.method = parser.get_method()
         request.keep_alive = parser.should_keep_alive()
         self.header_bytes = 0
-        if self._timer is not None:  # the idle timer runs until a request's headers are in
-            self._timer.cancel()
-            self._timer = None
         path = request.path.split(b"?", 1)[0]
-        if request.head_bytes > MAX_HEADER_BYTES:
+        if parser.should_upgrade():  # llhttp would not hand over its body, nor anything after it
+            request.refusal = BodyRefused("malformed", "a protocol upgrade, which this receiver does not take")
+        elif request.head_bytes > MAX_HEADER_BYTES:
             request.refusal = BodyRefused("malformed", f"a request line and headers over {MAX_HEADER_BYTES} bytes")
         elif path not in PATHS:
             request.status = 404
@@ -245,6 +337,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, chunk: bytes) -> None:
         request = self.request
+        request.wire_bytes += len(chunk)
         if self.discarding or request.refusal is not None:
             return
         if request.inflater is not None:
@@ -278,16 +371,22 @@ class _Connection(asyncio.Protocol):
             if self.answering is None:
                 self.close()
             return
-        if request.refusal is None and request.inflater is not None and not request.inflater.eof:
-            request.refusal = BodyRefused("malformed", "a body that cannot be read: its compressed stream is cut short")
+        if self._timer is not None:  # the idle timer runs until a request has all come
+            self._timer.cancel()
+            self._timer = None
+        if request.refusal is None and request.inflater is not None:
+            if not request.inflater.eof:
+                request.refusal = BodyRefused("malformed", "a body that cannot be read: its compressed stream is cut"
+                                              " short")
+            elif request.inflater.unused_data:  # a second gzip member, or junk: refused, never taken in part
+                request.refusal = BodyRefused("malformed", "a body that cannot be read: bytes after the end of its"
+                                              " compressed stream")
+                request.parts = []
         if self.answering is None and not self.waiting and self.server.take_now is not None \
                 and request.size <= self.server.take_now_bytes:
             self._answer_now(request)
             return
         self._queue(request)
-        if len(self.waiting) >= PIPELINED and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
 
     # -- answering -------------------------------------------------------------------
     def _queue(self, request: _Request) -> None:
@@ -302,14 +401,16 @@ class _Connection(asyncio.Protocol):
             self._write(status, body, keep_alive=request.keep_alive)
             if not request.keep_alive and not self.discarding:
                 self.close()
+            elif self.unparsed and not self.closed:
+                self._feed(self.unparsed)  # may queue more, answered in this loop
         self.answering = None
         if self.discarding and self.discarded_all:
             self.close()
-        if self.paused and not self.closed:
+        if self.paused and not self.closed and not self.unparsed:
             self.paused = False
             self.transport.resume_reading()
-        if not self.closed and not self.discarding and self.request is None:
-            self._close_in(IDLE_TIMEOUT_S)
+        if not self.closed and not self.discarding:
+            self._close_in(IDLE_TIMEOUT_S)  # for the next head, or the rest of a body begun
 
     async def _answer(self, request: _Request) -> tuple[int, bytes]:
         if request.status:
