@@ -268,3 +268,30 @@ def test_pipelined_requests_in_one_piece_are_parsed_no_more_than_pipelined_at_a_
     held, answers = asyncio.run(main())
     assert held <= PIPELINED and max(most_waiting) <= PIPELINED
     assert [status for status, _, _ in answers] == [200] * count and taken == bodies
+
+
+def test_a_request_answered_from_its_headers_waits_for_the_answers_before_it(monkeypatch):
+    """The linger (what is sent after a refusal is read, then the connection closes)
+    does not cut short the answer of a request before it still being taken."""
+    monkeypatch.setattr(engine_receiver_http, "LINGER_S", 0.05)
+    taken = []
+
+    async def take(body: bytes, peer: str) -> None:
+        await asyncio.sleep(0.3)  # longer than the linger
+        taken.append(body)
+
+    async def main():
+        server = OtlpHttpServer(take, lambda refusal, peer: None, MAX_BODY)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post(b"first") + post(b"x", path=b"/v1/metrics"))
+            answers = [await asyncio.wait_for(read_answer(reader), 10) for _ in range(2)]
+            closed = await asyncio.wait_for(reader.read(1), 10) == b""
+            writer.close()
+            return answers, closed
+        finally:
+            await server.stop()
+
+    answers, closed = asyncio.run(main())
+    assert [status for status, _, _ in answers] == [200, 404] and closed and taken == [b"first"]

@@ -256,6 +256,9 @@ class _Connection(asyncio.Protocol):
         not go ``IDLE_TIMEOUT_S`` without a byte (answered 408, not counted as a refusal:
         the client stopped sending, its body was not judged)."""
         self._timer = None
+        if self.discarding and self.answering is not None and not self.closed:
+            self._close_in(LINGER_S)  # the answers before the one from headers are still to be written
+            return
         request = self.request
         if self.closed or request is None or not request.method or self.discarding or self.answering is not None:
             self.close()
