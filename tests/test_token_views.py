@@ -336,7 +336,7 @@ def test_a_conversation_id_in_flight_is_kept_to_its_first_256_characters(configu
     ([(b"X-Session-Id", b"abc"), (b"Connection", b"x-session-id")], ""),
 ], ids=["stripped", "first-non-empty", "another-header", "cut-at-256", "hop-by-hop"])
 def test_the_conversation_id_is_read_from_the_forwarded_headers(lines, expected):
-    from traceproxy.proxy.headers import conversation_id, parse_request_headers
+    from traceproxy.proxy.headers import parse_request_headers
 
-    parts = parse_request_headers([(b"Host", b"h"), *lines])
-    assert conversation_id(parts, b"x-session-id") == expected
+    parts = parse_request_headers([(b"Host", b"h"), *lines], conversation_id_name=b"x-session-id")
+    assert parts.conversation_id == expected

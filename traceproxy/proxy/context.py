@@ -18,7 +18,7 @@ from ..lifecycle.hooks import Fanout
 from ..lifecycle.marks import Mark
 from ..lifecycle.timeline import RequestRecord
 from . import tracecontext as tc
-from .headers import ForwardingContext, RequestParts, conversation_id
+from .headers import ForwardingContext, RequestParts
 from .upstream import UpstreamPool
 
 if TYPE_CHECKING:
@@ -165,8 +165,8 @@ class ServerContext:
             record.sampled, record.rejected_traceparent = decision.sampled, decision.rejected
         if parts is not None and parts.user_agent is not None:
             record.user_agent = parts.user_agent.decode("latin-1")
-        if parts is not None and self.conversation_id_name:
-            record.conversation_id = conversation_id(parts, self.conversation_id_name)
+        if parts is not None and parts.conversation_id:
+            record.conversation_id = parts.conversation_id
         # W3C: tracestate belongs to the traceparent it came with; without a valid one
         # (absent or rejected: a new trace starts) it is dropped.
         if parts is not None and record.parent_span_id and parts.tracestates:

@@ -110,6 +110,7 @@ class RequestParts:
     tracestates: list[bytes]  # removed from end_to_end: forwarded only with a valid traceparent
     request_id: bytes | None  # the first configured request-id header present (kept in end_to_end)
     user_agent: bytes | None
+    conversation_id: str = ""  # the conversation id header's (see parse_request_headers), "" without one
 
 
 # Connection tokens that never name another header field.
@@ -125,9 +126,13 @@ _OWS = b" \t"
 
 
 def parse_request_headers(
-    headers: Headers, http_version: str = "1.1", request_id_names: tuple[bytes, ...] = DEFAULT_REQUEST_ID_NAMES
+    headers: Headers, http_version: str = "1.1", request_id_names: tuple[bytes, ...] = DEFAULT_REQUEST_ID_NAMES,
+    conversation_id_name: bytes = b"",
 ) -> RequestParts:
     """One pass over the request headers; raises ``BadRequest`` for anything ambiguous.
+
+    ``conversation_id_name`` (lower case, ``tracing.conversation_id_header``; b"": none)
+    is the end-to-end header whose first non-empty value is the conversation id.
 
     Framing follows RFC 9112 section 6: Content-Length with Transfer-Encoding,
     conflicting lengths, any coding but a lone ``chunked``, and chunked from an
@@ -144,13 +149,15 @@ def parse_request_headers(
     traceparents: list[bytes] = []
     tracestates: list[bytes] = []
     request_ids: dict[bytes, bytes] | None = None
-    expect = user_agent = None
+    expect = user_agent = conversation = None
     # llhttp strips the whitespace before a field value but keeps what follows it, which
     # RFC 9112 section 5 says is not the value's: stripped here from the values the
     # proxy reads (Host, request ids, trace context); the others pass as they came.
     for name, value in headers:
         lname = name.lower()
         if lname not in _REQUEST_SPECIAL:
+            if lname == conversation_id_name and conversation is None:
+                conversation = value.strip(_OWS) or None  # an empty line is no id
             if lname in request_id_names:
                 value = value.rstrip(_OWS)
                 if not value:
@@ -200,6 +207,8 @@ def parse_request_headers(
             tracestates = []
         if request_ids is not None:
             request_ids = {n: v for n, v in request_ids.items() if n not in listed}
+        if conversation_id_name in listed:
+            conversation = None
     if len(hosts) > 1:
         raise BadRequest(400, "more than one Host header")
     if not hosts and http_version == "1.1":
@@ -209,7 +218,8 @@ def parse_request_headers(
     framing = _framing(lengths, codings, http_version)
     request_id = _first_request_id(request_ids, request_id_names) if request_ids is not None else None
     return RequestParts(framing, hosts[0] if hosts else None, expect, kept, forwarded,
-                        traceparents, tracestates, request_id, user_agent)
+                        traceparents, tracestates, request_id, user_agent,
+                        _conversation_id(conversation) if conversation is not None else "")
 
 
 MAX_CONTENT_LENGTH = 2**63 - 1  # as nginx's off_t
@@ -307,22 +317,14 @@ def _first_request_id(found: dict[bytes, bytes], names: tuple[bytes, ...]) -> by
     return next((found[name] for name in names if name in found), None)
 
 
-MAX_CONVERSATION_ID_CHARS = 256  # a conversation id longer than this is cut here (see conversation_id)
+MAX_CONVERSATION_ID_CHARS = 256  # a conversation id longer than this is cut here (see _conversation_id)
 
 
-def conversation_id(parts: RequestParts, name: bytes) -> str:
-    """The value of the request header ``name`` (lower case, ``tracing.conversation_id_header``)
-    as the request's conversation id: its first non-empty line, latin-1 as the request id,
-    at most ``MAX_CONVERSATION_ID_CHARS`` characters (a longer one keeps its start, so its
-    requests still group together); "" when absent. Read from the end-to-end headers, once
-    per request and only when the setting names a header: the one pass over every
-    request's headers stays as it was."""
-    for field, value in parts.end_to_end:
-        if len(field) == len(name) and field.lower() == name:
-            value = value.strip(_OWS)
-            if value:
-                return value[:MAX_CONVERSATION_ID_CHARS].decode("latin-1")
-    return ""
+def _conversation_id(value: bytes) -> str:
+    """A conversation id header's value as the request's conversation id: latin-1 as the
+    request id, at most ``MAX_CONVERSATION_ID_CHARS`` characters (a longer one keeps its
+    start, so its requests still group together)."""
+    return value[:MAX_CONVERSATION_ID_CHARS].decode("latin-1")
 
 
 def ids_only(headers: Headers, request_id_names: tuple[bytes, ...] = DEFAULT_REQUEST_ID_NAMES) -> RequestParts:

@@ -241,7 +241,7 @@ class RequestReader:
         upgrade = parser.should_upgrade()
         if upgrade and record.method == "CONNECT":
             raise H.BadRequest(501, "CONNECT is not supported: this is a reverse proxy")
-        parts = H.parse_request_headers(self.headers, version, ctx.request_id_names)
+        parts = H.parse_request_headers(self.headers, version, ctx.request_id_names, ctx.conversation_id_name)
         if upgrade:
             self._ignore_upgrade_offer(parts)
         if not origin_form:
