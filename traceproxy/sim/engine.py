@@ -349,7 +349,7 @@ class SimWorker:
             check_role(faults, self.role, self.pd)
         except FaultError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        self.set_faults(specs)
+        self.faults = faults  # already parsed: set_faults would parse the specs again
         self.log.info("%s worker faults now: %s", self.role, [str(f) for f in self.faults.values()] or "none")
         return await self._get_faults(request)
 
