@@ -14,16 +14,15 @@ from __future__ import annotations
 
 from .lifecycle.pd_stages import STAGE_ORDER, STAGES, EngineStage, Worker, role_of_stage, role_of_thread, stage_in
 from .observe import semconv as sc
-from .observe.engine_spans import EngineSpanStore
+from .observe.engine_spans import EngineSpanStore, is_thread_span, pid_of
 from .observe.otlp_reader import ResourceBatch, SpanFacts
 
 ENGINE_WHERE = "engine"  # the timeline's "where" of an engine stage, which does not cut the proxy's waits
-_THREAD_MARK = " (host:"
 
 
 def is_engine_span(span) -> bool:
     """A stage span or a scheduler-thread span, as SGLang names them."""
-    return span.name in STAGES or _THREAD_MARK in span.name or "thread_label" in span.attributes
+    return span.name in STAGES or is_thread_span(span.name, span.attributes)
 
 
 def engine_spans(spans: list, trace_id: str) -> list:
@@ -142,11 +141,10 @@ def stage_from_access_log(entry: dict) -> EngineStage | None:
     if not isinstance(stage, dict) or not isinstance(stage.get("component"), str):
         return None
     worker = stage.get("worker") if isinstance(stage.get("worker"), dict) else None
-    pid = (worker or {}).get("pid")
     return EngineStage(stage["component"], str(stage.get("role") or ""), stage.get("stage") or None,
                        str(stage.get("state") or "in"), None,
                        Worker(str(worker.get("service") or ""), str(worker.get("host") or ""),
-                              pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
+                              pid_of(worker.get("pid")))
                        if worker else None,
                        str(stage.get("source") or "-"), str(stage.get("detail") or ""))
 
@@ -165,10 +163,9 @@ def stage_from_attributes(attributes: dict) -> EngineStage | None:
     """The engine stage a span's ``traceproxy.engine.*`` attributes name; None without one."""
     if not attributes.get(sc.ENGINE_COMPONENT):
         return None
-    pid = attributes.get(sc.ENGINE_WORKER_PID)
     worker = Worker(str(attributes.get(sc.ENGINE_WORKER_SERVICE) or ""), str(attributes.get(sc.ENGINE_WORKER_HOST)
                                                                            or ""),
-                    pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
+                    pid_of(attributes.get(sc.ENGINE_WORKER_PID)))
     return EngineStage(str(attributes[sc.ENGINE_COMPONENT]), str(attributes.get(sc.ENGINE_ROLE) or ""),
                        str(attributes.get(sc.ENGINE_STAGE) or "") or None,
                        str(attributes.get(sc.ENGINE_STAGE_STATE) or "in"), None,

@@ -57,6 +57,17 @@ _AMBIGUOUS = ("", None)
 _THREAD_MARK = " (host:"
 
 
+def is_thread_span(name: str, attributes) -> bool:
+    """A scheduler-thread span, as SGLang names it: ``… [TP n] (host:… | pid:…)``, or with
+    its ``thread_label`` attribute."""
+    return _THREAD_MARK in name or "thread_label" in attributes
+
+
+def pid_of(value) -> int | None:
+    """A pid attribute's value when it is one (an int; a bool is not), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @dataclass(slots=True)
 class _WorkerSpans:
     role: str = ""
@@ -127,7 +138,7 @@ class EngineSpanStore:
                     continue
                 if name in STAGES:
                     trace = self._stage(span, resource, source, now_ns)
-                elif _THREAD_MARK in name or "thread_label" in span.attributes:
+                elif is_thread_span(name, span.attributes):
                     trace = self._thread(span, resource, source, now_ns)
                 else:
                     continue
@@ -190,8 +201,8 @@ class EngineSpanStore:
         worker.finished = True
         worker.role = role_of_thread(str(attrs.get("thread_label") or span.name)) or worker.role
         worker.host = str(attrs.get("host_id") or worker.host)
-        pid = attrs.get("pid")
-        worker.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else worker.pid
+        pid = pid_of(attrs.get("pid"))
+        worker.pid = pid if pid is not None else worker.pid
         worker.last_end_ns = max(worker.last_end_ns, span.end_ns)
         self._learn(source, worker)
         return trace
@@ -235,7 +246,7 @@ class EngineSpanStore:
             worker = trace.workers[key] = _WorkerSpans(exporter=source, service=str(resource.get("service.name", "")))
             host, pid = resource.get("host.name"), resource.get("process.pid")
             worker.host = str(host) if host else ""
-            worker.pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+            worker.pid = pid_of(pid)
         return worker
 
     def _open_worker_of(self, trace: _Trace, nested: str, key: int, resource: dict,
