@@ -70,6 +70,21 @@ def varint(value: int) -> bytes:
 _SMALL_VARINTS = [bytes((n,)) for n in range(0x80)]
 
 
+def read_varint(data: bytes, position: int) -> tuple[int, int]:
+    """The varint at ``position`` and the position after it; IndexError past the end of
+    ``data`` or past ten bytes (a varint holds at most 64 bits; protobuf keeps the low 64)."""
+    value = shift = 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
 def length_delimited(tag: bytes, payload: bytes) -> bytes:
     return tag + varint(len(payload)) + payload
 

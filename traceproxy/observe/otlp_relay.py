@@ -45,6 +45,8 @@ from opentelemetry.proto.common.v1.common_pb2 import (
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
+from .otlp_proto import read_varint
+
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 
@@ -96,18 +98,6 @@ class _Unusual(Exception):
     two), an ``AnyValue`` with more than one member."""
 
 
-def _varint(buf: bytes, pos: int, first: int) -> tuple[int, int]:
-    """The rest of a varint whose first byte (above 0x7f) was read."""
-    value, shift = first & 0x7F, 7
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
 def _int32(value: int) -> int:
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value > 0x7FFFFFFF else value
@@ -125,7 +115,7 @@ def _messages(buf: bytes, pos: int, end: int, field_number: int, read) -> list:
         size = buf[pos]
         pos += 1
         if size > 0x7F:
-            size, pos = _varint(buf, pos, size)
+            size, pos = read_varint(buf, pos - 1)
         items.append(read(buf, pos, pos + size))
         pos += size
     return items
@@ -140,7 +130,7 @@ def _fields(buf: bytes, pos: int, end: int, expected: dict) -> dict:
         key = buf[pos]
         pos += 1
         if key > 0x7F:
-            key, pos = _varint(buf, pos, key)
+            key, pos = read_varint(buf, pos - 1)
         number, wire_type = key >> 3, key & 7
         if expected.get(number, (None,))[0] != wire_type:
             raise _Unusual
@@ -148,14 +138,14 @@ def _fields(buf: bytes, pos: int, end: int, expected: dict) -> dict:
             size = buf[pos]
             pos += 1
             if size > 0x7F:
-                size, pos = _varint(buf, pos, size)
+                size, pos = read_varint(buf, pos - 1)
             value = (pos, pos + size)
             pos += size
         elif wire_type == 0:
             value = buf[pos]
             pos += 1
             if value > 0x7F:
-                value, pos = _varint(buf, pos, value)
+                value, pos = read_varint(buf, pos - 1)
         elif wire_type == 1:
             (value,) = _FIXED64.unpack_from(buf, pos)
             pos += 8
@@ -218,7 +208,7 @@ def _scope_spans(buf: bytes, pos: int, end: int) -> dict:
         if size < 0x80:
             pos += 2
         else:
-            size, pos = _varint(buf, pos + 2, size)
+            size, pos = read_varint(buf, pos + 1)
         after = pos + size
         if key == 0x12:  # 2
             spans.append(_span(buf, pos, after))
@@ -286,7 +276,7 @@ def _span(buf: bytes, pos: int, end: int) -> dict:
             if size < 0x80:
                 pos += 2
             else:
-                size, pos = _varint(buf, pos + 2, size)
+                size, pos = read_varint(buf, pos + 1)
             after = pos + size
             if key == 0x0A:  # 1
                 trace_id = buf[pos:after]
@@ -332,7 +322,7 @@ def _span(buf: bytes, pos: int, end: int) -> dict:
             if value < 0x80:
                 pos += 2
             else:
-                value, pos = _varint(buf, pos + 2, value)
+                value, pos = read_varint(buf, pos + 1)
             if key == 0x30:
                 kind = value
             elif key == 0x50:
@@ -459,7 +449,7 @@ def _key_value(buf: bytes, pos: int, end: int) -> dict:
         size = buf[pos + 1]
         pos += 2
         if size > 0x7F:
-            size, pos = _varint(buf, pos, size)
+            size, pos = read_varint(buf, pos - 1)
         after = pos + size
         if key == 0x0A:
             if size:
@@ -485,7 +475,7 @@ def _any_value(buf: bytes, pos: int, end: int) -> dict:
         size = buf[pos]
         pos += 1
         if size > 0x7F:
-            size, pos = _varint(buf, pos, size)
+            size, pos = read_varint(buf, pos - 1)
         after = pos + size
         if after != end:
             raise _Unusual  # more than one member
@@ -502,7 +492,7 @@ def _any_value(buf: bytes, pos: int, end: int) -> dict:
         value = buf[pos]
         pos += 1
         if value > 0x7F:
-            value, pos = _varint(buf, pos, value)
+            value, pos = read_varint(buf, pos - 1)
         if pos != end:
             raise _Unusual
         value &= 0xFFFFFFFFFFFFFFFF  # protobuf keeps a varint's low 64 bits, for a bool too

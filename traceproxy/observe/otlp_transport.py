@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from traceproxy import __version__
 
+from .otlp_proto import read_varint
 from .otlp_settings import OtlpSettings
 
 log = logging.getLogger("traceproxy.export")
@@ -312,13 +313,13 @@ def protobuf_fields(data: bytes) -> list[tuple[int, int | bytes]]:
     position = 0
     try:
         while position < len(data):
-            key, position = _varint_at(data, position)
+            key, position = read_varint(data, position)
             number, wire_type = key >> 3, key & 7
             if wire_type == 0:
-                value, position = _varint_at(data, position)
+                value, position = read_varint(data, position)
                 fields.append((number, value))
             elif wire_type == 2:
-                length, position = _varint_at(data, position)
+                length, position = read_varint(data, position)
                 if position + length > len(data):
                     return []
                 fields.append((number, data[position:position + length]))
@@ -330,16 +331,3 @@ def protobuf_fields(data: bytes) -> list[tuple[int, int | bytes]]:
     except IndexError:
         return []
     return fields
-
-
-def _varint_at(data: bytes, position: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, position
-        shift += 7
-        if shift > 63:
-            raise IndexError("varint too long")
