@@ -437,6 +437,9 @@ class ResponseParts:
     end_to_end: Headers
     event_stream: bool  # Content-Type: text/event-stream (SSE)
     end_to_end_lines: bytes  # end_to_end, formatted as header lines
+    # A Content-Encoding other than identity (gzip, ...) is kept: the body's bytes are
+    # not its events, so they cannot be read as they pass.
+    coded: bool = False
 
 
 def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozenset()) -> ResponseParts:
@@ -448,7 +451,7 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
     hop-by-hop header, so the client would get it without being told.
     """
     kept: Headers = []
-    event_stream = False
+    event_stream = coded = False
     length = None
     codings: list[bytes] | None = None
     listed: set[bytes] | None = None
@@ -460,6 +463,8 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
             kept.append((name, value))
             if lname == b"content-type":
                 event_stream = b"text/event-stream" in value.lower()
+            elif lname == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+                coded = True
         elif lname == b"content-length":
             length = value.strip()
         elif lname == b"transfer-encoding":
@@ -470,12 +475,13 @@ def parse_response_headers(headers: Headers, replaced: frozenset[bytes] = frozen
             listed = _connection_listed(listed, value)
     if listed is not None and not listed <= _NOT_NAMES:
         kept = [(n, v) for n, v in kept if n.lower() not in listed]
+        coded = coded and b"content-encoding" not in listed
     if codings is not None and codings != [b"chunked"]:
         shown = b", ".join(codings).decode("latin-1")
         raise BadResponse(f"unsupported response: Transfer-Encoding {shown!r}: only 'chunked' is passed on")
     if length is not None and len(length) >= 19 and int(length) > MAX_CONTENT_LENGTH:  # llhttp checked the digits
         raise BadResponse(f"malformed response: Content-Length {length.decode()} is larger than {MAX_CONTENT_LENGTH}")
-    return ResponseParts(codings is not None, length, kept, event_stream, header_lines(kept))
+    return ResponseParts(codings is not None, length, kept, event_stream, header_lines(kept), coded)
 
 
 class ResponseFraming:

@@ -102,7 +102,7 @@ class ResponseRelay:
         self.chunked = framing == H.ResponseFraming.CHUNKED
         if framing == H.ResponseFraming.LENGTH and length.isdigit():
             self.declared_length = int(length)
-        if parts.event_stream and status == 200 and head.method != "HEAD" and not _coded(parts):
+        if parts.event_stream and status == 200 and head.method != "HEAD" and not parts.coded:
             self.events = record.stream_events = EventScanner()
         # Keep the client connection only if its request was read to the end and
         # the response has a length the client can see.
@@ -248,10 +248,3 @@ class ResponseRelay:
         if self.exchange is not None:
             self.exchange.upstream_write_resumed()
 
-
-def _coded(parts: H.ResponseParts) -> bool:
-    """The body has a content coding (gzip, ...): its events cannot be read as they pass."""
-    if b"content-encoding:" not in parts.end_to_end_lines.lower():
-        return False
-    return any(name.lower() == b"content-encoding" and value.strip().lower() not in (b"", b"identity")
-               for name, value in parts.end_to_end)
