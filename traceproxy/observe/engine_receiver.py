@@ -100,7 +100,7 @@ class EngineSpans:
         handler = grpc.method_handlers_generic_handler(
             SERVICE, {"Export": grpc.unary_unary_rpc_method_handler(self._grpc_export)})  # bytes in, bytes out
         server.add_generic_rpc_handlers((handler,))
-        target = f"[{address.host}]:{address.port}" if ":" in address.host else f"{address.host}:{address.port}"
+        target = str(address)  # HOST:PORT, an IPv6 host in brackets
         try:
             port = server.add_insecure_port(target)
         except RuntimeError:
@@ -142,19 +142,11 @@ class EngineSpans:
         """Keep what the join needs and relay the request; the spans it held. Raises BodyRefused."""
         if len(body) <= THREAD_BODY_BYTES:
             return self.take_now(body, peer)
-        try:
-            batches = await asyncio.to_thread(read_engine_request, body)
-        except MalformedOtlp as exc:
-            raise BodyRefused("malformed", str(exc)) from None
-        return self._keep(batches, body, peer)
+        return self._keep(await asyncio.to_thread(_read, body), body, peer)
 
     def take_now(self, body: bytes, peer: str) -> int:
         """``take`` on the loop, for a body of at most ``THREAD_BODY_BYTES``."""
-        try:
-            batches = read_engine_request(body)
-        except MalformedOtlp as exc:
-            raise BodyRefused("malformed", str(exc)) from None
-        return self._keep(batches, body, peer)
+        return self._keep(_read(body), body, peer)
 
     def _keep(self, batches: list, body: bytes, peer: str) -> int:
         spans = count_spans(batches)
@@ -200,3 +192,11 @@ class EngineSpans:
         return {"otlp_http": self.http_port, "otlp_grpc": self.grpc_port, "requests": self.requests,
                 "rejected": dict(self.rejected), "spans_relayed": self.spans_relayed,
                 "relay_dropped": self.relay_dropped, **self.store.numbers()}
+
+
+def _read(body: bytes) -> list:
+    """``read_engine_request``, a body it cannot read refused as malformed."""
+    try:
+        return read_engine_request(body)
+    except MalformedOtlp as exc:
+        raise BodyRefused("malformed", str(exc)) from None
