@@ -221,13 +221,13 @@ class UpstreamConnection(asyncio.Protocol):
                 return
             self._extra_message = True  # garbage after a complete response: never reuse
         if not self._awaiting and self.user is user:
-            if self._chunked_body and not data.endswith(NO_TRAILERS_END) and section_at_end(
-                    data, self._since_body, self._body_seen or awaiting_head) > self.pool.max_head_bytes:
-                # Not judged when bytes came after the response in this read (the
-                # connection is never reused then): where it ended in the read is not known.
-                if not self._extra_message:
-                    self._refuse_trailers(user)
-                    return
+            # Not judged when bytes came after the response in this read (the connection
+            # is never reused then): where it ended in the read is not known.
+            if (self._chunked_body and not self._extra_message and not data.endswith(NO_TRAILERS_END)
+                    and section_at_end(data, self._since_body, self._body_seen or awaiting_head)
+                    > self.pool.max_head_bytes):
+                self._refuse_trailers(user)
+                return
             self._since_body = b""  # no read outlives its response on an idle connection
             user.upstream_response_complete(self._reusable())
         elif self.user is user:
