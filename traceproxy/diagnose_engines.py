@@ -89,9 +89,7 @@ def summary_lines(spans: list, at_stall: dict | None = None,
     if stage is None:
         return []
     if stage.state == "ended":
-        if _dropped(spans):
-            return [f"  engines: {_how_workers_ended(spans)}; the last stage that ended: {stage.words()}"]
-        return [f"  engines: every worker finished; the last stage that ended: {stage.words()}"]
+        return [f"  engines: {_how_workers_ended(spans)}; the last stage that ended: {stage.words()}"]
     return [f"  engines: when these spans were written the request was in {stage.words()}"]
 
 
@@ -114,21 +112,18 @@ def stages_never_ended(spans: list) -> list[tuple[str, str]]:
     return found
 
 
-def _dropped(spans: list) -> bool:
-    return any(s.status == "error" for s in _threads(spans)) or bool(stages_never_ended(spans))
-
-
 def _how_workers_ended(spans: list) -> str:
     """``every worker ended (status error), prefill_transfer_kv_cache (prefill) never ended``;
-    ``every worker finished`` when none dropped it."""
-    if not _dropped(spans):
-        return "every worker finished"
+    ``every worker finished`` when none dropped it (none ended with error status, or before
+    its last stage did)."""
     threads = _threads(spans)
     errors = sum(s.status == "error" for s in threads)
+    never = stages_never_ended(spans)
+    if not errors and not never:
+        return "every worker finished"
     words = "every worker ended"
     if errors:
         words += " (status error)" if errors == len(threads) else f" ({errors} of {len(threads)} with status error)"
-    never = stages_never_ended(spans)
     if never:
         words += ", not finished: " + ", ".join(f"{name} ({role})" for role, name in never) + " never ended"
     return words
