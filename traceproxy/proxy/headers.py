@@ -152,7 +152,8 @@ def parse_request_headers(
     expect = user_agent = conversation = None
     # llhttp strips the whitespace before a field value but keeps what follows it, which
     # RFC 9112 section 5 says is not the value's: stripped here from the values the
-    # proxy reads (Host, request ids, trace context); the others pass as they came.
+    # proxy reads (Host, request ids, trace context, the conversation id); the others
+    # pass as they came.
     for name, value in headers:
         lname = name.lower()
         if lname not in _REQUEST_SPECIAL:
