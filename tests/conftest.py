@@ -7,7 +7,7 @@ from traceproxy.config import default_settings
 from traceproxy.lifecycle.hooks import Fanout
 from traceproxy.sim.fast import FastUpstream
 
-from .support import LoopThread, ScriptedUpstream
+from .support import LoopThread, ScriptedUpstream, started_for_the_test
 
 
 @pytest.fixture(scope="session")
@@ -20,46 +20,24 @@ def loop_thread():
 @pytest.fixture
 def start_proxy(loop_thread):
     """``start_proxy(upstream_url, **{"dotted.key": value})`` -> a running ProxyServer."""
-    started: list[ProxyServer] = []
 
-    def factory(upstream_url: str, observers=(), **overrides) -> ProxyServer:
+    def make(upstream_url: str, observers=(), **overrides) -> ProxyServer:
         settings = default_settings().replace(
             **{"listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": upstream_url,
                "tracing.exporter": "off", "access_log.path": "", **overrides}
         )
-        server = ProxyServer(settings, Fanout(list(observers)))
-        loop_thread.run(server.start())
-        started.append(server)
-        return server
+        return ProxyServer(settings, Fanout(list(observers)))
 
-    yield factory
-    for server in started:
-        loop_thread.run(server.shutdown(grace=0))
+    yield from started_for_the_test(loop_thread, make, stop=lambda server: server.shutdown(grace=0))
 
 
 @pytest.fixture
 def fast_upstream(loop_thread):
-    started: list[FastUpstream] = []
-
-    def factory(**kwargs) -> FastUpstream:
-        up = loop_thread.run(FastUpstream(**kwargs).start())
-        started.append(up)
-        return up
-
-    yield factory
-    for up in started:
-        loop_thread.run(up.stop())
+    """``fast_upstream(**options)`` -> a running FastUpstream, stopped at the test's end."""
+    yield from started_for_the_test(loop_thread, FastUpstream)
 
 
 @pytest.fixture
 def scripted_upstream(loop_thread):
-    started: list[ScriptedUpstream] = []
-
-    def factory(handler) -> ScriptedUpstream:
-        up = loop_thread.run(ScriptedUpstream(handler).start())
-        started.append(up)
-        return up
-
-    yield factory
-    for up in started:
-        loop_thread.run(up.stop())
+    """``scripted_upstream(handler)`` -> a running ScriptedUpstream, stopped at the test's end."""
+    yield from started_for_the_test(loop_thread, ScriptedUpstream)

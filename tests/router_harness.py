@@ -195,6 +195,12 @@ def harness(request, loop_thread):
 @pytest.fixture
 def pd_router(harness):
     """The module's router with empty records, no faults and default pacing."""
+    yield from reset_around_the_test(harness)
+
+
+def reset_around_the_test(harness: RouterHarness):
+    """The body of a per-test fixture on a module's harness: reset before the test, so it starts from empty
+    records, no faults and default pacing, and after it, so the next one does not inherit what it left."""
     harness.reset()
     yield harness
     harness.reset()

@@ -434,23 +434,30 @@ def ended(proxy) -> list:
     return done
 
 
+def started_for_the_test(loop_thread: LoopThread, make: Callable, stop: Callable = lambda thing: thing.stop()):
+    """The body of a fixture that yields a factory: each call makes a thing with ``make(*args, **kwargs)``,
+    starts it on ``loop_thread`` and returns it; each thing started is stopped with ``stop(thing)`` when the
+    test ends. One that fails to start is never stopped."""
+    started = []
+
+    def factory(*args, **kwargs):
+        thing = make(*args, **kwargs)
+        loop_thread.run(thing.start())
+        started.append(thing)
+        return thing
+
+    yield factory
+    for thing in started:
+        loop_thread.run(stop(thing))
+
+
 # Fixtures shared by more than one test module; a module that uses one imports it by name.
 @pytest.fixture
 def start_pipe(loop_thread):
     """``start_pipe(export_config)`` -> a running SpanExportPipe, stopped at the test's end."""
     from traceproxy.observe.export import SpanExportPipe
 
-    started = []
-
-    def factory(export_config):
-        pipe = SpanExportPipe(export_config)
-        loop_thread.run(pipe.start())
-        started.append(pipe)
-        return pipe
-
-    yield factory
-    for pipe in started:
-        loop_thread.run(pipe.stop(timeout=2.0))
+    yield from started_for_the_test(loop_thread, SpanExportPipe, stop=lambda pipe: pipe.stop(timeout=2.0))
 
 
 @pytest.fixture
@@ -458,13 +465,4 @@ def start_worker(loop_thread):
     """``start_worker(role, **options)`` -> a running simulated engine worker, stopped at the test's end."""
     from traceproxy.sim.engine import SimWorker
 
-    started = []
-
-    def factory(role: str, **kwargs):
-        worker = loop_thread.run(SimWorker(role, **kwargs).start())
-        started.append(worker)
-        return worker
-
-    yield factory
-    for worker in started:
-        loop_thread.run(worker.stop())
+    yield from started_for_the_test(loop_thread, SimWorker)

@@ -45,7 +45,7 @@ from traceproxy.sim.otel import make_tracing
 from traceproxy.sim.stages import STAGE_ORDER
 
 from .otlp_receiver import OtlpGrpcReceiver
-from .router_harness import ROUTERS_UNDER_TEST, RouterHarness
+from .router_harness import ROUTERS_UNDER_TEST, RouterHarness, reset_around_the_test
 from .support import Done, LoopThread, RawClient, recv_until, start_worker, wait_until  # noqa: F401  (start_worker: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -852,9 +852,7 @@ def sim(request, loop_thread: LoopThread, span_receiver):
 @pytest.fixture
 def pd(sim):
     """The module's deployment with no faults, nothing held and empty records."""
-    sim.reset()
-    yield sim
-    sim.reset()
+    yield from reset_around_the_test(sim)
 
 
 @pytest.fixture

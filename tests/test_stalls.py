@@ -15,8 +15,8 @@ import urllib.request
 from traceproxy.observe.spandata import KIND_INTERNAL
 from traceproxy.observe.tracing import TracingObserver
 
-from .support import (ListSink, RawClient, answers_in_parts, header_value, never_answers, raw_exchange, recv_until,
-                      streams_without_end, wait_until)
+from .support import (ListSink, RawClient, answers_in_parts, ended, header_value, never_answers, raw_exchange,
+                      recv_until, streams_without_end, wait_until)
 
 FAST = {"stall.client_headers": 0.3, "stall.client_body": 0.3, "stall.pool_wait": 0.3, "stall.first_byte": 0.3,
         "stall.stream_gap": 0.3, "stall.client_drain": 0.3}
@@ -30,23 +30,9 @@ def _proxy(start_proxy, upstream_url, **overrides):
     return proxy, sink
 
 
-def _ended(proxy) -> list:
-    """The records of the requests ``proxy`` ends from now on, as they end."""
-    ended = []
-
-    class Ended:
-        def on_done(self, record):
-            ended.append(record)
-
-    proxy.fanout.add(Ended())
-    return ended
-
-
 def _inflight(proxy) -> list[dict]:
     with urllib.request.urlopen(f"http://127.0.0.1:{proxy.admin_port}/debug/inflight", timeout=5) as resp:
         return json.loads(resp.read())["requests"]
-
-
 
 
 def test_lone_stuck_request_on_an_idle_proxy_is_reported_while_stuck(scripted_upstream, start_proxy, caplog):
@@ -97,7 +83,7 @@ def test_a_stall_that_resolves_is_recorded_with_its_duration(scripted_upstream, 
                                             b"3\r\ntwo\r\n0\r\n\r\n", pause=0.8)
 
     proxy, sink = _proxy(start_proxy, scripted_upstream(pauses_then_finishes).url)
-    done = _ended(proxy)
+    done = ended(proxy)
     resp = RawClient(proxy.port).roundtrip("GET", "/")
     assert resp.complete and resp.body == b"onetwo"
     assert wait_until(lambda: done)
@@ -129,12 +115,12 @@ def test_abort_on_lists_kinds_that_abort_while_others_only_observe(scripted_upst
     # ... and a kind that is listed does abort: the stream is cut, the request ends MSS.
     silent = answers_in_parts(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ntoken-1\r\n")
     proxy, sink = _proxy(start_proxy, scripted_upstream(silent).url, **{"stall.abort_on": ["stream_gap"]})
-    ended = _ended(proxy)
+    done = ended(proxy)
     client = RawClient(proxy.port)
     client.request("POST", "/v1/chat/completions", body=b"{}")
     response = client.response()
     assert response.status == 200 and not response.complete  # cut short, not ended as if whole
-    assert wait_until(lambda: ended, timeout=5) and ended[0].outcome.code == "MSS"
+    assert wait_until(lambda: done, timeout=5) and done[0].outcome.code == "MSS"
     client.close()
 
 
@@ -311,7 +297,7 @@ def test_a_stall_resolved_by_the_end_of_a_stream_without_done_is_resolved(script
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"b\r\ndata: one\n\n\r\n", b"b\r\ndata: two\n\n\r\n0\r\n\r\n", pause=0.8)
     proxy, sink = _proxy(start_proxy, scripted_upstream(pauses_then_ends).url)
-    done = _ended(proxy)
+    done = ended(proxy)
     assert RawClient(proxy.port).roundtrip("GET", "/").complete
     assert wait_until(lambda: done)
     assert done[0].outcome.code == "NDN"
@@ -326,7 +312,7 @@ def test_a_head_stall_resolves_when_the_head_arrives(scripted_upstream, start_pr
         await writer.drain()
 
     proxy, sink = _proxy(start_proxy, scripted_upstream(answers_later).url, **{"stall.first_byte": 5.0})
-    done = _ended(proxy)
+    done = ended(proxy)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\n")
         assert wait_until(lambda: sink.now_items, timeout=3)
