@@ -83,14 +83,19 @@ class EngineStageJoin:
         if found is not None or not stages.seen_engine_spans or phase not in _WAITING_FOR_HEAD:
             return found
         sent = record.attempt.marks.get(MARK.FIRST_UPSTREAM_TX_BYTE) if record.attempt is not None else None
-        if sent is None or now_ns - sent < self.settle_ns:
+        return self._not_opened(sent, now_ns, self.clock_offset_ns)
+
+    def _not_opened(self, sent_ns: int | None, now_ns: int, clock_offset_ns: int) -> EngineStage | None:
+        """A request sent (monotonic ``sent_ns``) and not answered, of which no engine has
+        exported a span: not opened at the engines once ``settle_s`` has passed; None before."""
+        if not sent_ns or now_ns - sent_ns < self.settle_ns:
             return None
-        return not_opened(sent + self.clock_offset_ns)
+        return not_opened(sent_ns + clock_offset_ns)
 
     def as_dict(self, record: RequestRecord, now_ns: int) -> dict | None:
         """The ``engine_stage`` of an in-flight entry."""
         found = self.stage_of(record, now_ns)
-        return None if found is None else found.as_dict(now_ns + self.clock_offset_ns)
+        return None if found is None else found.as_dict(self.wall_ns(now_ns))
 
     def wall_ns(self, monotonic_ns: int) -> int:
         return monotonic_ns + self.clock_offset_ns
@@ -111,17 +116,13 @@ class EngineStageJoin:
     # -- a finished request's summary ---------------------------------------------------
     def stage_of_summary(self, s: RequestSummary) -> dict | None:
         """Where the engines had a request when it ended, from what its summary holds."""
-        end_wall = s.end_ns + s.clock_offset_ns
         stages = self.stages
         if stages is None or not s.trace_id:
             return None
         found = stages.stage_of(s.trace_id)
-        if found is None and stages.seen_engine_spans and s.attempts:
-            marks = s.attempts[-1].marks
-            sent = marks[_SENT]
-            if sent and not marks[_ANSWERED] and s.end_ns - sent >= self.settle_ns:
-                found = not_opened(sent + s.clock_offset_ns)
-        return None if found is None else found.as_dict(end_wall)
+        if found is None and stages.seen_engine_spans and s.attempts and not s.attempts[-1].marks[_ANSWERED]:
+            found = self._not_opened(s.attempts[-1].marks[_SENT], s.end_ns, s.clock_offset_ns)
+        return None if found is None else found.as_dict(s.end_ns + s.clock_offset_ns)
 
 
 class EngineStageSink:
