@@ -47,9 +47,9 @@ from .demo import (ENGINE_STALL, HARNESS, HARNESS_VIA_FAULTY_PROXY, LEAVE_MID_ST
                    SIM_MODEL, STOP_MID_BODY, Row, Said, Scenario, Where, codes_shown, data_paths, engine_stage_lines,
                    expectation, files_lines, legend_lines, note_lines, running_lines, stopped_lines, table_lines,
                    verdict_words)
+from .diagnose_engines import stage_from_dict
 from .lifecycle.flags import BY_CODE, Flag
 from .lifecycle.hooks import Fanout
-from .lifecycle.pd_stages import EngineStage, Worker
 from .lifecycle.timeline import RequestRecord
 from .repro.harness import HUNG, OK, REUSED, run_repro
 from .repro.inflight import IN_FLIGHT, NOT_REACHED, AdminError, Diagnosis, ask_proxy, fetch_inflight, from_entry
@@ -309,10 +309,7 @@ class StallWatch:
 def stage_words(stage: dict) -> str:
     """An ``engine_stage`` object in the words of the stall log line:
     ``kv_transfer (prefill prefill_transfer_kv_cache, sglang host 1a2b3c4d pid 12; from spans)``."""
-    worker = stage.get("worker")
-    named = Worker(worker.get("service") or "", worker.get("host") or "", worker.get("pid")) if worker else None
-    return EngineStage(stage["component"], stage.get("role") or "", stage.get("stage"), stage.get("state") or "in",
-                       None, named, stage.get("source") or "", stage.get("detail") or "").words()
+    return stage_from_dict(stage).words()
 
 
 async def _harness(scenario: Scenario, stack: Stack, url: str | None = None) -> Said:

@@ -130,9 +130,14 @@ def _how_workers_ended(spans: list) -> str:
 
 
 def stage_from_access_log(entry: dict) -> EngineStage | None:
-    """The ``engine_stage`` of an access log line (``EngineStage.as_dict``), None when it has
-    none or it is not of that shape."""
-    stage = entry.get("engine_stage")
+    """The ``engine_stage`` of an access log line, None when it has none or it is not of
+    that shape."""
+    return stage_from_dict(entry.get("engine_stage"))
+
+
+def stage_from_dict(stage) -> EngineStage | None:
+    """An ``engine_stage`` object (``EngineStage.as_dict``: an access log line's, an entry
+    of ``/debug/inflight``), None when it is not of that shape."""
     if not isinstance(stage, dict) or not isinstance(stage.get("component"), str):
         return None
     worker = stage.get("worker") if isinstance(stage.get("worker"), dict) else None
