@@ -370,11 +370,14 @@ class ListSink:
     ``backlog``: what ``backlogged()`` answers (the exporter is behind)."""
 
     def __init__(self, backlog: bool = False) -> None:
-        self.items, self.now_items = [], []
+        self.items, self.now_items, self.lines = [], [], []
         self.backlog = backlog
 
     def submit(self, items) -> None:
         self.items.extend(items)
+
+    def submit_line(self, line: bytes) -> None:
+        self.lines.append(line)
 
     def submit_now(self, items) -> None:
         self.now_items.extend(items)

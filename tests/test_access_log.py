@@ -156,6 +156,13 @@ class _FailingThenWorking:
         self.real.close()
 
 
+def _line_batch(*summaries) -> tuple[bytes, int]:
+    """The lines of these summaries as the proxy sends them to the exporter process."""
+    from traceproxy.observe.accesslog import access_line
+
+    return b"".join(access_line(summary) + b"\n" for summary in summaries), len(summaries)
+
+
 def test_a_log_that_fails_then_recovers_says_so_twice_and_keeps_whole_lines(tmp_path, caplog):
     import logging
 
@@ -167,13 +174,13 @@ def test_a_log_that_fails_then_recovers_says_so_twice_and_keeps_whole_lines(tmp_
     writer._lines._file = failing
     summary = _finished_request(TRACE_ID)
     with caplog.at_level(logging.WARNING, logger="traceproxy.access_log"):
-        writer.write_summaries([summary])
+        writer.write_lines(*_line_batch(summary))
         failing.full = True
         for _ in range(3):
-            writer.write_summaries([summary, summary])
+            writer.write_lines(*_line_batch(summary, summary))
         failing.full = False
-        writer.write_summaries([summary])
-        writer.write_summaries([summary])
+        writer.write_lines(*_line_batch(summary))
+        writer.write_lines(*_line_batch(summary))
     writer.close()
     assert writer.lines_lost == 6
     messages = [record.getMessage() for record in caplog.records]
@@ -189,7 +196,7 @@ def test_the_log_to_stdout_writes_whole_lines_there():
     import subprocess
     import sys
 
-    from traceproxy.observe.export_wire import ExportConfig, encode_frame, parse_stats_line
+    from traceproxy.observe.export_wire import AccessLines, ExportConfig, encode_frame, parse_stats_line
 
     config = ExportConfig(exporter="off", otlp_endpoint="", otlp_protocol="http/protobuf", file_path="",
                           service_name="t", access_log_path="-").to_json()
@@ -198,7 +205,8 @@ def test_the_log_to_stdout_writes_whole_lines_there():
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(stats_write,))
     os.close(stats_write)
     try:
-        out, _ = child.communicate(encode_frame([_finished_request(TRACE_ID)] * 2), timeout=30)
+        lines = AccessLines(*_line_batch(*[_finished_request(TRACE_ID)] * 2))
+        out, _ = child.communicate(encode_frame([lines]), timeout=30)
     finally:
         child.kill()
     with os.fdopen(stats_read, "rb") as stats:
@@ -210,7 +218,7 @@ def test_the_log_to_stdout_writes_whole_lines_there():
 
 
 def test_a_lines_timings_are_seconds_to_the_microsecond_from_the_summary(tmp_path):
-    # Built from a summary alone, as the exporter does: every timing from its two marks,
+    # Built from a summary alone, as the proxy does: every timing from its two marks,
     # the wall time from the monotonic start and the clock offset, to the millisecond.
     from traceproxy.lifecycle.marks import Mark
     from traceproxy.observe.accesslog import AccessLogWriter
@@ -232,7 +240,7 @@ def test_a_lines_timings_are_seconds_to_the_microsecond_from_the_summary(tmp_pat
         stalls=(("FBS", "first_byte", start, start + 2_500_000, 0),))
     path = tmp_path / "access.log"
     writer = AccessLogWriter(str(path))
-    writer.write_summaries([summary, summary._replace(attempts=())])
+    writer.write_lines(*_line_batch(summary, summary._replace(attempts=())))
     writer.close()
     text = path.read_text()
     assert text.endswith("\n") and text.count("\n") == 2

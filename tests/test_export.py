@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import traceproxy
 from traceproxy.observe.export import ExportConfig, SpanExportPipe
-from traceproxy.observe.export_wire import FRAME_HEADER, decode_frame, encode_frame, parse_stats_line
+from traceproxy.observe.export_wire import AccessLines, FRAME_HEADER, decode_frame, encode_frame, parse_stats_line
 from traceproxy.observe.otlp_settings import http_traces_url
 from traceproxy.observe.semconv import SCHEMA_URL
 from traceproxy.observe.spans import AttemptSummary, RequestSummary
@@ -465,6 +465,35 @@ def test_kept_requests_bodies_send_their_batch_before_it_is_full(start_pipe, loo
     assert stats_of(loop_thread, pipe)["spans_dropped"] == 0
 
 
+def test_access_log_lines_leave_with_the_batch_and_count_toward_it(start_pipe, loop_thread, tmp_path):
+    """Lines the proxy made reach the access log as they were, beside the spans of the
+    same batch; a batch of lines is sent when full, long before its timer."""
+    log_path, spans_path = tmp_path / "access.log", tmp_path / "spans.jsonl"
+    pipe = start_pipe(make_config("file", file_path=str(spans_path), access_log_path=str(log_path),
+                                  batch_spans=4, flush_interval=60.0))
+    loop_thread.call(pipe.submit, sample_trace())
+    loop_thread.call(pipe.submit_line, b'{"n":1}')
+    assert stats_of(loop_thread, pipe)["spans_queued"] == 3  # two spans and a line: the batch waits
+    loop_thread.call(pipe.submit_line, '{"n":"\u00e9"}'.encode())  # the fourth item fills it
+    assert wait_until(lambda: log_path.exists() and log_path.read_bytes().count(b"\n") == 2, timeout=10)
+    assert log_path.read_bytes() == b'{"n":1}\n{"n":"\xc3\xa9"}\n'
+    assert wait_until(lambda: spans_path.exists() and spans_path.read_text().endswith("\n"), timeout=10)
+    assert_sample_trace(flatten(otlp_json_to_request(spans_path.read_text())))  # the same frame's spans
+    stats = stats_of(loop_thread, pipe)
+    assert stats["spans_dropped"] == 0 and stats["access_log_lines_lost"] == 0
+
+
+def test_lines_for_a_dead_exporter_are_counted_as_lost_lines_not_spans(start_pipe, loop_thread, tmp_path):
+    pipe = start_pipe(make_config("off", access_log_path=str(tmp_path / "access.log")))
+    os.kill(pipe.pid, signal.SIGKILL)
+    assert wait_until(lambda: not stats_of(loop_thread, pipe)["exporter_alive"], timeout=10)
+    for n in range(10):
+        loop_thread.call(pipe.submit_line, b'{"n":%d}' % n)
+    loop_thread.call(pipe._flush)
+    stats = stats_of(loop_thread, pipe)
+    assert stats["access_log_lines_lost"] == 10 and stats["spans_dropped"] == 0
+
+
 def test_frames_carry_spans_and_request_summaries_unchanged():
     summary = RequestSummary(
         trace_id=TRACE_ID, span_id=7, parent_span_id=0, sampled=True, tracestate="a=1", rejected_traceparent="",
@@ -475,11 +504,11 @@ def test_frames_carry_spans_and_request_summaries_unchanged():
         request_body_head=b'{"x":1}', response_tail=b"\x00\xff", request_body_tail=b"", stalls=(("FBS", "first_byte", 1, 2, 0),),
         attempts=(AttemptSummary(11, 0, 4, True, 100, 3, (0, 2, 2, 2, 3, 4, 5, 6), "", ""),), keep_spans=False,
     )
-    items = [summary, *sample_trace()]
+    items = [summary, *sample_trace(), AccessLines(b'{"a":1}\n{"b":2}\n', 2)]
     payload = encode_frame(items)[FRAME_HEADER.size:]
     decoded = decode_frame(payload)
     assert decoded == items
-    assert [type(item) for item in decoded] == [RequestSummary, SpanData, SpanData]
+    assert [type(item) for item in decoded] == [RequestSummary, SpanData, SpanData, AccessLines]
     assert type(decoded[0].attempts[0]) is AttemptSummary
 
 

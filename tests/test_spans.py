@@ -154,12 +154,21 @@ def test_shed_requests_still_send_their_access_log_line(fast_upstream, start_pro
     observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0, access_log=True)
     proxy = start_proxy(fast_upstream().url, observers=[observer])
     RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b'{"model": "m", "max_tokens": 2}')
-    assert wait_until(lambda: len(sink.items) == 1)
-    line_only = sink.items[0]
-    assert not line_only.keep_spans and observer.shed == {"rate": 0, "backlog": 1}
-    # What the line needs is there; the GenAI evidence only spans use is not copied.
-    assert line_only.request_body_bytes > 0 and line_only.response_body_bytes > 0
-    assert line_only.request_body_head == b"" and line_only.response_tail == b""
+    assert wait_until(lambda: len(sink.lines) == 1)
+    assert observer.shed == {"rate": 0, "backlog": 1}
+    assert sink.items == []  # its spans were shed: nothing else goes to the exporter
+    line = json.loads(sink.lines[0])
+    assert line["outcome"] == "OK" and line["request_bytes"] > 0 and line["response_bytes"] > 0
+
+
+def test_a_kept_request_sends_its_summary_and_its_line(fast_upstream, start_proxy):
+    sink = ListSink()
+    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0, access_log=True)
+    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    RawClient(proxy.port).roundtrip("GET", "/v1/models")
+    assert wait_until(lambda: len(sink.lines) == 1 and len(sink.items) == 1)
+    [summary] = sink.items
+    assert summary.keep_spans and json.loads(sink.lines[0])["trace_id"] == f"{summary.trace_id:032x}"
 
 
 def test_healthy_traces_past_the_rate_ceiling_are_shed_failed_ones_never(fast_upstream, start_proxy):

@@ -259,12 +259,9 @@ class ProxyServer:
         # of spans, never a scrape or a wait.
         self.stall_log.engines = side.readings
         if self.tracing is not None:
-            from .observe.engine_join import EngineStageSink
-
             if side.readings.scraping:
                 self.tracing.engines = side.readings
-            if side.readings.join is not None:
-                self.tracing.sink = EngineStageSink(self.tracing.sink, side.readings.join)
+            self.tracing.stage_join = side.readings.join
 
     def _start_prober(self) -> None:
         """The fresh-connection stall probe, only when ``probe_on_stall`` is on."""

@@ -23,8 +23,8 @@ Spans carry wall-clock times; the proxy's marks are monotonic. ``clock_offset_ns
 
 The same facts reach a stall's log line (``watchdog.StallLog``, which asks first and
 leaves the answer for the stall span, so both say the same), its span and a finished
-request's access log line through ``EngineStageSink``, the tracing observer's sink when
-the join is on.
+request's summary (its access log line and span) through the tracing observer, which
+holds the join when it is on (``TracingObserver.stage_join``).
 
 ``StageFacts`` is a worker's copy of the stages of its own requests. The parent sends
 the stages that changed (``stage_message``) after each batch of spans; the worker keeps
@@ -125,33 +125,16 @@ class EngineStageJoin:
         return None if found is None else found.as_dict(s.end_ns + s.clock_offset_ns)
 
 
-class EngineStageSink:
-    """The tracing observer's sink with where the engines have each request added: a stall
-    span gets the attributes of the stage its log line said, a request summary the stage
-    at its end (its access log line reads it). Used only when the join is on; otherwise
-    the tracing observer writes to the exporter directly and nothing is looked up."""
+    def placed_summary(self, summary: RequestSummary) -> RequestSummary:
+        """The summary with where the engines had the request when it ended, when known."""
+        stage = self.stage_of_summary(summary)
+        return summary if stage is None else summary._replace(engine_stage=stage)
 
-    def __init__(self, inner, join: EngineStageJoin) -> None:
-        self.inner, self.join = inner, join
-
-    def submit(self, items) -> None:
-        self.inner.submit([self._placed(item) for item in items])
-
-    def submit_now(self, items) -> None:
-        self.inner.submit_now([self._placed(item) for item in items])
-
-    def backlogged(self) -> bool:
-        return self.inner.backlogged()
-
-    def _placed(self, item):
-        if isinstance(item, RequestSummary):
-            stage = self.join.stage_of_summary(item)
-            return item._replace(engine_stage=stage) if stage is not None else item
-        if isinstance(item, SpanData) and sc.STALL_OUTCOME in item.attributes:
-            stage = self.join.said_at_stall(item.trace_id, item.parent_span_id)
-            if stage is not None:
-                item.attributes.update(engine_stage_attributes(stage))
-        return item
+    def placed_stall_span(self, span: SpanData) -> None:
+        """A stall span gets the attributes of the stage its log line said."""
+        stage = self.said_at_stall(span.trace_id, span.parent_span_id)
+        if stage is not None:
+            span.attributes.update(engine_stage_attributes(stage))
 
 
 # ----------------------------------------------------------------------------------

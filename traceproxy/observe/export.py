@@ -9,6 +9,13 @@ the spans.
 Theory of operation:
 - Items are ``SpanData`` or request summaries (``spans.RequestSummary``, which the
   child turns into spans); the parent counts and bounds items, calling them spans.
+- Access log lines come made (``submit_line``: the tracing observer formats each on
+  the loop, which costs less than sending its summary here and restoring it there; see
+  decision 0030). They wait in one buffer and leave with the batch, as one item of the
+  frame, and count toward the batch and the queue one item a line, so a stuck stdout
+  bounds them as a slow collector bounds spans. A line dropped here (the queue full, the
+  child gone) is counted with the child's lines it could not write:
+  ``access_log_lines_lost``.
 - ``backlogged`` says the queue is past ``shed_mark`` (half of ``queue_spans``): the
   tracing observer then sheds healthy requests' spans before building anything,
   so only errored and stalled ones compete for the rest (and counts what it shed).
@@ -63,7 +70,8 @@ from pathlib import Path
 
 import traceproxy
 
-from .export_wire import STATS, STOP_NOW, ExportConfig, RawSpans, flatten, flatten_raw, frame, parse_stats_line
+from .export_wire import (STATS, STOP_NOW, ExportConfig, RawSpans, flatten, flatten_lines, flatten_raw, frame,
+                          parse_stats_line)
 from .spandata import SpanData
 from .spans import RequestSummary
 
@@ -88,6 +96,8 @@ class SpanExportPipe:
         # A batch bigger than the queue could never be sent.
         self._batch_spans = min(config.batch_spans, config.queue_spans)
         self._batch: list[tuple] = []  # flattened items
+        self._lines = bytearray()  # access log lines for the batch, each with its newline
+        self._line_count = 0
         self._batch_evidence = 0  # body bytes the kept requests in the batch carry
         self._flush_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,6 +111,7 @@ class SpanExportPipe:
         self._stopping = False
         self._submitted = 0
         self._dropped = 0
+        self._lines_dropped = 0
         self._shed_mark = max(1, self.config.queue_spans // 2)
 
     # ------------------------------------------------------------------ start
@@ -172,7 +183,24 @@ class SpanExportPipe:
             if type(item) is RequestSummary and item.keep_spans:
                 self._batch_evidence += len(item.request_body_head) + len(item.response_tail) + \
                     len(item.request_body_tail)
-        if len(self._batch) >= self._batch_spans or self._batch_evidence >= BATCH_EVIDENCE_BYTES:
+        self._batch_grew()
+
+    def submit_line(self, line: bytes) -> None:
+        """One access log line, without its newline, to be appended by the exporter process."""
+        if not self._accepting:
+            if self.config.needs_process:
+                self._lines_dropped += 1
+            return
+        # Copied at once, so orjson's bytes are freed as soon as they were made: kept
+        # alive until a join, each a fresh heap block, they cost five times as much to make.
+        lines = self._lines
+        lines += line
+        lines += b"\n"
+        self._line_count += 1
+        self._batch_grew()
+
+    def _batch_grew(self) -> None:
+        if len(self._batch) + self._line_count >= self._batch_spans or self._batch_evidence >= BATCH_EVIDENCE_BYTES:
             self._flush()
         elif self._flush_timer is None:
             self._flush_timer = self._loop.call_later(self.config.flush_interval, self._flush)
@@ -184,7 +212,7 @@ class SpanExportPipe:
     def _queued(self) -> int:
         """Items waiting in this process: the open batch and the frames not yet in the pipe."""
         self._settle_waiting()
-        return len(self._batch) + self._waiting.spans
+        return len(self._batch) + self._line_count + self._waiting.spans
 
     def submit_now(self, spans: Iterable[SpanData]) -> None:
         """Like ``submit``, then send at once: for spans that must be seen while a request still hangs."""
@@ -225,7 +253,7 @@ class SpanExportPipe:
         # transport's buffer, which must already hold the frame.
         data, _ = frame(flat_items)  # bytes and ints: marshal writes them all
         self._writer.write(data)
-        self._waiting.add(len(data), spans)
+        self._waiting.add(len(data), spans, 0)
         self._settle_waiting()
 
     def _drop_uncollected(self, spans: Iterable[SpanData]) -> None:
@@ -241,17 +269,23 @@ class SpanExportPipe:
             self._flush_timer = None
         batch, self._batch = self._batch, []
         self._batch_evidence = 0
-        if not batch:
+        lines, line_count = self._lines, self._line_count
+        if not batch and not line_count:
             return
-        if not self._accepting or self._writer_lost or not self._has_room_for(len(batch)):
+        self._lines, self._line_count = bytearray(), 0
+        if not self._accepting or self._writer_lost or not self._has_room_for(len(batch) + line_count):
             self._dropped += len(batch)
+            self._lines_dropped += line_count
             return
-        data, left_out = frame(batch)
+        items = len(batch)
+        if line_count:
+            batch.append(flatten_lines(lines, line_count))  # marshal writes a bytearray as bytes
+        data, left_out = frame(batch)  # the lines' item is bytes and an int: it is never left out
         if left_out:
             log.warning("dropping %d span item(s) with a value that cannot be encoded", left_out)
             self._dropped += left_out
         self._writer.write(data)
-        self._waiting.add(len(data), len(batch) - left_out)
+        self._waiting.add(len(data), items - left_out + line_count, line_count)
         self._settle_waiting()  # most writes reach the kernel at once
 
     def _has_room_for(self, count: int) -> bool:
@@ -274,8 +308,9 @@ class SpanExportPipe:
         """Counts since start. ``spans_submitted`` includes the dropped ones and, like
         ``spans_dropped`` and ``spans_queued`` (what waits in this process now), counts
         items. ``spans_exported``/``spans_failed`` are the child's counts of real spans
-        (a summary is usually 2), and ``access_log_lines_lost`` its count of lines it
-        could not write: at most a second old, exact after ``stop()``."""
+        (a summary is usually 2). ``access_log_lines_lost``: lines dropped here (the
+        queue full, the child gone) and those the child could not write. The child's
+        counts are at most a second old, exact after ``stop()``."""
         child = self._stats_reader.latest if self._stats_reader else dict.fromkeys(STATS, 0)
         return {
             "spans_submitted": self._submitted,
@@ -283,7 +318,7 @@ class SpanExportPipe:
             "spans_queued": self._queued(),
             "spans_exported": child["exported"],
             "spans_failed": child["failed"],
-            "access_log_lines_lost": child["access_log_lost"],
+            "access_log_lines_lost": child["access_log_lost"] + self._lines_dropped,
             "exporter_alive": self._child_alive(),
         }
 
@@ -291,9 +326,14 @@ class SpanExportPipe:
         # With an error (the child died) the transport threw its buffer away; without
         # one it was empty: closed by stop() after draining, or by a clean child exit.
         self._writer_lost = True
-        lost = self._waiting.forget()
+        lost, lost_lines = self._waiting.forget()
         if exc is not None:
-            self._dropped += lost
+            self._count_lost(lost, lost_lines)
+
+    def _count_lost(self, items: int, lines: int) -> None:
+        """Items that were waiting for the child and will never reach it, lines apart."""
+        self._dropped += items - lines
+        self._lines_dropped += lines
 
     def _child_alive(self) -> bool:
         return self._process is not None and self._process.returncode is None and not self._writer_lost
@@ -335,7 +375,7 @@ class SpanExportPipe:
     def _release(self) -> None:
         if not self._writer_lost and self._writer.get_write_buffer_size():
             self._waiting.settle(self._writer.get_write_buffer_size())
-            self._dropped += self._waiting.forget()
+            self._count_lost(*self._waiting.forget())
             self._writer.abort()  # drops what a killed child never read; close() would wait for it
         self._stats_reader.close()
         if not self._exit_watch.done():
@@ -346,23 +386,29 @@ class _WaitingFrames:
     """Frames written to the transport that have not reached the kernel yet."""
 
     def __init__(self) -> None:
-        self._frames: deque[tuple[int, int]] = deque()  # (stream offset of the frame's end, spans)
+        # (stream offset of the frame's end, items, of which access log lines)
+        self._frames: deque[tuple[int, int, int]] = deque()
         self._written = 0
-        self.spans = 0
+        self.spans = 0  # items: spans, summaries and lines
+        self.lines = 0
 
-    def add(self, nbytes: int, nspans: int) -> None:
+    def add(self, nbytes: int, items: int, lines: int) -> None:
         self._written += nbytes
-        self._frames.append((self._written, nspans))
-        self.spans += nspans
+        self._frames.append((self._written, items, lines))
+        self.spans += items
+        self.lines += lines
 
     def settle(self, still_buffered: int) -> None:
         delivered = self._written - still_buffered
         while self._frames and self._frames[0][0] <= delivered:
-            self.spans -= self._frames.popleft()[1]
+            _, items, lines = self._frames.popleft()
+            self.spans -= items
+            self.lines -= lines
 
-    def forget(self) -> int:
-        """The transport discarded its buffer: how many spans went with it."""
-        lost, self.spans = self.spans, 0
+    def forget(self) -> tuple[int, int]:
+        """The transport discarded its buffer: how many items went with it, and of them lines."""
+        lost = self.spans, self.lines
+        self.spans = self.lines = 0
         self._frames.clear()
         return lost
 

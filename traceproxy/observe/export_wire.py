@@ -2,8 +2,9 @@
 
 Parent -> child, on the child's stdin: frames of a 4-byte big-endian length followed
 by one ``marshal`` dump of a list of items, each a ``SpanData``, a request summary
-(``spans.RequestSummary``) or an engine's export request relayed as it came
-(``RawSpans``), flattened to plain tuples (``flatten``). EOF on stdin means "drain
+(``spans.RequestSummary``, for a request whose spans are kept), an engine's export
+request relayed as it came (``RawSpans``) or the access log lines made since the last
+frame (``AccessLines``, at most one a frame), flattened to plain tuples (``flatten``). EOF on stdin means "drain
 what you have, flush, exit".
 
 Why marshal and not pickle: it is 2.5 times faster both ways for these tuples of
@@ -95,9 +96,17 @@ class RawSpans(NamedTuple):
     spans: int
 
 
+class AccessLines(NamedTuple):
+    """Access log lines made on the proxy's loop (``accesslog.access_line``), each ended
+    by its newline, for the exporter process to append as they are; ``count``: how many."""
+
+    data: bytes
+    count: int
+
+
 # Flattened items: a kind, then the fields in order, the nested tuples made plain (a
 # summary's fields in two slices around its attempts, see flatten).
-_SPAN, _SUMMARY, _RAW = 0, 1, 2
+_SPAN, _SUMMARY, _RAW, _LINES = 0, 1, 2, 3
 _EVENTS = SpanData._fields.index("events")
 _ATTEMPTS = RequestSummary._fields.index("attempts")
 
@@ -135,12 +144,19 @@ def flatten(item) -> tuple:
                 item[_ATTEMPTS + 1:])
     if isinstance(item, SpanData):
         return (_SPAN, *item[:_EVENTS], tuple(map(tuple, item.events)), *item[_EVENTS + 1:])
-    raise TypeError(f"not a span or a request summary: {type(item).__name__}")
+    if type(item) is AccessLines:
+        return flatten_lines(*item)
+    raise TypeError(f"not a span, a request summary or access log lines: {type(item).__name__}")
 
 
 def flatten_raw(raw: RawSpans) -> tuple:
-    """``flatten`` for a relayed request (kept apart: ``flatten`` runs for every request)."""
+    """``flatten`` for a relayed request (kept apart: ``flatten`` runs for every kept request)."""
     return (_RAW, *raw)
+
+
+def flatten_lines(data: bytes | bytearray, count: int) -> tuple:
+    """``flatten`` for a frame's access log lines."""
+    return (_LINES, data, count)
 
 
 # Named tuples made from their fields as they are, without the generated __new__ and its
@@ -156,6 +172,8 @@ def _restore(flat: tuple):
         return _as(RequestSummary, (*before, tuple([_as(AttemptSummary, attempt) for attempt in attempts]), *after))
     if kind == _RAW:
         return RawSpans(*flat[1:])
+    if kind == _LINES:
+        return AccessLines(*flat[1:])
     events = tuple(SpanEvent(*event) for event in flat[_EVENTS + 1])
     return SpanData(*flat[1:_EVENTS + 1], events, *flat[_EVENTS + 2:])
 

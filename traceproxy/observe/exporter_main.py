@@ -1,5 +1,5 @@
 """The exporter process: batches of spans in on stdin, OTLP (or a file, or stderr) out,
-and the access log: one line per request summary.
+and the access log: the lines the proxy made, appended as they came.
 
 Run as ``python -m traceproxy.observe.exporter_main CONFIG_JSON STATS_FD`` by
 ``SpanExportPipe`` (traceproxy/observe/export.py); the framing and the stats lines
@@ -40,7 +40,7 @@ import sys
 import threading
 
 from . import genai_spans
-from .export_wire import STOP_NOW, ExportConfig, RawSpans, decode_frame, read_frame, stats_line
+from .export_wire import STOP_NOW, AccessLines, ExportConfig, RawSpans, decode_frame, read_frame, stats_line
 from .spandata import SpanData
 from .spans import spans_for
 
@@ -97,7 +97,8 @@ def pump(stream, sink, counters: Counters, access_log=None) -> None:
             log.exception("skipping a span frame that does not decode")
             continue
         if access_log is not None:
-            access_log.write_summaries(items)
+            for lines in (item for item in items if type(item) is AccessLines):
+                access_log.write_lines(lines.data, lines.count)
             counters.access_log_lost = access_log.lines_lost
         if sink is None:
             continue
@@ -120,7 +121,7 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
         if isinstance(item, SpanData):
             spans.append(item)
             continue
-        if isinstance(item, RawSpans):  # relayed as they came (relay_raw)
+        if isinstance(item, (RawSpans, AccessLines)):  # relayed as they came (relay_raw), or the access log's
             continue
         if not item.keep_spans:  # sampled out or shed: only its access log line was wanted
             continue

@@ -278,8 +278,9 @@ def render_internals(out: Exposition, numbers: dict) -> None:
     out.counter("spans_failed_total", "Spans the exporter process could not deliver: the collector "
                 "refused or was unreachable, or the span file could not be written.",
                 [((), spans.get("spans_failed", 0))])
-    out.counter("access_log_lines_lost_total", "Access log lines the exporter process could not write "
-                "(a full disk, an unwritable file).", [((), spans.get("access_log_lines_lost", 0))])
+    out.counter("access_log_lines_lost_total", "Access log lines lost: not written by the exporter process "
+                "(a full disk, an unwritable file) or dropped before they reached it (its queue full, the "
+                "process gone).", [((), spans.get("access_log_lines_lost", 0))])
     out.counter("observer_errors_total", "Exceptions raised by lifecycle observers (caught; proxying went on).",
                 [((), numbers["observer_errors"])])
     out.counter("stall_listener_errors_total", "Exceptions raised by stall listeners (caught).",

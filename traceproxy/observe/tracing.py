@@ -1,8 +1,10 @@
 """The tracing observer: one decision and one summary per finished request.
 
-The summary feeds both outputs of the exporter process: the spans (when tracing is
-on and the request is kept) and the access log line (for every request, when the
-access log is on), so neither costs the event loop more than copying the record.
+The summary feeds both outputs: the spans (when tracing is on and the request is
+kept), built by the exporter process from the summary sent to it, and the access log
+line (for every request, when the access log is on), made here from the summary and
+sent to the exporter process to be written. A line costs the loop less to make than a
+summary costs to send and restore (decision 0030); spans cost far more, and stay there.
 
 Tail-biased sampling, decided when the request ends: a request that did not end
 ``OK`` (or got a 5xx) is always kept; a healthy one is kept when its trace id falls
@@ -28,7 +30,7 @@ Either way a healthy request's spans are shed before anything is copied. A reque
 that errored or stalled is never shed; it is dropped only when the queue is full.
 So a flood costs the event loop almost nothing, and the traces that explain a
 failure still get through. The access log line is not shed: with the access log
-on, a shed request still sends its summary, marked spans-not-wanted.
+on, a shed request is still summarized, for its line.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Protocol
 from ..lifecycle.flags import Flag
 from ..lifecycle.ids import new_span_id
 from ..lifecycle.timeline import RequestRecord
+from .accesslog import access_line
 from .spans import RequestSummary, stall_span, summarize
 
 log = logging.getLogger("traceproxy.tracing")
@@ -54,6 +57,8 @@ SHED_REASONS = ("rate", "backlog")
 class SummarySink(Protocol):
     def submit(self, items) -> None: ...
 
+    def submit_line(self, line: bytes) -> None: ...  # an access log line, without its newline
+
     def backlogged(self) -> bool: ...  # the exporter is behind: shed healthy spans
 
 
@@ -61,6 +66,9 @@ class TracingObserver:
     # The engine scraper (observe.engines), set by the composition root when it runs:
     # its ``summary`` ("running=1 queued=0 ...") goes on stall spans.
     engines = None
+    # The live join (engine_join.EngineStageJoin), set by the composition root when it is
+    # on: where the engines had each request goes on its summary and its stall spans.
+    stage_join = None
 
     def __init__(self, sink: SummarySink, server: tuple[str, int], upstream: tuple[str, int],
                  healthy_sample_ratio: float, spans: bool = True, access_log: bool = False,
@@ -91,7 +99,12 @@ class TracingObserver:
         if not keep and not self.access_log:
             return
         summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream, keep)
-        self.sink.submit((summary,))
+        if self.stage_join is not None:
+            summary = self.stage_join.placed_summary(summary)
+        if keep:
+            self.sink.submit((summary,))
+        if self.access_log:
+            self.sink.submit_line(access_line(summary))
 
     def _keep_spans(self, record: RequestRecord) -> bool:
         if self.failed(record):
@@ -114,6 +127,8 @@ class TracingObserver:
         engines = self.engines.summary if self.engines is not None else ""
         span = stall_span(record, entry.code, entry.phase, entry.since_ns, entry.detected_ns,
                           self.clock_offset_ns, new_span_id(), engines)
+        if self.stage_join is not None:
+            self.stage_join.placed_stall_span(span)
         self.sink.submit_now((span,))
 
     def on_stall_resolved(self, record: RequestRecord, entry) -> None:
