@@ -26,6 +26,7 @@ import os
 import time
 
 from .config import ConfigError, Settings
+from .config.addresses import HostPort
 from .hostnames import is_loopback
 
 log = logging.getLogger("traceproxy")
@@ -203,7 +204,8 @@ def _async(call):
 
 
 def _log_receiver(receiver) -> None:
-    where = [f"{kind} {address.host}:{port}" for kind, address, port in (
+    # The port actually bound (0 asks for any), with an IPv6 host in brackets as everywhere else.
+    where = [f"{kind} {HostPort(address.host, port)}" for kind, address, port in (
         ("http", receiver.http_address, receiver.http_port), ("grpc", receiver.grpc_address, receiver.grpc_port))
         if port]
     log.info("engine spans: OTLP receiver on %s (pid %d)", ", ".join(where), receiver.pid)
