@@ -171,7 +171,10 @@ def test_targets_are_parsed_in_table_order_and_rotated_per_rep():
         parse_targets("proxy,traced")
     # without --proxy-cmd, proxy would be bare again; with one, it is its column
     assert parse_targets(default_targets(None)) == ("direct", "bare", "proxy-traced", "proxy-logged", "defaults")
-    assert parse_targets(default_targets("nginx -c x")) == report.TARGETS
+    assert parse_targets(default_targets("nginx -c x")) == ("direct", "bare", "proxy", "proxy-traced", "proxy-logged",
+                                                           "defaults")  # the receiver targets only when named
+    assert parse_targets("proxy-receiver-grpc,bare,proxy-receiver") == ("bare", "proxy-receiver",
+                                                                        "proxy-receiver-grpc")
     targets = ("direct", "proxy", "proxy-traced", "proxy-logged")
     assert [run_order(targets, rep) for rep in range(5)] == [
         ("direct", "proxy", "proxy-traced", "proxy-logged"), ("proxy", "proxy-traced", "proxy-logged", "direct"),

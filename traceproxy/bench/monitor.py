@@ -44,6 +44,22 @@ def cpu_seconds(pid: int, tree: bool = True) -> float | None:
     return total
 
 
+def descendant_running(pid: int, module: str, timeout: float = 5.0) -> int | None:
+    """The pid of the first descendant of ``pid`` running ``python -m module``, waited for up to
+    ``timeout`` seconds; None if there is none by then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for proc in _tree(pid)[1:]:
+            try:
+                if module in proc.cmdline():
+                    return proc.pid
+            except psutil.Error:
+                continue
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
 def rss_bytes(pid: int) -> int:
     total = 0
     for proc in _tree(pid):

@@ -19,6 +19,9 @@ The bench's in-tree targets differ only in their observability keys, laid over
 * ``proxy-traced``: tracing to an OTLP http/protobuf endpoint (the bench's sink), with
   the access log off, so it measures tracing alone (``traced_overrides``).
 * ``proxy-logged``: the access log to a file, tracing off (``logged_overrides``).
+* ``proxy-receiver`` and ``proxy-receiver-grpc``: ``proxy``'s keys with the engine span
+  receiver on, OTLP/HTTP or OTLP/gRPC, on a port the bench picks (``receiver_overrides``).
+  With tracing off the spans are kept for the join only, relayed nowhere.
 * ``defaults``: ``serve`` as shipped (``defaults_overrides``): spans to the local file,
   the access log to stdout (the bench's children write it to ``/dev/null``), the admin
   listener on.
@@ -61,9 +64,23 @@ def logged_overrides(access_log_path: str) -> list[str]:
     return ["tracing.exporter=off", f"access_log.path={access_log_path}", "admin=127.0.0.1:0"]
 
 
+def receiver_overrides(http_port: int | None = None, grpc_port: int | None = None) -> list[str]:
+    """``bare``'s keys with one engine span receiver on: what receiving the engines' spans costs,
+    kept for the join only (with tracing off there is nowhere to relay them)."""
+    keys = minimal_overrides()
+    if http_port is not None:
+        keys.append(f"engines.otlp_receiver=127.0.0.1:{http_port}")
+    if grpc_port is not None:
+        keys.append(f"engines.otlp_receiver_grpc=127.0.0.1:{grpc_port}")
+    return keys
+
+
 # Keys each target's process gets from the bench: its own ephemeral ports, and the
 # bench's upstream. A --proxy-set for them would put every target on one port.
 BENCH_CHOSEN_KEYS = ("listen", "upstream", "admin")
+# The engine span receivers: on in the receiver targets only, on ports the bench picks, so that
+# its span loads know where to export.
+RECEIVER_KEYS = ("engines.otlp_receiver", "engines.otlp_receiver_grpc")
 
 
 def build_settings(upstream: str, overrides: list[str]):

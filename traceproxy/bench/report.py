@@ -7,7 +7,9 @@ requests never started because the scenario ran out of its time budget.
 The table has one value column per target and, when ``direct`` ran, one comparison
 column per proxy target against it. ``added_cost`` compares ``proxy-traced`` (or
 ``proxy-logged``) with ``bare`` (or ``proxy`` when ``bare`` did not run): what turning
-tracing (or the access log) on costs. ``observer_prices`` says the same in CPU µs per
+tracing (or the access log) on costs; ``receiver_cost`` the same for ``proxy-receiver``
+(or ``proxy-receiver-grpc``), with what its receivers' process took apart and per 1,000
+spans. ``observer_prices`` says the same in CPU µs per
 request, for every scenario and every observed target, ``defaults`` included.
 """
 
@@ -19,14 +21,16 @@ from typing import Callable
 
 from .stats import median, merge_lists, percentile
 
-TARGETS = ("direct", "bare", "proxy", "proxy-traced", "proxy-logged", "defaults")
+TARGETS = ("direct", "bare", "proxy", "proxy-traced", "proxy-logged", "proxy-receiver", "proxy-receiver-grpc",
+           "defaults")
 # Run unless --targets says otherwise; ``proxy`` only with --proxy-cmd (without one it is ``bare``).
 DEFAULT_TARGETS = ("direct", "bare", "proxy-traced", "proxy-logged", "defaults")
 BASELINE = "direct"
 BARE = ("bare", "proxy")  # the target observers are priced against: the first of these that ran
-OBSERVED = ("proxy-traced", "proxy-logged", "defaults")
+OBSERVED = ("proxy-traced", "proxy-logged", "proxy-receiver", "proxy-receiver-grpc", "defaults")
+RECEIVERS = ("proxy-receiver", "proxy-receiver-grpc")
 SHORT = {"direct": "direct", "bare": "bare", "proxy": "proxy", "proxy-traced": "traced", "proxy-logged": "logged",
-         "defaults": "defaults"}
+         "proxy-receiver": "receiver", "proxy-receiver-grpc": "receiver-grpc", "defaults": "defaults"}
 _SUMMED = ("ok", "hangs", "skipped", "reconnects", "server_closes", "bytes_up", "bytes_down", "events", "streams")
 _SAMPLES = ("ttfb", "ttft", "gaps", "delivery", "latency")
 SATURATED = 90  # CPU % of one core at which a helper process, not the proxy, sets the pace
@@ -59,9 +63,25 @@ def cpu_us_per_request(run: dict) -> float | None:
     return None if cpu_s is None or not run["ok"] else cpu_s * 1e6 / run["ok"]
 
 
+def engine_spans_per_s(run: dict) -> float | None:
+    """Spans a second the run's engine span loads had taken (answered with success), both summed."""
+    loads = run.get("engine_loads")
+    if not loads:
+        return None
+    return sum(load["spans_sent"] / max(load["elapsed"], 1e-9) for load in loads)
+
+
+def ms_per_1000_spans(cpu_percent: float | None, spans_per_s: float | None) -> float | None:
+    """CPU % of one core spent taking this many spans a second, as ms of CPU per 1,000 spans."""
+    if cpu_percent is None or not spans_per_s:
+        return None
+    return cpu_percent * 10 / spans_per_s * 1000
+
+
 def figures(run: dict) -> dict:
     """The numbers of one run that the table can show."""
     secs = max(run["elapsed"], 1e-9)
+    spans_s = engine_spans_per_s(run)
     return {
         "cpu_us": cpu_us_per_request(run),
         "req_s": run["ok"] / secs,
@@ -77,10 +97,16 @@ def figures(run: dict) -> dict:
         "cpu_load": run["load_cpu_max"], "cpu_upstream": run["cpu"].get("upstream"),
         "cpu_proxy": run["cpu"].get("proxy"), "cpu_exporter": run["cpu"].get("exporter"),
         "cpu_sink": run["cpu"].get("sink"),
+        "cpu_receiver": run["cpu"].get("receiver"), "cpu_engines": run["cpu"].get("engines"),
+        "cpu_discard": run["cpu"].get("discard"),
+        "engine_spans_s": spans_s,
+        "engine_spans_not_sent": sum(load["spans_not_sent"] + load["spans_dropped"]
+                                     for load in run.get("engine_loads") or []),
+        "receiver_ms_per_1000_spans": ms_per_1000_spans(run["cpu"].get("receiver"), spans_s),
     }
 
 
-_COUNTS = ("ok", "errors", "hangs", "reconnects")
+_COUNTS = ("ok", "errors", "hangs", "reconnects", "engine_spans_not_sent")
 
 
 def combine(per_rep: list[dict]) -> dict:
@@ -118,8 +144,10 @@ def _cpu(f: dict) -> str:
     if not f:
         return "–"
     text = " / ".join(_num(f.get(k), 0) for k in ("cpu_load", "cpu_upstream", "cpu_proxy"))
-    extra = [f"{label} {_num(f[k], 0)}" for k, label in (("cpu_exporter", "exporter"), ("cpu_sink", "sink"))
-             if f.get(k) is not None and (k == "cpu_sink" or f[k] >= 0.5)]
+    extra = [f"{label} {_num(f[k], 0)}" for k, label in (("cpu_exporter", "exporter"), ("cpu_sink", "sink"),
+                                                          ("cpu_receiver", "receiver"), ("cpu_engines", "engines"),
+                                                          ("cpu_discard", "discard"))
+             if f.get(k) is not None and (k != "cpu_exporter" or f[k] >= 0.5)]
     return f"{text} ({', '.join(extra)})" if extra else text
 
 
@@ -267,12 +295,62 @@ def added_cost(summary: dict[str, dict], memory: dict[str, dict], target: str,
                               ("S5 (paced) TTFB p50", s5, "ttfb_p50")):
         a, b = (entry.get(base) or {}).get(key), (entry.get(target) or {}).get(key)
         if a is not None and b is not None:
-            verdict = f"{b - a:+.2f} ms added" if b >= a else f"{b - a:+.2f} ms (lower: no cost measurable)"
+            change = f", {100 * (b - a) / a:+.1f} %" if a else ""
+            verdict = f"{b - a:+.2f} ms added{change}" if b >= a else \
+                f"{b - a:+.2f} ms{change} (lower: no cost measurable)"
             out.append(f"{label}: {_num(a, 2)} -> {_num(b, 2)} ms, {verdict}")
     peaks = {t: (memory.get(t) or {}).get("peak_bytes") for t in (base, target)}
     if all(peaks.values()):
         out.append(f"peak RSS: {peaks[base] / 2**20:.1f} -> {peaks[target] / 2**20:.1f} MiB "
-                   f"({(peaks[target] - peaks[base]) / 2**20:+.1f} MiB, exporter process included)")
+                   f"({(peaks[target] - peaks[base]) / 2**20:+.1f} MiB, its child processes included)")
+    return out
+
+
+def receiver_cost(summary: dict[str, dict], memory: dict[str, dict], target: str, base: str) -> list[str]:
+    """What receiving the engines' spans costs: ``target`` (a receiver target) against ``base``, both
+    runs under the same engine span loads when ``--engine-span-load`` is on. The proxy's tree
+    includes its receivers' process; that process is also shown apart, per 1,000 spans."""
+    out = added_cost(summary, memory, target, base)
+    if not out:
+        return out
+    for name, entry in summary.items():
+        plain, received = entry.get(base) or {}, entry.get(target) or {}
+        if not received:
+            continue
+        parts = []
+        if plain.get("cpu_us") and received.get("cpu_us") is not None:
+            parts.append(f"proxy CPU {plain['cpu_us']:,.0f} -> {received['cpu_us']:,.0f} µs/request "
+                         f"({received['cpu_us'] / plain['cpu_us']:.2f}×, the receivers' process included)")
+        if received.get("cpu_receiver") is not None:
+            per_1000 = received.get("receiver_ms_per_1000_spans")
+            taken = f", {per_1000:.1f} ms per 1,000 spans taken ({received['engine_spans_s']:,.0f} a second)" \
+                if per_1000 is not None else ""
+            parts.append(f"the receivers' process {received['cpu_receiver']:.1f} % of a core{taken}")
+        if plain.get("cpu_engines") is not None or received.get("cpu_engines") is not None:
+            discard = f"; the discard sink {plain['cpu_discard']:.1f} % on {base}'s side" \
+                if plain.get("cpu_discard") is not None else ""
+            parts.append(f"the engine span loads {_num(plain.get('cpu_engines'))} % ({base}) and "
+                         f"{_num(received.get('cpu_engines'))} % ({SHORT[target]}) of a core{discard}")
+        if parts:
+            out.append(f"{name}: " + "; ".join(parts))
+    return out
+
+
+def engine_load_evidence(summary: dict[str, dict], rate: float) -> list[str]:
+    """That the engine span loads ran, at what rate, and where each target's spans went."""
+    if not rate:
+        return []
+    out = [f"two emulated SGLang workers (prefill, 9 spans a request; decode, 25) each exported the spans of "
+           f"{rate:g} requests a second, 64 spans an export request, in every run: to the receiver for "
+           f"{', '.join(RECEIVERS)}, else to the discard sink"]
+    for name, entry in summary.items():
+        cells = [f"{SHORT[t]} {f['engine_spans_s']:,.0f}" for t, f in entry.items()
+                 if t in TARGETS and f and f.get("engine_spans_s") is not None]
+        lost = sum((f or {}).get("engine_spans_not_sent") or 0 for t, f in entry.items() if t in TARGETS)
+        if cells:
+            out.append(f"{name}: spans taken a second (median of runs): {', '.join(cells)}"
+                       + (f"; {lost:,} spans not taken (refused, unanswered or dropped by a full queue)" if lost
+                          else "; none refused or lost"))
     return out
 
 

@@ -3,8 +3,11 @@
 Targets (``--targets``): ``direct``, ``bare`` (traceproxy with tracing, the access log
 and the admin listener off), ``proxy`` (the same, or ``--proxy-cmd``), ``proxy-traced``
 (traceproxy with tracing over OTLP to a local sink process), ``proxy-logged``
-(traceproxy with the access log to a file) and ``defaults`` (``serve`` as shipped).
-By default every one but ``proxy``, which is added when ``--proxy-cmd`` is given. Order
+(traceproxy with the access log to a file), ``proxy-receiver`` and ``proxy-receiver-grpc``
+(``proxy`` with the engine span receiver on, OTLP/HTTP or OTLP/gRPC) and ``defaults``
+(``serve`` as shipped). By default every one but ``proxy``, which is added when
+``--proxy-cmd`` is given, and the receiver targets. ``--engine-span-load RATE`` has two
+emulated SGLang workers export their spans during every run (see ``session``). Order
 per scenario and rep: the targets in turn, rotated by one each rep, so they are measured
 side by side in time. Prints a markdown table (with each proxy's CPU µs per request,
 its exporter included), what tracing and the access log cost and what each observed
@@ -30,20 +33,21 @@ from pathlib import Path
 from ..config import ConfigError
 from . import report
 from .procs import ChildError, Children
-from .proxy_proc import BENCH_CHOSEN_KEYS, build_settings
+from .proxy_proc import BENCH_CHOSEN_KEYS, RECEIVER_KEYS, build_settings
 from .scenarios import SCENARIOS, Scenario, select
 from .session import Session
 
 QUICK_SCALE = 0.25
 MAX_SCALE = 100.0  # connection counts, rounds and durations times this must stay countable
+MAX_ENGINE_SPAN_LOAD = 5000.0  # requests a second per emulated worker; far past what one Python process sends
 
 
 def build_parser() -> argparse.ArgumentParser:
     names = ", ".join(f"{s.name} ({s.title})" for s in SCENARIOS)
     parser = argparse.ArgumentParser(
         prog="traceproxy bench",
-        description="Measure direct-to-upstream against through-the-proxy (plain, traced and logged) on this "
-                    "machine, in one run.",
+        description="Measure direct-to-upstream against through-the-proxy (plain, traced, logged, or receiving "
+                    "the engines' spans) on this machine, in one run.",
         epilog=f"Scenarios: {names}.")
     parser.add_argument("--scenarios", metavar="S1,S2", help="comma-separated scenario names (default: all)")
     parser.add_argument("--scale", type=float, metavar="F",
@@ -64,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scrape-every", type=float, default=0.0, metavar="SECONDS",
                         help="read each in-tree proxy's /metrics this often during every measured run, as "
                              "Prometheus would (default 0: not scraped)")
+    parser.add_argument("--engine-span-load", type=float, default=0.0, metavar="REQ_PER_S",
+                        help="during every measured run, two emulated SGLang workers (prefill and decode, the "
+                             "simulator's spans in SGLang's shape: 9 and 25 spans a request) each export the spans "
+                             "of this many requests a second, 64 spans an export request as SGLang's batch "
+                             "processor sends them: to the target's receiver for proxy-receiver (OTLP/HTTP) and "
+                             "proxy-receiver-grpc (OTLP/gRPC), to a discard sink for every other target, so each "
+                             "target pays the emulated engines' own CPU alike and proxy-receiver against bare is "
+                             "what receiving costs. S5's request rate is about 460 (default 0: off)")
     parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON")
     parser.add_argument("--proxy-cmd", metavar="TEMPLATE",
                         help="benchmark this command as the 'proxy' target instead of traceproxy; {port} and "
@@ -85,6 +97,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
         parser.error(f"--workers must be from 1 to 64, got {args.workers}")
     if not (math.isfinite(args.scrape_every) and 0 <= args.scrape_every <= 3600):
         parser.error(f"--scrape-every must be seconds from 0 (off) to 3600, got {args.scrape_every:g}")
+    if not (math.isfinite(args.engine_span_load) and 0 <= args.engine_span_load <= MAX_ENGINE_SPAN_LOAD):
+        parser.error(f"--engine-span-load must be requests a second from 0 (off) to {MAX_ENGINE_SPAN_LOAD:g}, "
+                     f"got {args.engine_span_load:g}")
     args.factor = factor
     try:
         args.targets = parse_targets(args.targets or default_targets(args.proxy_cmd))
@@ -117,6 +132,10 @@ def check_proxy_settings(items: list[str]) -> None:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--proxy-set {item!r}: expected KEY=VALUE, e.g. pool.idle_timeout=2")
+        if key.strip() in RECEIVER_KEYS:
+            raise ValueError(f"--proxy-set {item!r}: the engine span receivers are on in the proxy-receiver and "
+                             "proxy-receiver-grpc targets, on ports the bench picks (its --engine-span-load "
+                             "exports there); add one of those targets instead")
         if key.strip() in BENCH_CHOSEN_KEYS:
             raise ValueError(f"--proxy-set {item!r}: {key.strip()} is chosen by the bench for each target "
                              "(every in-tree target needs its own free port, in front of the bench's upstream)")
@@ -263,6 +282,11 @@ def _meta(args: argparse.Namespace, scenarios: list[Scenario]) -> dict:
             "proxy": args.proxy_cmd or "traceproxy (in-tree, as bare)",
             "proxy-traced": "traceproxy (in-tree; OTLP http/protobuf to the bench's sink, access log off)",
             "proxy-logged": "traceproxy (in-tree; access log to a file, tracing off)",
+            "proxy-receiver": "traceproxy (in-tree, as bare, with the engine span receiver on over OTLP/HTTP; "
+                              "spans kept for the join only)",
+            "proxy-receiver-grpc": "traceproxy (in-tree, as bare, with the engine span receiver on over OTLP/gRPC; "
+                                   "spans kept for the join only)",
+            "engine_span_load": args.engine_span_load,
             "defaults": "traceproxy (in-tree; serve's defaults: spans to the local file, access log to stdout, "
                         "here /dev/null, admin listener on)",
             "scenarios": [s.to_spec() for s in scenarios]}
@@ -277,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _terminate_as_exit(), Children(workdir) as children:
             session = Session(children, workdir, args.load_procs, warmup=not args.no_warmup, workers=args.workers,
-                              scrape_every=args.scrape_every)
+                              scrape_every=args.scrape_every, engine_span_rate=args.engine_span_load)
             session.start_upstream()
+            if args.engine_span_load:
+                session.start_discard()
             for target in args.targets:
                 if target != "direct":
                     session.start_proxy(target, args.proxy_cmd if target == "proxy" else None, args.proxy_set)
@@ -305,6 +331,7 @@ def _output(args, scenarios, runs, problems, end, settle_waits) -> int:
     targets = args.targets
     served = f"; {args.workers} workers per proxy" if args.workers > 1 else ""
     scraped = f"; /metrics read every {args.scrape_every:g} s" if args.scrape_every else ""
+    scraped += f"; engine span load {args.engine_span_load:g} requests/s per worker" if args.engine_span_load else ""
     print(f"traceproxy bench: targets {', '.join(targets)}; proxy = {meta['proxy']}; {meta['cpus']} CPUs, "
           f"Python {meta['python']}, scale {args.factor:g}, reps {args.reps}, load processes {args.load_procs}"
           f"{served}{scraped}\n")
@@ -318,16 +345,22 @@ def _output(args, scenarios, runs, problems, end, settle_waits) -> int:
     _section(f"Access log cost (a JSON line per request to a file), proxy-logged against {base}{caveat}:",
              report.added_cost(summary, memory, "proxy-logged", base))
     _section("Access log ran:", report.access_log_evidence(access_log))
+    for target in (t for t in report.RECEIVERS if t in targets):
+        _section(f"Engine span receiver cost ({report.SHORT[target]}), {target} against {base}{caveat}:",
+                 report.receiver_cost(summary, memory, target, base))
+    _section("Engine span load ran:", report.engine_load_evidence(summary, args.engine_span_load))
     _section(f"Observers' CPU µs per request against {base} (the proxy's tree, exporter included){caveat}:",
              report.observer_prices(summary, targets))
     _section("Notes:", [*problems, *report.notes(summary)])
     print("\nRates and latencies: medians over reps; counts: totals. CPU %: 100 = one core; 'load' is the "
           "busiest load process; a proxy's CPU includes its child processes (the span exporter, also shown "
           "apart) and 'sink' is the OTLP sink. CPU µs/request: the proxy's tree from the run's start until it "
-          "is quiet again, over the requests answered. Peak RSS: each process's peak (VmHWM), summed over the tree.")
+          "is quiet again, over the requests answered (a receiver target's receivers' process included, and also "
+          "shown apart as 'receiver'; 'engines' is the two engine span loads, 'discard' their sink). Peak RSS: each process's peak (VmHWM), summed over the tree.")
     if args.json:
         report.write_json(args.json, {"meta": meta, "summary": summary, "memory": memory, "tracing": tracing,
-                                      "access_log": access_log, "problems": problems,
+                                      "access_log": access_log, "engine_discard": end.get("engine_discard"),
+                                      "problems": problems,
                                       "settle_waits_s": settle_waits, "runs": runs})
     failed = [f"{n} ({t})" for n in summary for t in targets
               if t != "direct" and report.regressed(summary[n].get("direct") or {}, summary[n].get(t) or {})]

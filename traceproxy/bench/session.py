@@ -4,7 +4,8 @@ Targets: ``direct`` (the upstream itself), ``bare`` (traceproxy with tracing, th
 access log and the admin listener off), ``proxy`` (the same, or any ``--proxy-cmd``),
 ``proxy-traced`` (traceproxy exporting spans over OTLP http/protobuf to the sink),
 ``proxy-logged`` (traceproxy writing its access log to a file in the run's temp
-directory) and ``defaults`` (``serve`` as shipped: spans to the local file, the access
+directory), ``proxy-receiver`` and ``proxy-receiver-grpc`` (``proxy`` with the engine span
+receiver on, over OTLP/HTTP or OTLP/gRPC) and ``defaults`` (``serve`` as shipped: spans to the local file, the access
 log to stdout, the admin listener on). Each is its own process tree, all started up
 front, so runs of different targets can be interleaved.
 
@@ -20,6 +21,15 @@ With ``workers`` above 1 every in-tree target is a service of that many workers
 ``/metrics`` is read that often during each measured run, as Prometheus would, so the
 run measures what being scraped costs; each run's result says how many scrapes there
 were and how long they took.
+
+With ``engine_span_rate`` two emulated SGLang workers (``span_load``, prefill and decode)
+export the spans of that many requests a second each during every measured run, started
+before the run's CPU window and stopped, by process group, once its load has ended (before
+the proxy's drain, which they would otherwise keep busy). A receiver target's loads export to
+its receiver; every other target's, the same loads doing the same work, to the discard sink
+(``discard_proc``), so that each side of a comparison pays the emulated engines' own CPU and
+the difference is what receiving costs. The receivers' process (a child of the proxy's) is
+measured apart as well as in the proxy's tree.
 
 ``finish`` reads memory and the counters, and stops ``proxy-traced`` and
 ``proxy-logged`` in order (the leader first, so its exporter process drains into the
@@ -42,10 +52,10 @@ from pathlib import Path
 
 from ..observe.metrics import prometheus_totals
 from . import report
-from .monitor import CpuWindow, RssSampler, busy_percent, tree_hwm
+from .monitor import CpuWindow, RssSampler, busy_percent, descendant_running, tree_hwm
 from .procs import (Child, ChildError, Children, child_environment, free_port, python_module, wait_listening,
                     wait_port_file)
-from .proxy_proc import defaults_overrides, logged_overrides, minimal_overrides, traced_overrides
+from .proxy_proc import defaults_overrides, logged_overrides, minimal_overrides, receiver_overrides, traced_overrides
 from .scenarios import Scenario
 
 READY_TIMEOUT = 30.0  # load processes opening their connections
@@ -54,6 +64,10 @@ DRAIN_STOP_GRACE = 10.0  # traced/logged: 1 s request grace, then the exporter p
 SETTLE_WINDOW, SETTLE_BUSY, SETTLE_MAX = 0.2, 10.0, 15.0  # quiet: < SETTLE_BUSY % CPU over a window
 DRAIN_WINDOW, DRAIN_MAX = 0.1, 10.0  # a proxy's tree after the load: quiet over a window, or at most this long
 HTTP_TIMEOUT = 5.0
+ENGINE_LEAD_S = 1.0  # the span loads export this long before the run's window, so the receiver is at its pace
+ENGINE_ROLES = ("prefill", "decode")
+RECEIVER_MODULE = "traceproxy.observe.engine_receiver_main"
+RECEIVER_TARGETS = {"proxy-receiver": "http", "proxy-receiver-grpc": "grpc"}
 
 
 @dataclass
@@ -64,12 +78,15 @@ class ProxyProcess:
     rss: RssSampler
     admin_port: int | None = None
     command: str | None = None  # --proxy-cmd, when not in-tree traceproxy
+    engine_url: str | None = None  # a receiver target's: where the engine span loads export
+    receiver_pid: int | None = None  # the receivers' process, a child of the proxy's
 
 
 class Session:
     def __init__(self, children: Children, workdir: Path, load_procs: int = 1, warmup: bool = True,
-                 workers: int = 1, scrape_every: float = 0.0) -> None:
+                 workers: int = 1, scrape_every: float = 0.0, engine_span_rate: float = 0.0) -> None:
         self.children = children
+        self.engine_span_rate = engine_span_rate
         self.workers = workers
         self.scrape_every = scrape_every
         self.warmup = warmup
@@ -77,6 +94,7 @@ class Session:
         self.load_procs = max(1, load_procs)
         self.upstream: Child | None = None
         self.sink: Child | None = None
+        self.discard: Child | None = None
         self.proxies: dict[str, ProxyProcess] = {}
         self.ports: dict[str, int] = {}
         self.settle_waits: list[float] = []
@@ -98,12 +116,21 @@ class Session:
         self.ports["sink"] = wait_port_file(self.sink, port_file)
         return self.ports["sink"]
 
+    def start_discard(self) -> int:
+        """The engine span loads' destination for targets without a receiver."""
+        port_file = self.workdir / "discard.port"
+        argv = python_module("traceproxy.bench.discard_proc", "--port-file", str(port_file),
+                             "--stats-file", str(self.workdir / "discard.stats.json"))
+        self.discard = self.children.start("span-discard", argv)
+        self.ports["discard"] = wait_port_file(self.discard, port_file)
+        return self.ports["discard"]
+
     def start_proxy(self, target: str = "proxy", command: str | None = None,
                     overrides: list[str] | None = None) -> int:
         """Start one proxy target. ``command`` (``--proxy-cmd``) replaces traceproxy for ``proxy`` only;
         ``overrides`` (``--proxy-set``) apply after the target's own keys."""
         upstream_port = self.ports["direct"]
-        admin_port = None
+        admin_port = engine_url = None
         if target == "proxy" and command:
             port = free_port()
             argv = shlex.split(command.format(port=port, upstream_port=upstream_port))
@@ -120,6 +147,12 @@ class Session:
                 keys = traced_overrides(f"http://127.0.0.1:{self.ports['sink']}")
             elif target == "proxy-logged":
                 keys = logged_overrides(str(self.access_log_path))
+            elif target in RECEIVER_TARGETS:
+                receiver_port = free_port()
+                protocol = RECEIVER_TARGETS[target]
+                keys = receiver_overrides(**{f"{protocol}_port": receiver_port})
+                engine_url = f"http://127.0.0.1:{receiver_port}/v1/traces" if protocol == "http" \
+                    else f"grpc://127.0.0.1:{receiver_port}"
             else:
                 raise ValueError(f"not a proxy target: {target}")
             if self.scrape_every:
@@ -128,8 +161,11 @@ class Session:
                 port, admin_port, child = self._start_workers(target, keys, overrides)
             else:
                 port, admin_port, child = self._start_one(target, keys, overrides)
+        receiver_pid = descendant_running(child.pid, RECEIVER_MODULE) if engine_url else None
+        if engine_url and receiver_pid is None:
+            raise ChildError(f"{target}: no engine span receiver process under the proxy's:\n{child.log_tail()}")
         self.proxies[target] = ProxyProcess(target, child, port, RssSampler(child.pid).start(), admin_port,
-                                            command if target == "proxy" else None)
+                                            command if target == "proxy" else None, engine_url, receiver_pid)
         self.ports[target] = port
         return port
 
@@ -172,7 +208,7 @@ class Session:
         return proxy is not None and proxy.child.alive()
 
     def server_pids(self) -> list[int]:
-        children = [self.upstream, self.sink, *(p.child for p in self.proxies.values())]
+        children = [self.upstream, self.sink, self.discard, *(p.child for p in self.proxies.values())]
         return [c.pid for c in children if c is not None and c.alive()]
 
     def settle(self) -> float:
@@ -193,12 +229,17 @@ class Session:
         """Run one scenario against ``target``; the merged result."""
         self._runs += 1
         settled = self.settle()
+        engines = self._start_engine_loads(scenario, target) if self.engine_span_rate else []
         loads = [self._start_load(scenario, target, k, offset, count)
                  for k, (offset, count) in enumerate(split(scenario.connections, self.load_procs))]
         proxy = self.proxies.get(target)
+        engine_parts: list[dict] = []
         try:
-            for child, _ in loads:
+            for child, _ in [*loads, *engines]:
                 _expect_line(child, "ready", READY_TIMEOUT)
+            if engines:
+                _say_go(engines)
+                time.sleep(ENGINE_LEAD_S)
             trees = {"upstream": self.upstream.pid}
             singles = {}
             if proxy is not None:
@@ -207,15 +248,19 @@ class Session:
                     singles["proxy_main"] = proxy.child.pid
             if target == "proxy-traced" and self.sink is not None:
                 trees["sink"] = self.sink.pid
+            if proxy is not None and proxy.receiver_pid is not None:
+                singles["receiver"] = proxy.receiver_pid
+            for role, (child, _) in zip(ENGINE_ROLES, engines):
+                trees[f"engine_{role}"] = child.pid
+            if engines and (proxy is None or proxy.engine_url is None):
+                trees["discard"] = self.discard.pid
             cpu = CpuWindow(trees, singles)
             if proxy is not None:
                 proxy.rss.take_window()
             scraper = _Scraper(proxy.admin_port, self.scrape_every) if proxy and proxy.admin_port and \
                 self.scrape_every else None
             cpu.start()
-            for child, _ in loads:
-                child.proc.stdin.write(b"go\n")
-                child.proc.stdin.flush()
+            _say_go(loads)
             if scraper is not None:
                 scraper.start()
             try:
@@ -223,14 +268,22 @@ class Session:
             finally:
                 scrapes = scraper.stop() if scraper is not None else None
             usage = cpu.stop()
+            engine_parts = self._stop_engine_loads(engines)  # before the drain, which they would keep busy
             proxy_cpu_s = self._cpu_after_drain(cpu, proxy) if proxy is not None else None
         finally:
-            for child, _ in loads:
-                self.children.stop(child)
+            for child, _ in [*loads, *engines]:
+                if child in self.children.started:  # an engine load is stopped already, unless this is an error
+                    self.children.stop(child)
         merged = report.merge(parts)
         if "proxy_main" in usage:
             main, tree = usage.pop("proxy_main"), usage["proxy"]
-            usage["exporter"] = None if main is None or tree is None else round(max(0.0, tree - main), 1)
+            # the tree less the proxy's own process: its children, the exporter and the receivers' process
+            children = None if main is None or tree is None else tree - main - (usage.get("receiver") or 0.0)
+            usage["exporter"] = None if children is None else round(max(0.0, children), 1)
+        if engines:
+            usage["engines"] = _sum_known(usage.pop(f"engine_{role}", None) for role in ENGINE_ROLES)
+            merged["engine_loads"] = engine_parts
+            merged["engine_destination"] = RECEIVER_TARGETS[target] if proxy and proxy.engine_url else "discard"
         merged["cpu"] = usage
         merged["proxy_cpu_s"] = proxy_cpu_s
         merged["settle_s"] = round(settled, 3)
@@ -248,6 +301,32 @@ class Session:
             if time.monotonic() - started > DRAIN_MAX:
                 break
         return cpu.seconds("proxy")
+
+    def _start_engine_loads(self, scenario: Scenario, target: str) -> list[tuple[Child, Path]]:
+        """The two emulated engines' span exports for one run: to the target's receiver, or the discard sink."""
+        proxy = self.proxies.get(target)
+        url = proxy.engine_url if proxy is not None and proxy.engine_url else \
+            f"http://127.0.0.1:{self.ports['discard']}/v1/traces"
+        longest = READY_TIMEOUT + ENGINE_LEAD_S + scenario.budget + EXIT_SLACK + DRAIN_MAX
+        started = []
+        for role in ENGINE_ROLES:
+            out = self.workdir / f"run{self._runs}-{scenario.name}-{target}-engine-{role}.json"
+            argv = python_module("traceproxy.bench.span_load", "--role", role, "--rate", f"{self.engine_span_rate:g}",
+                                 "--url", url, "--out", str(out), "--max-seconds", f"{longest:g}")
+            started.append((self.children.start(f"engine-{role}-run{self._runs}", argv, stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE), out))
+        return started
+
+    def _stop_engine_loads(self, engines: list[tuple[Child, Path]]) -> list[dict]:
+        """Stop each by its process group (it writes its counts on SIGTERM); what each sent."""
+        parts = []
+        for child, out in engines:
+            code = self.children.stop(child)
+            try:
+                parts.append(json.loads(out.read_text()))
+            except (OSError, ValueError):
+                raise ChildError(f"{child.name} left no counts (exit status {code}):\n{child.log_tail()}") from None
+        return parts
 
     def _start_load(self, scenario: Scenario, target: str, k: int, offset: int, count: int) -> tuple[Child, Path]:
         stem = f"run{self._runs}-{scenario.name}-{target}-{k}"
@@ -270,7 +349,18 @@ class Session:
             tracing["sink"] = self._stop_sink()
         if "proxy-logged" in self.proxies:
             access_log["file"] = _file_lines(self.access_log_path)
-        return {"memory": memory, "tracing": tracing, "access_log": access_log}
+        end = {"memory": memory, "tracing": tracing, "access_log": access_log}
+        if self.discard is not None:
+            end["engine_discard"] = self._stop_discard()
+        return end
+
+    def _stop_discard(self) -> dict:
+        """The discard sink's counts: the export requests it took for the targets without a receiver."""
+        self.children.stop(self.discard)
+        try:
+            return json.loads((self.workdir / "discard.stats.json").read_text())
+        except (OSError, ValueError):
+            return {}
 
     def _drain(self, target: str) -> dict:
         proxy = self.proxies.get(target)
@@ -385,6 +475,17 @@ def split(total: int, parts: int) -> list[tuple[int, int]]:
         shares.append((offset, count))
         offset += count
     return shares
+
+
+def _say_go(children: list[tuple[Child, Path]]) -> None:
+    for child, _ in children:
+        child.proc.stdin.write(b"go\n")
+        child.proc.stdin.flush()
+
+
+def _sum_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known), 1) if known else None
 
 
 def _expect_line(child: Child, word: str, timeout: float) -> None:
