@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -189,3 +190,42 @@ def test_a_receiver_target_is_bare_with_one_receiver_on():
     for section in ("tracing", "access_log", "timeouts", "pool", "limits", "stall", "forwarding", "request_id"):
         assert getattr(bare, section) == getattr(http, section) == getattr(grpc, section), section
     assert bare.admin is None and http.admin is None
+
+
+def test_a_span_load_stops_with_its_counts_on_sigterm_or_when_its_stdin_closes(tmp_path):
+    """The bench stops each load by SIGTERM to its process group and waits 3 s before SIGKILL;
+    a load that missed it would leave no counts and stop the whole bench."""
+    import socket
+
+    with socket.socket() as closed:  # a port nobody listens on: every export fails at once, and is counted
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1/traces"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    loads = []
+    for k in range(4):
+        out = tmp_path / f"load{k}.json"
+        proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench.span_load", "--role", "decode", "--rate",
+                                 "400", "--url", url, "--out", str(out), "--max-seconds", "60"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tmp_path, env=env)
+        loads.append((proc, out))
+    try:
+        for proc, _ in loads:
+            assert proc.stdout.readline() == b"ready\n"
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+        for k, (proc, _) in enumerate(loads):
+            time.sleep(0.2 + 0.07 * k)  # each at another point of its loop
+            if k == 0:
+                proc.stdin.close()  # the bench gone
+            else:
+                proc.send_signal(signal.SIGTERM)
+            assert proc.wait(3) == 0, k
+        for proc, out in loads:
+            counts = json.loads(out.read_text())
+            assert counts["requests"] > 0 and counts["spans_not_sent"] > 0 and counts["spans_sent"] == 0
+            assert counts["elapsed"] < 30
+    finally:
+        for proc, _ in loads:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)

@@ -106,10 +106,10 @@ class Children:
         self.started.append(child)
         return child
 
-    def stop(self, child: Child, leader_grace: float = 0.0) -> int | None:
+    def stop(self, child: Child, leader_grace: float = 0.0, grace: float = STOP_GRACE) -> int | None:
         # Registered until it is gone: an interrupt during its grace period must still
         # leave it to ``__exit__``, which escalates to SIGKILL.
-        code = child.stop(leader_grace=leader_grace)
+        code = child.stop(grace=grace, leader_grace=leader_grace)
         if child in self.started:
             self.started.remove(child)
         return code

@@ -66,6 +66,7 @@ DRAIN_WINDOW, DRAIN_MAX = 0.1, 10.0  # a proxy's tree after the load: quiet over
 HTTP_TIMEOUT = 5.0
 ENGINE_LEAD_S = 1.0  # the span loads export this long before the run's window, so the receiver is at its pace
 ENGINE_ROLES = ("prefill", "decode")
+ENGINE_STOP_GRACE_S = 5.0  # past an export still waiting for its answer (span_load.SEND_TIMEOUT_S) and the exit
 RECEIVER_MODULE = "traceproxy.observe.engine_receiver_main"
 RECEIVER_TARGETS = {"proxy-receiver": "http", "proxy-receiver-grpc": "grpc"}
 
@@ -321,7 +322,7 @@ class Session:
         """Stop each by its process group (it writes its counts on SIGTERM); what each sent."""
         parts = []
         for child, out in engines:
-            code = self.children.stop(child)
+            code = self.children.stop(child, grace=ENGINE_STOP_GRACE_S)
             try:
                 parts.append(json.loads(out.read_text()))
             except (OSError, ValueError):

@@ -35,7 +35,8 @@ from urllib.parse import urlsplit
 BATCH = 64  # SGLANG_OTLP_EXPORTER_MAX_EXPORT_BATCH_SIZE's default
 DELAY_S = 0.5  # SGLANG_OTLP_EXPORTER_SCHEDULE_DELAY_MILLIS's default
 DECODE_STEPS = 16  # S5's requests: 16 tokens
-SEND_TIMEOUT_S = 2.0  # under the bench's grace between SIGTERM and SIGKILL (3 s), so a stuck export cannot outlast it
+SEND_TIMEOUT_S = 2.0  # under the bench's grace between SIGTERM and SIGKILL, so a stuck export cannot outlast it
+FAILURES_LOGGED = 3  # the first few failed exports are said on stderr (the bench's log of this process)
 MAX_QUEUE = 2048  # the BatchSpanProcessor's queue; past it spans are dropped, as the SDK drops them
 PREFILL_STAGES = ("prefill_prepare", "prefill_bootstrap", "prefill_waiting")
 DECODE_STAGES = ("decode_prepare", "decode_bootstrap", "decode_transferred", "decode_waiting")
@@ -78,6 +79,16 @@ def template(role: str):
     return resource_spans, spans, min(span.start_time_unix_nano for span in spans)
 
 
+_failures = 0
+
+
+def _say_failure(what: str) -> None:
+    global _failures
+    _failures += 1
+    if _failures <= FAILURES_LOGGED:
+        print(f"span_load: an export failed at {time.monotonic():.3f}: {what}", file=sys.stderr, flush=True)
+
+
 class HttpSender:
     """OTLP/HTTP over one keep-alive connection, reopened after a failure."""
 
@@ -93,8 +104,11 @@ class HttpSender:
             self.conn.request("POST", self.path, body, {"Content-Type": "application/x-protobuf"})
             answer = self.conn.getresponse()
             answer.read()
+            if answer.status != 200:
+                _say_failure(f"answered {answer.status}")
             return answer.status == 200
-        except (OSError, http.client.HTTPException):
+        except (OSError, http.client.HTTPException) as exc:
+            _say_failure(repr(exc))
             self.close()
             return False
 
@@ -119,7 +133,8 @@ class GrpcSender:
         try:
             self.export(request, timeout=SEND_TIMEOUT_S)
             return True
-        except self.grpc.RpcError:
+        except self.grpc.RpcError as exc:
+            _say_failure(repr(exc))
             return False
 
     def close(self) -> None:
@@ -167,7 +182,7 @@ class Load:
         if not sent:
             self.counts["exports_failed"] += 1
 
-    def run(self, stop: threading.Event, max_seconds: float) -> float:
+    def run(self, stop: "Stop", max_seconds: float) -> float:
         """Export until ``stop`` or ``max_seconds``; the seconds it ran."""
         start = time.monotonic()
         next_request = last_flush = start
@@ -181,12 +196,27 @@ class Load:
             while len(self.queue) >= BATCH or (self.queue and now - last_flush >= DELAY_S):
                 last_flush = now
                 self.export_batch()
-            stop.wait(max(0.0, min(next_request - time.monotonic(), 0.005)))
+            time.sleep(max(0.0, min(next_request - time.monotonic(), 0.005)))
         self.sender.close()
         return time.monotonic() - start
 
 
-def _stop_on_signal_or_eof(stop: threading.Event) -> None:
+class Stop:
+    """Set from a signal handler or the stdin thread; read by the loop. A plain flag: a
+    ``threading.Event`` set from a signal handler deadlocks when the signal lands while the
+    loop holds the event's lock (in its ``wait``), and the process then ignores SIGTERM."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def set(self) -> None:
+        self.stopped = True
+
+    def is_set(self) -> bool:
+        return self.stopped
+
+
+def _stop_on_signal_or_eof(stop: Stop) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
@@ -224,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     print("ready", flush=True)
     if not _wait_for_go():
         return 1
-    stop = threading.Event()
+    stop = Stop()
     _stop_on_signal_or_eof(stop)
     cpu0 = time.process_time()
     elapsed = load.run(stop, args.max_seconds)
