@@ -17,16 +17,18 @@ import math
 import os
 import time
 
-from aiohttp import web
-
 from . import __version__
+from .admin_http import AdminHttpServer
 from .observe.exposition import Exposition, wants_openmetrics
 from .observe.inflight import engines_view
 from .observe.service_metrics import merge, render
 
 
-def _dumps(value) -> str:
-    return json.dumps(_finite(value), indent=1)
+JSON = "application/json; charset=utf-8"
+
+
+def _dumps(value) -> bytes:
+    return json.dumps(_finite(value), indent=1).encode("utf-8")
 
 
 def _finite(value):
@@ -113,20 +115,18 @@ class ServiceAdmin:
         return out
 
 
-def build_admin_app(admin: ServiceAdmin) -> web.Application:
-    async def healthz(_request: web.Request) -> web.Response:
+def admin_server(admin: ServiceAdmin) -> AdminHttpServer:
+    """The listener's server, its three routes answered by ``admin``."""
+
+    async def healthz(_accept: str) -> tuple[int, str, bytes]:
         body, status = await admin.health()
-        return web.json_response(body, status=status, dumps=_dumps)
+        return status, JSON, _dumps(body)
 
-    async def inflight(_request: web.Request) -> web.Response:
-        return web.json_response(await admin.inflight(), dumps=_dumps)
+    async def inflight(_accept: str) -> tuple[int, str, bytes]:
+        return 200, JSON, _dumps(await admin.inflight())
 
-    async def prometheus(request: web.Request) -> web.Response:
-        out = await admin.metrics(wants_openmetrics(request.headers.get("Accept")))
-        return web.Response(body=out.text().encode("utf-8"), headers={"Content-Type": out.content_type})
+    async def prometheus(accept: str) -> tuple[int, str, bytes]:
+        out = await admin.metrics(wants_openmetrics(accept or None))
+        return 200, out.content_type, out.text().encode("utf-8")
 
-    app = web.Application()
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/debug/inflight", inflight)
-    app.router.add_get("/metrics", prometheus)
-    return app
+    return AdminHttpServer({b"/healthz": healthz, b"/debug/inflight": inflight, b"/metrics": prometheus})

@@ -35,9 +35,8 @@ from .proxy.downstream import ClientConnection
 from .workers import LocalSource
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from .admin import ServiceAdmin
+    from .admin_http import AdminHttpServer
 
 log = logging.getLogger("traceproxy")
 
@@ -162,7 +161,7 @@ class ProxyServer:
         self.engine_side = None  # engine_wiring.LocalEngines when engine metrics or spans are on
         self.prober = None  # StallProber when [engines] probe_on_stall is true
         self._server: asyncio.base_events.Server | None = None
-        self._admin_runner: web.AppRunner | None = None
+        self._admin_server: AdminHttpServer | None = None
         self.admin_port: int | None = None
         self.started_ns = time.monotonic_ns()
 
@@ -276,11 +275,11 @@ class ProxyServer:
         self.watchdog.listeners.append(self.prober)
 
     async def _start_admin(self, view: WorkerView) -> None:
-        from .admin import ServiceAdmin  # aiohttp, about 12 MB of the process, only with the admin listener
+        from .admin import ServiceAdmin
 
         admin = ServiceAdmin(LocalSource(view), self.settings, self.started_ns, self.engines,
                              stopping=lambda: self.ctx.shutting_down)
-        self._admin_runner, self.admin_port = await start_admin_listener(admin, self.settings.admin)
+        self._admin_server, self.admin_port = await start_admin_listener(admin, self.settings.admin)
 
     @property
     def port(self) -> int:
@@ -311,8 +310,8 @@ class ProxyServer:
             await self.engine_side.stop()
         if self.span_export is not None:
             await self.span_export.stop(timeout=exporter_stop)
-        if self._admin_runner is not None:
-            await self._admin_runner.cleanup()
+        if self._admin_server is not None:
+            await self._admin_server.stop()
         if self.link is not None:
             self.link.close()
         await asyncio.sleep(0)
@@ -332,18 +331,14 @@ class ProxyServer:
             await asyncio.sleep(0)  # their connection_lost runs on the next loop pass
 
 
-async def start_admin_listener(admin: ServiceAdmin, address: HostPort) -> tuple[web.AppRunner, int]:
-    """The admin listener on ``address``; its runner and the port it bound."""
-    from aiohttp import web
+async def start_admin_listener(admin: ServiceAdmin, address: HostPort) -> tuple[AdminHttpServer, int]:
+    """The admin listener on ``address``; its server and the port it bound."""
+    from .admin import admin_server
 
-    from .admin import build_admin_app
-
-    runner = web.AppRunner(build_admin_app(admin), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, address.host, address.port)
+    server = admin_server(admin)
     with _binding("admin", address):
-        await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+        port = await server.start(address.host, address.port)
+    return server, port
 
 
 @contextlib.contextmanager
@@ -512,14 +507,14 @@ class _ServiceAdminSide:
     """What the parent runs for the service: the links, the engine side (the scraper and the
     engine span receiver, ``engine_wiring.ServiceEngines``), the admin listener."""
 
-    def __init__(self, links, engines, runner) -> None:
-        self.links, self.engines, self.runner = links, engines, runner
+    def __init__(self, links, engines, admin_server) -> None:
+        self.links, self.engines, self.admin_server = links, engines, admin_server
 
     async def stop(self) -> None:
         if self.engines is not None:
             await self.engines.stop()
-        if self.runner is not None:
-            await self.runner.cleanup()
+        if self.admin_server is not None:
+            await self.admin_server.stop()
         self.links.close()
 
 
@@ -539,20 +534,20 @@ async def _start_service_admin(settings: Settings, peers, started_ns: int, stopp
         await _ServiceAdminSide(links, None, None).stop()
         return None
     scraper = engines.scraper if engines is not None else None
-    runner = None
+    admin_listener = None
     if settings.admin is not None:
         from .admin import ServiceAdmin
 
         admin = ServiceAdmin(links, settings, started_ns, scraper, stopping)
         try:
-            runner, port = await start_admin_listener(admin, settings.admin)
+            admin_listener, port = await start_admin_listener(admin, settings.admin)
         except OSError as exc:
             log.error("traceproxy: %s; stopping the workers", exc)
             await _ServiceAdminSide(links, engines, None).stop()
             return None
         log.info("traceproxy service of %d workers: admin %s (pid %d)", len(peers),
                  admin_url(HostPort(settings.admin.host, port)), os.getpid())
-    return _ServiceAdminSide(links, engines, runner)
+    return _ServiceAdminSide(links, engines, admin_listener)
 
 
 def _relay_config(settings: Settings):
