@@ -448,7 +448,7 @@ _BARE_SUMMARY = RequestSummary(
 
 def test_kept_requests_bodies_send_their_batch_before_it_is_full(start_pipe, loop_thread, tmp_path):
     """The exporter holds a whole frame while it works through it: requests kept with
-    their bodies' evidence (up to 24 KiB each) leave in frames of about a MiB, not
+    their bodies' evidence (up to 24 KiB each) leave in frames of about 256 KiB, not
     in batches of batch_spans; small ones still wait for the batch or its timer."""
     from traceproxy.observe.export import BATCH_EVIDENCE_BYTES
 
