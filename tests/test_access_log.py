@@ -121,17 +121,17 @@ def test_lines_that_cannot_be_written_are_counted_in_metrics_and_logged_once(fas
 TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
 
 
-def _finished_request(trace_id):
-    from traceproxy.observe.spans import DOWNSTREAM_INDEX, RequestSummary
+def _finished_request(trace_id, **fields):
+    """A finished request's record, as the proxy hands it to its observers; ``fields`` override."""
+    from traceproxy.lifecycle.flags import Flag
+    from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.timeline import ClientConnectionRecord, RequestRecord
 
-    return RequestSummary(
-        trace_id=trace_id, span_id=7, parent_span_id=0, sampled=True, tracestate="", rejected_traceparent="",
-        request_id="rid", method="GET", target="/v1/models", http_version="1.1", status=200, outcome="OK",
-        error="", start_ns=1, end_ns=9, clock_offset_ns=10**18, marks=(1,) * len(DOWNSTREAM_INDEX),
-        client_peer="127.0.0.1:5", client_connection_id=1, sequence=1, idle_gap_ns=-1, user_agent="ua",
-        server=("127.0.0.1", 80), upstream=("127.0.0.1", 81), request_body_bytes=0, response_body_bytes=2,
-        chunks=1, max_chunk_gap_ns=0, request_body_head=b"", response_tail=b"", request_body_tail=b"",
-        attempts=(), stalls=(), keep_spans=False)
+    connection = ClientConnectionRecord(peer="127.0.0.1:5", opened_ns=0, id=1)
+    values = dict(connection=connection, sequence=1, idle_gap_ns=None, method="GET", target="/v1/models",
+                  marks={MARK.FIRST_DOWNSTREAM_RX_BYTE: 1}, trace_id=trace_id, span_id=7, request_id="rid",
+                  status=200, outcome=Flag.OK, end_ns=9, downstream_tx_body_bytes=2, upstream_rx_chunks=1)
+    return RequestRecord(**{**values, **fields})
 
 
 class _FailingThenWorking:
@@ -156,11 +156,11 @@ class _FailingThenWorking:
         self.real.close()
 
 
-def _line_batch(*summaries) -> tuple[bytes, int]:
-    """The lines of these summaries as the proxy sends them to the exporter process."""
+def _line_batch(*records, clock_offset_ns: int = 10**18) -> tuple[bytes, int]:
+    """The lines of these finished requests as the proxy sends them to the exporter process."""
     from traceproxy.observe.accesslog import access_line
 
-    return b"".join(access_line(summary) + b"\n" for summary in summaries), len(summaries)
+    return b"".join(access_line(record, clock_offset_ns) + b"\n" for record in records), len(records)
 
 
 def test_a_log_that_fails_then_recovers_says_so_twice_and_keeps_whole_lines(tmp_path, caplog):
@@ -172,15 +172,15 @@ def test_a_log_that_fails_then_recovers_says_so_twice_and_keeps_whole_lines(tmp_
     writer = AccessLogWriter(str(path))
     failing = _FailingThenWorking(path)
     writer._lines._file = failing
-    summary = _finished_request(TRACE_ID)
+    finished = _finished_request(TRACE_ID)
     with caplog.at_level(logging.WARNING, logger="traceproxy.access_log"):
-        writer.write_lines(*_line_batch(summary))
+        writer.write_lines(*_line_batch(finished))
         failing.full = True
         for _ in range(3):
-            writer.write_lines(*_line_batch(summary, summary))
+            writer.write_lines(*_line_batch(finished, finished))
         failing.full = False
-        writer.write_lines(*_line_batch(summary))
-        writer.write_lines(*_line_batch(summary))
+        writer.write_lines(*_line_batch(finished))
+        writer.write_lines(*_line_batch(finished))
     writer.close()
     assert writer.lines_lost == 6
     messages = [record.getMessage() for record in caplog.records]
@@ -217,30 +217,28 @@ def test_the_log_to_stdout_writes_whole_lines_there():
     assert parse_stats_line(last)["access_log_lost"] == 0
 
 
-def test_a_lines_timings_are_seconds_to_the_microsecond_from_the_summary(tmp_path):
-    # Built from a summary alone, as the proxy does: every timing from its two marks,
-    # the wall time from the monotonic start and the clock offset, to the millisecond.
-    from traceproxy.lifecycle.marks import Mark
+def test_a_lines_timings_are_seconds_to_the_microsecond_from_the_record(tmp_path):
+    # Every timing from its two marks, the wall time from the monotonic start and the
+    # clock offset, to the millisecond.
+    from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.timeline import Attempt, StallEntry, UpstreamConnectionRecord
     from traceproxy.observe.accesslog import AccessLogWriter
-    from traceproxy.observe.spans import DOWNSTREAM_INDEX, UPSTREAM_INDEX, UPSTREAM_ORDER, AttemptSummary
 
     start = 5_000_000_000_000
-    marks = [0] * len(DOWNSTREAM_INDEX)
-    marks[DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_RX_BYTE]] = start
-    marks[DOWNSTREAM_INDEX[Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE]] = start + 10_000
-    marks[DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BYTE]] = start + 2_000_499  # rounds down
-    up = [0] * len(UPSTREAM_ORDER)
-    up[UPSTREAM_INDEX[Mark.POOL_ACQUIRED]] = start + 30_000
-    up[UPSTREAM_INDEX[Mark.FIRST_UPSTREAM_TX_BYTE]] = start + 40_000
-    up[UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_HEADER_BYTE]] = start + 1_040_500  # a half rounds up
-    attempt = AttemptSummary(11, 0, 4, True, 7_000_000, 2, tuple(up), "", "", start + 20_000, 200)
-    summary = _finished_request(TRACE_ID)._replace(
-        marks=tuple(marks), end_ns=start + 3_000_000, clock_offset_ns=1_764_000_000_123_999_999 - start,
-        attempts=(attempt,), idle_gap_ns=1_999_999_999, max_chunk_gap_ns=250_000_000,
-        stalls=(("FBS", "first_byte", start, start + 2_500_000, 0),))
+    marks = {MARK.FIRST_DOWNSTREAM_RX_BYTE: start, MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE: start + 10_000,
+             MARK.FIRST_DOWNSTREAM_TX_BYTE: start + 2_000_499}  # rounds down
+    up = {MARK.POOL_ACQUIRED: start + 30_000, MARK.FIRST_UPSTREAM_TX_BYTE: start + 40_000,
+          MARK.LAST_UPSTREAM_RX_HEADER_BYTE: start + 1_040_500}  # a half rounds up
+    attempt = Attempt(index=0, marks=up, connection=UpstreamConnectionRecord(opened_ns=0, id=4), reused=True,
+                      idle_age_ns=7_000_000, connection_request_number=2, started_ns=start + 20_000, status=200)
+    fields = dict(marks=marks, end_ns=start + 3_000_000, idle_gap_ns=1_999_999_999, max_chunk_gap_ns=250_000_000,
+                  stalls=[StallEntry("FBS", "first_byte", since_ns=start, detected_ns=start + 2_500_000)])
+    attempted = _finished_request(TRACE_ID, attempts=[attempt], **fields)
+    unattempted = _finished_request(TRACE_ID, **fields)
+    clock_offset_ns = 1_764_000_000_123_999_999 - start
     path = tmp_path / "access.log"
     writer = AccessLogWriter(str(path))
-    writer.write_lines(*_line_batch(summary, summary._replace(attempts=())))
+    writer.write_lines(*_line_batch(attempted, unattempted, clock_offset_ns=clock_offset_ns))
     writer.close()
     text = path.read_text()
     assert text.endswith("\n") and text.count("\n") == 2

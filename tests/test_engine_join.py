@@ -119,27 +119,27 @@ def test_a_request_no_engine_opened_is_the_routers(start_proxy, scripted_upstrea
     client.close()
 
 
-def test_a_summary_of_a_request_no_engine_opened_names_the_router_once_settled():
+def test_a_finished_request_no_engine_opened_names_the_router_once_settled():
     from types import SimpleNamespace
 
-    from traceproxy.observe.engine_join import EngineStageJoin
-    from traceproxy.observe.spans import UPSTREAM_INDEX, UPSTREAM_ORDER
     from traceproxy.lifecycle.marks import MARK
+    from traceproxy.lifecycle.timeline import Attempt, ClientConnectionRecord, RequestRecord
+    from traceproxy.observe.engine_join import EngineStageJoin
 
     stages = SimpleNamespace(stage_of=lambda trace_id: None, seen_engine_spans=True)
     join = EngineStageJoin(stages, settle_s=0.3, clock_offset_ns=0)
 
-    def summary(sent_ns: int, answered_ns: int, end_ns: int):
-        marks = [0] * len(UPSTREAM_ORDER)
-        marks[UPSTREAM_INDEX[MARK.FIRST_UPSTREAM_TX_BYTE]] = sent_ns
-        marks[UPSTREAM_INDEX[MARK.FIRST_UPSTREAM_RX_BYTE]] = answered_ns
-        return SimpleNamespace(trace_id=7, end_ns=end_ns, clock_offset_ns=1_000,
-                               attempts=(SimpleNamespace(marks=tuple(marks)),))
+    def finished(sent_ns: int, answered_ns: int, end_ns: int) -> RequestRecord:
+        marks = {MARK.FIRST_UPSTREAM_TX_BYTE: sent_ns}
+        if answered_ns:
+            marks[MARK.FIRST_UPSTREAM_RX_BYTE] = answered_ns
+        return RequestRecord(connection=ClientConnectionRecord(peer="127.0.0.1:5", opened_ns=0), sequence=1,
+                             idle_gap_ns=None, trace_id=7, end_ns=end_ns, attempts=[Attempt(index=0, marks=marks)])
 
-    stage = join.stage_of_summary(summary(1_000_000_000, 0, 1_400_000_000))
+    stage = join.stage_at_end(finished(1_000_000_000, 0, 1_400_000_000), 1_000)
     assert (stage["component"], stage["role"], stage["source"]) == ("router", "router", "spans")
-    assert join.stage_of_summary(summary(1_000_000_000, 0, 1_200_000_000)) is None  # not settled yet
-    assert join.stage_of_summary(summary(1_000_000_000, 1_100_000_000, 1_400_000_000)) is None  # answered
+    assert join.stage_at_end(finished(1_000_000_000, 0, 1_200_000_000), 1_000) is None  # not settled yet
+    assert join.stage_at_end(finished(1_000_000_000, 1_100_000_000, 1_400_000_000), 1_000) is None  # answered
 
 
 def test_with_the_receiver_off_nothing_changes(start_proxy, scripted_upstream, caplog):

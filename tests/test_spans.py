@@ -279,6 +279,5 @@ def test_a_summary_is_built_whole_field_for_field(fast_upstream, start_proxy):
     assert len(summary) == len(RequestSummary._fields) and RequestSummary(*summary) == summary
     [attempt] = summary.attempts
     assert len(attempt) == len(AttemptSummary._fields) and AttemptSummary(*attempt) == attempt
-    assert (summary.user_agent, summary.status, summary.method, summary.conversation_id) == (
-        "harness/1", 200, "POST", "")
-    assert summary.tokens[0] >= 1 and summary.stalls == () and attempt.status == 200
+    assert (summary.user_agent, summary.status, summary.method) == ("harness/1", 200, "POST")
+    assert summary.stalls == () and attempt.status == 200

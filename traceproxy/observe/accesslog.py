@@ -1,8 +1,7 @@
 """The access log: one JSON line per finished request.
 
-Made on the proxy's loop from the request summary the spans are built from
-(``spans.summarize``), as the request ends: about 4 µs, less than handing the summary to
-the exporter process and restoring it there (decision 0030). The exporter process
+Made on the proxy's loop from the request's record as it ends, about 4 µs: less than
+handing a summary of it to the exporter process and restoring it there (decision 0030). The exporter process
 appends the lines (``AccessLogWriter``), so a slow disk or a full pipe on stdout never
 blocks the loop.
 With engine spans received, a line also says where the engines had the request when it
@@ -34,39 +33,39 @@ from functools import lru_cache
 import orjson
 
 from ..lifecycle.flags import BY_CODE
-from ..lifecycle.marks import Mark
+from ..lifecycle.marks import MARK
+from ..lifecycle.timeline import RequestRecord
+from ..lifecycle.token_progress import token_progress
 from .line_file import LineFile
-from .spans import DOWNSTREAM_INDEX, UPSTREAM_INDEX, UPSTREAM_ORDER, RequestSummary
-from .token_view import access_fields
+from .token_view import access_fields, summary_tokens
 
 log = logging.getLogger("traceproxy.access_log")
 
-# Where the marks a line reads sit in a summary's mark tuples, looked up once:
-# a line is written for every request.
-_RX_START = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_RX_BYTE]
-_RX_HEAD_END = DOWNSTREAM_INDEX[Mark.LAST_DOWNSTREAM_RX_HEADER_BYTE]
-_TX_HEAD = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BYTE]
-_TX_BODY = DOWNSTREAM_INDEX[Mark.FIRST_DOWNSTREAM_TX_BODY_BYTE]
-_UP_ACQUIRED = UPSTREAM_INDEX[Mark.POOL_ACQUIRED]
-_UP_TX_START = UPSTREAM_INDEX[Mark.FIRST_UPSTREAM_TX_BYTE]
-_UP_HEAD_END = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_HEADER_BYTE]
-_UP_RX_END = UPSTREAM_INDEX[Mark.LAST_UPSTREAM_RX_BYTE]
+# The marks a line reads, looked up once: a line is made for every request.
+_RX_START = MARK.FIRST_DOWNSTREAM_RX_BYTE
+_RX_HEAD_END = MARK.LAST_DOWNSTREAM_RX_HEADER_BYTE
+_TX_HEAD = MARK.FIRST_DOWNSTREAM_TX_BYTE
+_TX_BODY = MARK.FIRST_DOWNSTREAM_TX_BODY_BYTE
+_UP_ACQUIRED = MARK.POOL_ACQUIRED
+_UP_TX_START = MARK.FIRST_UPSTREAM_TX_BYTE
+_UP_HEAD_END = MARK.LAST_UPSTREAM_RX_HEADER_BYTE
+_UP_RX_END = MARK.LAST_UPSTREAM_RX_BYTE
 
 
 # What a line says of each outcome code, looked up once (an enum's .value is a property).
 _OUTCOME_AND_BLAME = {code: (code, outcome.blame.value) for code, outcome in BY_CODE.items()}
-_NO_UPSTREAM_MARKS = (0,) * len(UPSTREAM_ORDER)
+_NO_MARKS: dict = {}
 
 
-@lru_cache(maxsize=8)  # a batch of lines mostly falls within the same few seconds
+@lru_cache(maxsize=8)  # lines mostly fall within the same few seconds
 def _utc_second(second: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
-def _seconds(later: int, earlier: int) -> float | None:
+def _seconds(later: int | None, earlier: int | None) -> float | None:
     """From one mark to a later one in seconds, to the microsecond (a half rounded up); None
-    when either was not reached (marks are 0 then). Integer arithmetic: a line has a
-    dozen of these, and ``round`` costs three times as much."""
+    when either was not reached. Integer arithmetic: a line has a dozen of these, and
+    ``round`` costs three times as much."""
     return (later - earlier + 500) // 1000 / 1e6 if later and earlier else None
 
 
@@ -74,66 +73,72 @@ def _duration(ns: int) -> float:
     return (ns + 500) // 1000 / 1e6
 
 
-def access_entry(s: RequestSummary) -> dict:
-    marks = s.marks
-    start = marks[_RX_START] or s.end_ns
-    attempt = s.attempts[-1] if s.attempts else None
+def access_entry(r: RequestRecord, clock_offset_ns: int) -> dict:
+    """A finished request's line, read off its record as it ends (no summary is made for
+    a request whose spans are not kept: most of them)."""
+    marks = r.marks
+    end = r.end_ns
+    start = marks.get(_RX_START) or end
+    attempt = r.attempts[-1] if r.attempts else None
     if attempt is not None:
         up = attempt.marks
         # From when this attempt asked for a connection: not the wait of a pipelined
         # request for its turn, nor an earlier attempt of a resent one.
-        connect_from = attempt.started_ns or marks[_RX_HEAD_END]
-        connected = attempt.connection_id != 0
+        connect_from = attempt.started_ns or marks.get(_RX_HEAD_END)
+        connected = attempt.connection is not None
     else:
-        up, connect_from, connected = _NO_UPSTREAM_MARKS, marks[_RX_HEAD_END], False
-    up_tx_start = up[_UP_TX_START]
-    outcome, blame = _OUTCOME_AND_BLAME[s.outcome]
-    second, ns = divmod(start + s.clock_offset_ns, 1_000_000_000)
+        up, connect_from, connected = _NO_MARKS, marks.get(_RX_HEAD_END), False
+    up_tx_start = up.get(_UP_TX_START)
+    outcome, blame = _OUTCOME_AND_BLAME[r.outcome.code]
+    second, ns = divmod(start + clock_offset_ns, 1_000_000_000)
     return {
         "time": f"{_utc_second(second)}.{ns // 1_000_000:03d}Z",
-        "request_id": s.request_id or None,
-        "trace_id": "%032x" % s.trace_id if s.trace_id else None,
-        "client": s.client_peer,
-        "method": s.method or None,
-        "path": s.target or None,
-        "protocol": "HTTP/" + s.http_version,
-        "status": s.status or None,
+        "request_id": r.request_id or None,
+        "trace_id": "%032x" % r.trace_id if r.trace_id else None,
+        "client": r.connection.peer,
+        "method": r.method or None,
+        "path": r.target or None,
+        "protocol": "HTTP/" + r.http_version,
+        "status": r.status or None,
         "outcome": outcome,
         "blame": blame,
-        "error": s.error or None,
-        "request_bytes": s.request_body_bytes,
-        "response_bytes": s.response_body_bytes,
-        "chunks": s.chunks,
-        "chunk_max_gap": _duration(s.max_chunk_gap_ns),
-        "upstream_connect_time": _seconds(up[_UP_ACQUIRED], connect_from),
-        "upstream_header_time": _seconds(up[_UP_HEAD_END], up_tx_start),
-        "upstream_response_time": _seconds(up[_UP_RX_END], up_tx_start),
-        "time_to_first_byte": _seconds(marks[_TX_HEAD], start),
-        "time_to_first_chunk": _seconds(marks[_TX_BODY], start),
-        "request_time": _seconds(s.end_ns, start),
-        "client_connection": s.client_connection_id,
-        "client_request_sequence": s.sequence,
-        "client_idle_gap": _duration(s.idle_gap_ns) if s.idle_gap_ns >= 0 else None,
-        "upstream_connection": attempt.connection_id if connected else None,
+        "error": r.error or None,
+        "request_bytes": r.downstream_rx_body_bytes,
+        "response_bytes": r.downstream_tx_body_bytes,
+        "chunks": r.upstream_rx_chunks,
+        "chunk_max_gap": _duration(r.max_chunk_gap_ns),
+        "upstream_connect_time": _seconds(up.get(_UP_ACQUIRED), connect_from),
+        "upstream_header_time": _seconds(up.get(_UP_HEAD_END), up_tx_start),
+        "upstream_response_time": _seconds(up.get(_UP_RX_END), up_tx_start),
+        "time_to_first_byte": _seconds(marks.get(_TX_HEAD), start),
+        "time_to_first_chunk": _seconds(marks.get(_TX_BODY), start),
+        "request_time": _seconds(end, start),
+        "client_connection": r.connection.id,
+        "client_request_sequence": r.sequence,
+        "client_idle_gap": None if r.idle_gap_ns is None else _duration(r.idle_gap_ns),
+        "upstream_connection": attempt.connection.id if connected else None,
         "upstream_reused": attempt.reused if connected else None,
         "upstream_idle_age": _duration(attempt.idle_age_ns) if connected else None,
         "upstream_connection_request": attempt.connection_request_number if connected else None,
-        "attempts": len(s.attempts),
-        "stalls": [{"outcome": code, "phase": phase, "waited": _seconds(detected, since),
-                    "resolved_after": _seconds(resolved, since)}
-                   for code, phase, since, detected, resolved in s.stalls] if s.stalls else [],
+        "attempts": len(r.attempts),
+        "stalls": [{"outcome": e.code, "phase": e.phase, "waited": _seconds(e.detected_ns, e.since_ns),
+                    "resolved_after": _seconds(e.resolved_ns, e.since_ns)}
+                   for e in r.stalls] if r.stalls else [],
     }
 
 
-def access_line(summary: RequestSummary) -> bytes:
-    """The line in UTF-8, without its newline: kept as orjson writes it, never decoded."""
-    entry = access_entry(summary)
-    if summary.engine_stage:  # engine spans or gauges by role are on, and they placed it
-        entry["engine_stage"] = summary.engine_stage
-    if summary.tokens:  # an event stream, judged on its tokens
-        entry["tokens"] = access_fields(summary.tokens, summary.marks[_RX_START] or summary.end_ns)
-    if summary.conversation_id:
-        entry["conversation_id"] = summary.conversation_id
+def access_line(record: RequestRecord, clock_offset_ns: int, engine_stage: dict | None = None) -> bytes:
+    """The line in UTF-8, without its newline: kept as orjson writes it, never decoded.
+    ``engine_stage``: where the engines had the request when it ended, when the join knows."""
+    entry = access_entry(record, clock_offset_ns)
+    if engine_stage:
+        entry["engine_stage"] = engine_stage
+    if record.stream_events is not None:  # an event stream, judged on its tokens
+        tokens = summary_tokens(token_progress(record))
+        if tokens:
+            entry["tokens"] = access_fields(tokens, record.marks.get(_RX_START) or record.end_ns)
+    if record.conversation_id:
+        entry["conversation_id"] = record.conversation_id
     return orjson.dumps(entry)
 
 

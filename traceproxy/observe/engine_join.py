@@ -43,12 +43,11 @@ from ..lifecycle.marks import MARK
 from ..lifecycle.pd_stages import EngineStage, Worker, from_gauges, not_opened
 from ..lifecycle.timeline import RequestRecord
 from .spandata import SpanData
-from .spans import UPSTREAM_INDEX, RequestSummary, engine_stage_attributes
+from .spans import engine_stage_attributes
 from . import semconv as sc
 
 UNPLACED_KEEP_NS = 2_000_000_000  # a worker keeps a stage it cannot place yet this long
 STALLS_REMEMBERED = 1024  # stall stages said in a log line and not yet taken by a stall span
-_SENT, _ANSWERED = UPSTREAM_INDEX[MARK.FIRST_UPSTREAM_TX_BYTE], UPSTREAM_INDEX[MARK.FIRST_UPSTREAM_RX_BYTE]
 _WAITING_FOR_HEAD = frozenset({Phase.SENDING_REQUEST_UPSTREAM, Phase.AWAITING_UPSTREAM_HEADERS})
 
 
@@ -113,22 +112,19 @@ class EngineStageJoin:
     def said_at_stall(self, trace_id: int, span_id: int) -> dict | None:
         return self._stalls.pop((trace_id, span_id), None)
 
-    # -- a finished request's summary ---------------------------------------------------
-    def stage_of_summary(self, s: RequestSummary) -> dict | None:
-        """Where the engines had a request when it ended, from what its summary holds."""
+    # -- a finished request ---------------------------------------------------------------
+    def stage_at_end(self, record: RequestRecord, clock_offset_ns: int) -> dict | None:
+        """Where the engines had a finished request when it ended (its access log line and
+        span say it); None when nothing says."""
         stages = self.stages
-        if stages is None or not s.trace_id:
+        if stages is None or not record.trace_id:
             return None
-        found = stages.stage_of(s.trace_id)
-        if found is None and stages.seen_engine_spans and s.attempts and not s.attempts[-1].marks[_ANSWERED]:
-            found = self._not_opened(s.attempts[-1].marks[_SENT], s.end_ns, s.clock_offset_ns)
-        return None if found is None else found.as_dict(s.end_ns + s.clock_offset_ns)
-
-
-    def placed_summary(self, summary: RequestSummary) -> RequestSummary:
-        """The summary with where the engines had the request when it ended, when known."""
-        stage = self.stage_of_summary(summary)
-        return summary if stage is None else summary._replace(engine_stage=stage)
+        found = stages.stage_of(record.trace_id)
+        attempt = record.attempt
+        if found is None and stages.seen_engine_spans and attempt is not None \
+                and MARK.FIRST_UPSTREAM_RX_BYTE not in attempt.marks:
+            found = self._not_opened(attempt.marks.get(MARK.FIRST_UPSTREAM_TX_BYTE), record.end_ns, clock_offset_ns)
+        return None if found is None else found.as_dict(record.end_ns + clock_offset_ns)
 
     def placed_stall_span(self, span: SpanData) -> None:
         """A stall span gets the attributes of the stage its log line said."""

@@ -123,7 +123,7 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
             continue
         if isinstance(item, (RawSpans, AccessLines)):  # relayed as they came (relay_raw), or the access log's
             continue
-        if not item.keep_spans:  # sampled out or shed: only its access log line was wanted
+        if not item.keep_spans:  # made without its bodies' evidence: no spans are wanted of it
             continue
         try:
             spans.extend(spans_for(item))

@@ -21,7 +21,7 @@ from ..lifecycle.token_progress import token_progress
 from . import semconv as sc
 from .genai_spans import _response_attributes, evidence, genai_attributes  # noqa: F401 (_response_attributes: for tests)
 from .spandata import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, STATUS_ERROR, STATUS_UNSET, SpanData, SpanEvent
-from .token_view import stall_attributes, summary_tokens
+from .token_view import stall_attributes
 
 DOWNSTREAM_ORDER = tuple(m for m in Mark if m not in UPSTREAM_MARKS)
 UPSTREAM_ORDER = tuple(m for m in Mark if m in UPSTREAM_MARKS)
@@ -93,17 +93,14 @@ class RequestSummary(NamedTuple):
     request_body_tail: bytes
     attempts: tuple[AttemptSummary, ...]
     stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
-    keep_spans: bool = True  # False: sampled out or shed, sent only for its access log line
+    keep_spans: bool = True  # False: made without its bodies' evidence (no spans will be built from it)
     genai: tuple = ()  # genai_spans.GenAIEvidence as a plain tuple, () when there is none
     # Where the engines had it when it ended (engine_join; EngineStage.as_dict), when known.
     engine_stage: dict | None = None
-    # An event stream's tokens (token_view.summary_tokens), for its access log line; () for any other response.
-    tokens: tuple = ()
-    conversation_id: str = ""  # tracing.conversation_id_header's value, "" without one
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
-              upstream: tuple[str, int], keep_spans: bool = True) -> RequestSummary:
+              upstream: tuple[str, int], keep_spans: bool = True, engine_stage: dict | None = None) -> RequestSummary:
     marks = record.marks
     if keep_spans:
         head, request_tail = record.request_body_head, record.request_body_tail
@@ -125,8 +122,7 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         tuple(map(_summarize_attempt, record.attempts)),
         tuple([(e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls])
         if record.stalls else (),
-        keep_spans, evidence(record) if keep_spans else (), None,
-        summary_tokens(token_progress(record)), record.conversation_id,
+        keep_spans, evidence(record) if keep_spans else (), engine_stage,
     ))
 
 

@@ -1,10 +1,10 @@
 """The tracing observer: one decision and one summary per finished request.
 
-The summary feeds both outputs: the spans (when tracing is on and the request is
-kept), built by the exporter process from the summary sent to it, and the access log
-line (for every request, when the access log is on), made here from the summary and
-sent to the exporter process to be written. A line costs the loop less to make than a
-summary costs to send and restore (decision 0030); spans cost far more, and stay there.
+Two outputs: the spans (when tracing is on and the request is kept), built by the
+exporter process from the summary sent to it, and the access log line (for every
+request, when the access log is on), made here from the record and sent to the exporter
+process to be written. A line costs the loop less to make than a summary costs to send
+and restore (decision 0030); spans cost far more, and stay there.
 
 Tail-biased sampling, decided when the request ends: a request that did not end
 ``OK`` (or got a 5xx) is always kept; a healthy one is kept when its trace id falls
@@ -30,7 +30,7 @@ Either way a healthy request's spans are shed before anything is copied. A reque
 that errored or stalled is never shed; it is dropped only when the queue is full.
 So a flood costs the event loop almost nothing, and the traces that explain a
 failure still get through. The access log line is not shed: with the access log
-on, a shed request is still summarized, for its line.
+on, a shed request still sends its line.
 """
 
 from __future__ import annotations
@@ -98,13 +98,13 @@ class TracingObserver:
         keep = self.spans and self._keep_spans(record)
         if not keep and not self.access_log:
             return
-        summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream, keep)
-        if self.stage_join is not None:
-            summary = self.stage_join.placed_summary(summary)
+        stage = self.stage_join.stage_at_end(record, self.clock_offset_ns) if self.stage_join is not None else None
         if keep:
+            summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream,
+                                                engine_stage=stage)
             self.sink.submit((summary,))
         if self.access_log:
-            self.sink.submit_line(access_line(summary))
+            self.sink.submit_line(access_line(record, self.clock_offset_ns, stage))
 
     def _keep_spans(self, record: RequestRecord) -> bool:
         if self.failed(record):
