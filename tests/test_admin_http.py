@@ -13,7 +13,7 @@ import pytest
 from traceproxy import admin_http
 from traceproxy.admin_http import AdminHttpServer
 
-from .support import started_for_the_test
+from .support import started_for_the_test, wait_until
 
 
 async def _hello(accept: str) -> tuple[int, str, bytes]:
@@ -29,7 +29,11 @@ async def _broken(accept: str) -> tuple[int, str, bytes]:
     raise RuntimeError("a route's own fault")
 
 
-ROUTES = {b"/hello": _hello, b"/slow": _slow, b"/broken": _broken}
+async def _big(accept: str) -> tuple[int, str, bytes]:
+    return 200, "application/octet-stream", b"b" * (1 << 20)
+
+
+ROUTES = {b"/hello": _hello, b"/slow": _slow, b"/broken": _broken, b"/big": _big}
 
 
 class _Listener:
@@ -127,6 +131,10 @@ def test_an_upgrade_request_is_answered_without_upgrading_and_the_connection_clo
     assert _statuses(answers) == [200] and b"Connection: close\r\n" in answers  # _exchange read to the close
 
 
+def test_connect_in_origin_form_is_400_too(listener):
+    assert _statuses(_exchange(listener.port, b"CONNECT /hello HTTP/1.1\r\nHost: a\r\n\r\n")) == [400]
+
+
 def test_connect_is_400_after_the_answers_before_it(listener):
     answers = _exchange(listener.port, b"GET /hello HTTP/1.1\r\nHost: a\r\n\r\n"
                                        b"CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\n\r\n")
@@ -143,3 +151,105 @@ def test_a_connection_that_asks_nothing_is_closed_after_the_idle_timeout(listene
             received += chunk
         assert _statuses(received) == [200]
         assert time.monotonic() - started < 4.0
+
+
+def test_thousands_of_pipelined_requests_split_mid_head_are_all_answered(listener):
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+        sock.sendall(b"GET /hello HTTP/1.1\r\nHost: a\r\n\r\n" * 3000 + b"GET /hel")
+        time.sleep(0.3)
+        sock.sendall(b"lo HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        received = b""
+        while chunk := sock.recv(1 << 16):  # to the server's close; the socket's timeout bounds each wait
+            received += chunk
+    assert _statuses(received) == [200] * 3001
+
+
+def test_a_head_under_the_bound_sent_in_small_pieces_is_answered(listener):
+    head = b"GET /hello HTTP/1.1\r\nHost: a\r\nX-Big: " + b"v" * 40_000 + b"\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+        for start in range(0, len(head), 1024):
+            sock.sendall(head[start:start + 1024])
+        received = b""
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    assert _statuses(received) == [200]
+
+
+def test_a_client_that_half_closes_still_gets_its_answers(listener):
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /hello HTTP/1.1\r\nHost: a\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    assert _statuses(received) == [200, 200] and received.endswith(b"hello, accept=-\n")
+
+
+def test_an_endless_trailer_is_413(listener):
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+        sock.sendall(b"POST /hello HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Trailer: ")
+        received = b""
+        for _ in range(200):  # at most 200 KiB of trailer: the bound is well below
+            try:
+                sock.sendall(b"a" * 1024)
+            except OSError:
+                break
+            sock.settimeout(0.01)
+            try:
+                received += sock.recv(1 << 16)
+            except socket.timeout:
+                continue
+            finally:
+                sock.settimeout(10)
+            if received:
+                break
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    assert _statuses(received) == [413]
+
+
+def test_a_large_upload_gets_its_413_rather_than_a_reset(listener):
+    body = b"u" * (10 << 20)
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+        # Sent whole, without a reset: past the answer the server reads on and throws it away.
+        sock.sendall(b"POST /hello HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        received = b""
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    assert _statuses(received) == [413]
+
+
+def test_expect_100_continue_gets_the_final_answer_at_once(listener):
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as sock:
+        sock.sendall(b"POST /hello HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        received = b""
+        while chunk := sock.recv(1 << 16):  # the body is never sent: the answer must not wait for it
+            received += chunk
+    assert _statuses(received) == [405]
+
+
+def test_an_http_1_0_client_asking_for_keep_alive_is_told_it_is_kept(listener):
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as sock:
+        sock.sendall(b"GET /hello HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        answer = sock.recv(1 << 16)
+        sock.sendall(b"GET /hello HTTP/1.0\r\n\r\n")  # the same connection carries a second request
+        while chunk := sock.recv(1 << 16):
+            answer += chunk
+    assert _statuses(answer) == [200, 200]
+    first, second = answer.split(b"HTTP/1.1 ")[1:]
+    assert b"Connection: keep-alive\r\n" in first and b"Connection: close\r\n" in second
+
+
+def _buffered(loop_thread, listener) -> list[int]:
+    return loop_thread.call(lambda: [c.transport.get_write_buffer_size() for c in listener.server._connections])
+
+
+def test_a_client_that_never_reads_its_answers_holds_a_bounded_buffer_and_is_aborted(listener, loop_thread,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(admin_http, "IDLE_TIMEOUT_S", 1.0)
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n" * 200)  # 200 MiB of answers asked, none read
+        time.sleep(0.5)
+        assert max(_buffered(loop_thread, listener)) < 4 << 20  # one or two answers held, not 200
+        assert wait_until(lambda: not loop_thread.call(lambda: len(listener.server._connections)), timeout=5)
