@@ -8,11 +8,16 @@ sockets like any client would.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import h11
 import pytest
@@ -469,3 +474,19 @@ def start_worker(loop_thread):
     from traceproxy.sim.engine import SimWorker
 
     yield from started_for_the_test(loop_thread, SimWorker)
+
+
+def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``traceproxy bench`` with ``args`` in a process group of its own, from the checkout;
+    past ``timeout`` it is stopped (it stops its own children on SIGTERM) and the test fails."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+        pytest.fail(f"bench did not finish within {timeout:g} s:\n{err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

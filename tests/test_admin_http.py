@@ -241,7 +241,7 @@ def test_an_http_1_0_client_asking_for_keep_alive_is_told_it_is_kept(listener):
 
 
 def _buffered(loop_thread, listener) -> list[int]:
-    return loop_thread.call(lambda: [c.transport.get_write_buffer_size() for c in listener.server._connections])
+    return loop_thread.call(lambda: [c.transport.get_write_buffer_size() for c in listener.server.connections])
 
 
 def test_a_client_that_never_reads_its_answers_holds_a_bounded_buffer_and_is_aborted(listener, loop_thread,
@@ -252,4 +252,4 @@ def test_a_client_that_never_reads_its_answers_holds_a_bounded_buffer_and_is_abo
         sock.sendall(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n" * 200)  # 200 MiB of answers asked, none read
         time.sleep(0.5)
         assert max(_buffered(loop_thread, listener)) < 4 << 20  # one or two answers held, not 200
-        assert wait_until(lambda: not loop_thread.call(lambda: len(listener.server._connections)), timeout=5)
+        assert wait_until(lambda: not loop_thread.call(lambda: len(listener.server.connections)), timeout=5)

@@ -20,20 +20,13 @@ from traceproxy.bench.discard_proc import BAD, OK, Counts, Discard
 from traceproxy.bench.proxy_proc import build_settings, minimal_overrides, receiver_overrides
 from traceproxy.bench.span_load import BATCH, Load, template
 
+from .support import run_bench
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the bench stops its own children on SIGTERM
-        out, err = proc.communicate(timeout=15)
-        pytest.fail(f"bench did not finish within 120 s:\n{err[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_bench(*args, timeout=120)
 
 
 def test_every_target_pays_the_same_engine_span_load_and_the_receivers_take_theirs(tmp_path):

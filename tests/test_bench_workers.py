@@ -4,28 +4,15 @@ workers, and its /metrics is read during every measured run. No timing threshold
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .support import run_bench
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the bench stops its own children on SIGTERM
-        out, err = proc.communicate(timeout=15)
-        pytest.fail(f"bench did not finish within 90 s:\n{err[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_bench(*args, timeout=90)
 
 
 def test_bench_runs_a_service_of_workers_and_scrapes_it_during_the_run(tmp_path):

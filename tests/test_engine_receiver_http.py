@@ -243,7 +243,7 @@ def test_pipelined_requests_in_one_piece_are_parsed_no_more_than_pipelined_at_a_
         release = asyncio.Event()
 
         async def take(body: bytes, peer: str) -> None:
-            most_waiting.append(max(len(connection.waiting) for connection in server._connections))
+            most_waiting.append(max(len(connection.waiting) for connection in server.connections))
             if not taken:
                 await release.wait()  # the first holds its connection's answers back
             taken.append(body)
@@ -257,7 +257,7 @@ def test_pipelined_requests_in_one_piece_are_parsed_no_more_than_pipelined_at_a_
             await writer.drain()
             for _ in range(50):  # what the server would parse while the first is held
                 await asyncio.sleep(0.01)
-            held = max(len(connection.waiting) for connection in server._connections)
+            held = max(len(connection.waiting) for connection in server.connections)
             release.set()
             answers = [await asyncio.wait_for(read_answer(reader), 10) for _ in bodies]
             writer.close()

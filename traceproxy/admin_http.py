@@ -45,6 +45,8 @@ from email.utils import formatdate
 
 import httptools
 
+from .observe.listener import ConnectionListener
+
 log = logging.getLogger("traceproxy.admin")
 
 # A route: what the client accepts (its Accept header, "" without one) -> status, content type, body.
@@ -67,28 +69,12 @@ _REASON = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not All
 _TEXT = "text/plain; charset=utf-8"
 
 
-class AdminHttpServer:
+class AdminHttpServer(ConnectionListener):
     """``routes``: path (bytes, without the query) -> ``Route``."""
 
     def __init__(self, routes: dict[bytes, Route]) -> None:
+        super().__init__(_Connection)
         self.routes = routes
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[_Connection] = set()
-
-    async def start(self, host: str, port: int) -> int:
-        """Listens; the port bound (``port`` 0 asks for any)."""
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port)
-        return self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.close()
-        for connection in list(self._connections):
-            connection.abort()
-        await self._server.wait_closed()
-        self._server = None
 
 
 class _Request:
@@ -134,12 +120,12 @@ class _Connection(asyncio.Protocol):
     # -- the connection -----------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.server._connections.add(self)
+        self.server.connections.add(self)
         self._wait_for_a_request()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.server._connections.discard(self)
+        self.server.connections.discard(self)
         self._stop_idle_timer()
         for timer in (self.write_timer,):
             if timer is not None:
@@ -160,6 +146,8 @@ class _Connection(asyncio.Protocol):
     def abort(self) -> None:
         self.closed = True
         self.transport.abort()
+
+    end_now = abort  # the listener stopping: answers still unsent are not waited for
 
     def eof_received(self) -> bool:
         self.eof = True

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 
 import uvloop
 
-from .procs import wait_for_stop_signal, write_port_file
+from .procs import wait_for_stop_signal, write_json_file, write_port_file
 
 MAX_HEAD = 64 * 1024
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n"
@@ -107,10 +105,7 @@ async def serve(port_file: str, stats_file: str | None) -> None:
     await wait_for_stop_signal()
     server.close()
     if stats_file:
-        tmp = f"{stats_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(counts.snapshot(), f)
-        os.replace(tmp, stats_file)
+        write_json_file(stats_file, counts.snapshot())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
@@ -19,7 +18,7 @@ import time
 import uvloop
 
 from .client import Conn, Recorder, connect, expire
-from .procs import raise_fd_limit
+from .procs import raise_fd_limit, write_json_file
 from .scenarios import RequestSpec, request_from_dict
 
 WATCHDOG_INTERVAL = 0.05
@@ -166,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(f)
     raise_fd_limit()
     result = uvloop.run(run_job(spec))
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    write_json_file(args.out, result)
     return 0
 
 

@@ -15,6 +15,7 @@ started.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -191,9 +192,18 @@ def free_port() -> int:
 
 
 def write_port_file(path: str, port: int) -> None:
+    write_atomically(path, str(port))
+
+
+def write_json_file(path: str, data) -> None:
+    write_atomically(path, json.dumps(data))
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Written whole or not at all: the parent polls for the file and reads it at once."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        f.write(str(port))
+        f.write(text)
     os.replace(tmp, path)
 
 

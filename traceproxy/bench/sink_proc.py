@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import signal
 import threading
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .procs import write_port_file
+from .procs import write_json_file, write_port_file
 
 TRACES_PATH = "/v1/traces"
 PROTOBUF = "application/x-protobuf"
@@ -121,13 +120,6 @@ class SinkServer(ThreadingHTTPServer):
         self.counts = Counts()
 
 
-def write_stats(path: str, counts: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(counts, f)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="traceproxy.bench.sink_proc")
     parser.add_argument("--port-file", required=True)
@@ -143,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(1.0):
         pass
     if args.stats_file:
-        write_stats(args.stats_file, server.counts.snapshot())
+        write_json_file(args.stats_file, server.counts.snapshot())
     server.shutdown()
     server.server_close()
     return 0

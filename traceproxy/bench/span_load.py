@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import random
 import signal
@@ -31,6 +30,8 @@ import sys
 import threading
 import time
 from urllib.parse import urlsplit
+
+from .procs import write_json_file
 
 BATCH = 64  # SGLANG_OTLP_EXPORTER_MAX_EXPORT_BATCH_SIZE's default
 DELAY_S = 0.5  # SGLANG_OTLP_EXPORTER_SCHEDULE_DELAY_MILLIS's default
@@ -260,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = load.run(stop, args.max_seconds)
     result = {"role": args.role, "rate": args.rate, "protocol": "grpc" if load.grpc else "http",
               "elapsed": elapsed, "cpu_s": time.process_time() - cpu0, "pid": os.getpid(), **load.counts}
-    tmp = f"{args.out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    write_json_file(args.out, result)
     return 0
 
 

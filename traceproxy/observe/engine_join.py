@@ -44,7 +44,6 @@ from ..lifecycle.pd_stages import EngineStage, Worker, from_gauges, not_opened
 from ..lifecycle.timeline import RequestRecord
 from .spandata import SpanData
 from .spans import engine_stage_attributes
-from . import semconv as sc
 
 UNPLACED_KEEP_NS = 2_000_000_000  # a worker keeps a stage it cannot place yet this long
 STALLS_REMEMBERED = 1024  # stall stages said in a log line and not yet taken by a stall span

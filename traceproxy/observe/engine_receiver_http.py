@@ -48,6 +48,7 @@ from collections.abc import Awaitable, Callable
 
 import httptools
 
+from .listener import ConnectionListener
 from .otlp_proto import length_delimited, varint
 
 log = logging.getLogger("traceproxy.engine_spans")
@@ -81,7 +82,7 @@ def rpc_status(code: int, message: str) -> bytes:
     return b"\x08" + varint(code) + length_delimited(b"\x12", message.encode("utf-8", "replace"))
 
 
-class OtlpHttpServer:
+class OtlpHttpServer(ConnectionListener):
     """``take(body, peer)``: the receiver's, per complete body; ``refused(refusal, peer)``:
     told of every refusal, to count it. ``take_now``: the same, not a coroutine, for a
     body of at most ``take_now_bytes`` that is the only request of its connection
@@ -91,24 +92,9 @@ class OtlpHttpServer:
     def __init__(self, take: Callable[[bytes, str], Awaitable[object]],
                  refused: Callable[[BodyRefused, str], None], max_body: int, *,
                  take_now: Callable[[bytes, str], object] | None = None, take_now_bytes: int = 0) -> None:
+        super().__init__(_Connection)
         self.take, self.refused, self.max_body = take, refused, max_body
         self.take_now, self.take_now_bytes = take_now, take_now_bytes
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[_Connection] = set()
-
-    async def start(self, host: str, port: int) -> int:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port)
-        return self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.close()
-        for connection in list(self._connections):
-            connection.close()
-        await self._server.wait_closed()
-        self._server = None
 
 
 class _Request:
@@ -156,12 +142,12 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             self.peer = f"http:{peer[0]}:{peer[1]}"
-        self.server._connections.add(self)
+        self.server.connections.add(self)
         self._close_in(IDLE_TIMEOUT_S)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self.server._connections.discard(self)
+        self.server.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
         if self.answering is not None:
@@ -245,6 +231,8 @@ class _Connection(asyncio.Protocol):
             self.closed = True
             if self.transport is not None:
                 self.transport.close()
+
+    end_now = close  # the listener stopping
 
     def _close_in(self, seconds: float) -> None:
         if self._timer is not None:
