@@ -72,6 +72,14 @@ def _exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
         return received
 
 
+def _read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes; the socket's timeout bounds each wait."""
+    received = b""
+    while chunk := sock.recv(1 << 16):
+        received += chunk
+    return received
+
+
 def _statuses(answers: bytes) -> list[int]:
     return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", answers)]
 
@@ -146,9 +154,7 @@ def test_a_connection_that_asks_nothing_is_closed_after_the_idle_timeout(listene
     with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as sock:
         sock.sendall(b"GET /hello HTTP/1.1\r\nHost: a\r\n\r\nGET /hel")  # a second head that never ends
         started = time.monotonic()
-        received = b""
-        while chunk := sock.recv(65536):  # ends when the server closes; the socket's timeout bounds it
-            received += chunk
+        received = _read_to_close(sock)  # ends when the server closes; the socket's timeout bounds it
         assert _statuses(received) == [200]
         assert time.monotonic() - started < 4.0
 
@@ -158,9 +164,7 @@ def test_thousands_of_pipelined_requests_split_mid_head_are_all_answered(listene
         sock.sendall(b"GET /hello HTTP/1.1\r\nHost: a\r\n\r\n" * 3000 + b"GET /hel")
         time.sleep(0.3)
         sock.sendall(b"lo HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-        received = b""
-        while chunk := sock.recv(1 << 16):  # to the server's close; the socket's timeout bounds each wait
-            received += chunk
+        received = _read_to_close(sock)  # to the server's close; the socket's timeout bounds each wait
     assert _statuses(received) == [200] * 3001
 
 
@@ -169,9 +173,7 @@ def test_a_head_under_the_bound_sent_in_small_pieces_is_answered(listener):
     with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
         for start in range(0, len(head), 1024):
             sock.sendall(head[start:start + 1024])
-        received = b""
-        while chunk := sock.recv(1 << 16):
-            received += chunk
+        received = _read_to_close(sock)
     assert _statuses(received) == [200]
 
 
@@ -179,9 +181,7 @@ def test_a_client_that_half_closes_still_gets_its_answers(listener):
     with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
         sock.sendall(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /hello HTTP/1.1\r\nHost: a\r\n\r\n")
         sock.shutdown(socket.SHUT_WR)
-        received = b""
-        while chunk := sock.recv(1 << 16):
-            received += chunk
+        received = _read_to_close(sock)
     assert _statuses(received) == [200, 200] and received.endswith(b"hello, accept=-\n")
 
 
@@ -213,18 +213,14 @@ def test_a_large_upload_gets_its_413_rather_than_a_reset(listener):
     with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
         # Sent whole, without a reset: past the answer the server reads on and throws it away.
         sock.sendall(b"POST /hello HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        received = b""
-        while chunk := sock.recv(1 << 16):
-            received += chunk
+        received = _read_to_close(sock)
     assert _statuses(received) == [413]
 
 
 def test_expect_100_continue_gets_the_final_answer_at_once(listener):
     with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as sock:
         sock.sendall(b"POST /hello HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
-        received = b""
-        while chunk := sock.recv(1 << 16):  # the body is never sent: the answer must not wait for it
-            received += chunk
+        received = _read_to_close(sock)  # the body is never sent: the answer must not wait for it
     assert _statuses(received) == [405]
 
 
