@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from typing import NamedTuple
 
 import pytest
 
+from traceproxy.app import ProxyServer
+from traceproxy.config import default_settings
+from traceproxy.lifecycle.hooks import Fanout
 from traceproxy.sim.faults import FAULTS
-from traceproxy.sim.launch import free_port
 from traceproxy.sim.otel import host_id
 from traceproxy.sim.routers import router_kind
 
@@ -81,21 +84,41 @@ def let_go(harness, client: RawClient) -> None:
 # ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["grpc", "http/protobuf"])
 def traced_deployment(request, loop_thread):
-    """The workers export to the receiver port the proxy under test will listen on."""
+    """The workers export to the receiver of one proxy, kept for the module: its port is
+    held by a placeholder socket from the moment the workers are told it until the proxy
+    binds it, and by the proxy from then on (a port that was free a moment ago can be any
+    process's by the time it is bound again, as the suite runs test files side by side)."""
     requires_sglang_router()
-    port = free_port()
+    placeholder = socket.socket()
+    placeholder.bind(("127.0.0.1", 0))
+    placeholder.listen()
+    port = placeholder.getsockname()[1]
     endpoint = f"127.0.0.1:{port}" if request.param == "grpc" else f"http://127.0.0.1:{port}"
     key = "engines.otlp_receiver_grpc" if request.param == "grpc" else "engines.otlp_receiver"
-    with RouterHarness(loop_thread, "sglang-router", otlp_endpoint=endpoint, otlp_protocol=request.param) as harness:
-        yield harness, {key: f"127.0.0.1:{port}"}
+    try:
+        with RouterHarness(loop_thread, "sglang-router", otlp_endpoint=endpoint,
+                           otlp_protocol=request.param) as harness:
+            settings = default_settings().replace(**{
+                "listen": "127.0.0.1:0", "admin": "127.0.0.1:0", "upstream": harness.router_url,
+                "tracing.exporter": "off", "access_log.path": "", key: f"127.0.0.1:{port}",
+                "stall.first_byte": STALL_AFTER, "stall.stream_gap": STALL_AFTER})
+            proxy = ProxyServer(settings, Fanout([]))
+            placeholder.close()
+            loop_thread.run(proxy.start())
+            try:
+                yield harness, proxy
+            finally:
+                loop_thread.run(proxy.shutdown(grace=0))
+    finally:
+        placeholder.close()
 
 
 @pytest.fixture
-def traced_proxy(traced_deployment, start_proxy):
-    harness, receiver = traced_deployment
+def traced_proxy(traced_deployment):
+    harness, proxy = traced_deployment
     harness.reset()
-    proxy = start_proxy(harness.router_url, **receiver, **{"stall.first_byte": STALL_AFTER,
-                                                           "stall.stream_gap": STALL_AFTER})
+    # Nothing left in flight from the test before (its client left, its faults are cleared).
+    assert wait_until(lambda: json.loads(admin_get(proxy, "/debug/inflight"))["count"] == 0, timeout=10)
     # One request through, healthy: the workers' finished spans name them (host, pid) from now on.
     assert RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", JSON, chat(2)).status == 200
     assert wait_until(lambda: json.loads(admin_get(proxy, "/debug/inflight")).get("engine_spans", {}).get(
