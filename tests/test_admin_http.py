@@ -92,6 +92,11 @@ def test_a_route_answers_get_and_head_and_ignores_the_query(listener):
     assert b"Content-Length: 16\r\n" in second and second.endswith(b"Connection: close\r\n\r\n")  # no body
 
 
+def test_a_percent_encoded_path_is_its_route(listener):
+    answers = _exchange(listener.port, b"GET /%68ello HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert _statuses(answers) == [200] and answers.endswith(b"hello, accept=-\n")
+
+
 def test_another_path_is_404_and_another_method_405_with_allow(listener):
     answers = _exchange(listener.port, b"GET /nope HTTP/1.1\r\nHost: a\r\n\r\n"
                                        b"POST /hello HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nab"

@@ -15,8 +15,8 @@ per connection (a route may wait on the service's workers), which lets the loop 
 between two answers: in one process the admin listener shares the proxy's loop, and a
 client pipelining thousands of requests in one write must not hold it.
 
-``GET`` and ``HEAD`` are served on a route's path (the query is ignored); another method
-is 405 with an ``Allow``, another path 404, ``CONNECT`` 400. A route raising is logged
+``GET`` and ``HEAD`` are served on a route's path (percent-decoded; the query is
+ignored); another method is 405 with an ``Allow``, another path 404, ``CONNECT`` 400. A route raising is logged
 and answered 500. A request asking for a protocol upgrade is answered as any other,
 without upgrading, and the connection closed after it (llhttp parses nothing past it).
 ``Expect: 100-continue`` gets the final answer at once, without reading the body, and
@@ -42,6 +42,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
+from urllib.parse import unquote_to_bytes
 
 import httptools
 
@@ -283,7 +284,8 @@ class _Connection(asyncio.Protocol):
             self._refuse(400, "CONNECT is not served here")
             return
         try:
-            path = httptools.parse_url(self.url).path or b"/"
+            # Percent-decoded, as aiohttp matched routes: /%6Detrics is /metrics.
+            path = unquote_to_bytes(httptools.parse_url(self.url).path or b"/")
         except httptools.HttpParserInvalidURLError:
             self._refuse(400, "malformed request target")
             return
