@@ -37,7 +37,7 @@ from ..lifecycle.marks import MARK
 from ..lifecycle.timeline import RequestRecord
 from ..lifecycle.token_progress import token_progress
 from .line_file import LineFile
-from .token_view import access_fields, summary_tokens
+from .token_view import access_fields
 
 log = logging.getLogger("traceproxy.access_log")
 
@@ -133,10 +133,9 @@ def access_line(record: RequestRecord, clock_offset_ns: int, engine_stage: dict 
     entry = access_entry(record, clock_offset_ns)
     if engine_stage:
         entry["engine_stage"] = engine_stage
-    if record.stream_events is not None:  # an event stream, judged on its tokens
-        tokens = summary_tokens(token_progress(record))
-        if tokens:
-            entry["tokens"] = access_fields(tokens, record.marks.get(_RX_START) or record.end_ns)
+    progress = token_progress(record)
+    if progress is not None:  # an event stream, judged on its tokens
+        entry["tokens"] = access_fields(progress, record.marks.get(_RX_START) or record.end_ns)
     if record.conversation_id:
         entry["conversation_id"] = record.conversation_id
     return orjson.dumps(entry)

@@ -59,23 +59,14 @@ def stall_attributes(progress: TokenProgress, now_ns: int) -> dict:
     return attrs
 
 
-def summary_tokens(progress: TokenProgress | None) -> tuple:
-    """What a finished request's summary carries for its access log line: (output events,
-    heartbeats, first token (0: none), longest token gap (None: fewer than two output
-    events)); () for any other response."""
-    if progress is None:
-        return ()
-    return progress.output_events, progress.heartbeats, progress.first_token_ns or 0, progress.max_token_gap_ns
-
-
-def access_fields(tokens: tuple, start_ns: int) -> dict:
-    """A finished request's ``tokens`` in its access log line, from ``summary_tokens``; seconds
-    as the line's other timings (``time_to_first_token`` null when no token came,
-    ``max_token_gap`` null until two output events came)."""
-    output_events, heartbeats, first_token_ns, max_gap_ns = tokens
+def access_fields(progress: TokenProgress, start_ns: int) -> dict:
+    """A finished event stream's ``tokens`` in its access log line; seconds as the line's
+    other timings (``time_to_first_token`` null when no token came, ``max_token_gap`` null
+    until two output events came)."""
+    first, max_gap = progress.first_token_ns, progress.max_token_gap_ns
     return {
-        "output_events": output_events,
-        "heartbeats": heartbeats,
-        "time_to_first_token": round((first_token_ns - start_ns) / 1e9, 6) if first_token_ns and start_ns else None,
-        "max_token_gap": None if max_gap_ns is None else round(max_gap_ns / 1e9, 6),
+        "output_events": progress.output_events,
+        "heartbeats": progress.heartbeats,
+        "time_to_first_token": round((first - start_ns) / 1e9, 6) if first and start_ns else None,
+        "max_token_gap": None if max_gap is None else round(max_gap / 1e9, 6),
     }
