@@ -454,8 +454,8 @@ def test_kept_requests_bodies_send_their_batch_before_it_is_full(start_pipe, loo
 
     pipe = start_pipe(make_config("file", file_path=str(tmp_path / "spans.jsonl"), batch_spans=512,
                                   flush_interval=60.0))
-    loop_thread.call(pipe.submit, [_summary(), _summary(keep_spans=False, response_tail=b"x" * 50_000)] * 3)
-    assert stats_of(loop_thread, pipe)["spans_queued"] == 6  # only a shed request's bytes: batched on
+    loop_thread.call(pipe.submit, [_summary()] * 6)
+    assert stats_of(loop_thread, pipe)["spans_queued"] == 6  # small requests: batched on
     big = _summary(request_body_head=b"h" * 8192, response_tail=b"t" * 12288, request_body_tail=b"r" * 4096)
     needed = -(-BATCH_EVIDENCE_BYTES // (8192 + 12288 + 4096))
     loop_thread.call(pipe.submit, [big] * (needed - 1))
@@ -502,7 +502,7 @@ def test_frames_carry_spans_and_request_summaries_unchanged():
         client_connection_id=3, sequence=2, idle_gap_ns=-1, user_agent="ua", server=("127.0.0.1", 80),
         upstream=("127.0.0.1", 81), request_body_bytes=4, response_body_bytes=5, chunks=1, max_chunk_gap_ns=0,
         request_body_head=b'{"x":1}', response_tail=b"\x00\xff", request_body_tail=b"", stalls=(("FBS", "first_byte", 1, 2, 0),),
-        attempts=(AttemptSummary(11, 0, 4, True, 100, 3, (0, 2, 2, 2, 3, 4, 5, 6), "", ""),), keep_spans=False,
+        attempts=(AttemptSummary(11, 0, 4, True, 100, 3, (0, 2, 2, 2, 3, 4, 5, 6), "", ""),),
     )
     items = [summary, *sample_trace(), AccessLines(b'{"a":1}\n{"b":2}\n', 2)]
     payload = encode_frame(items)[FRAME_HEADER.size:]

@@ -182,7 +182,7 @@ class SpanExportPipe:
                 log.exception("dropping a %s that cannot be flattened", type(item).__name__)
                 self._dropped += 1
                 continue
-            if type(item) is RequestSummary and item.keep_spans:
+            if type(item) is RequestSummary:
                 self._batch_evidence += len(item.request_body_head) + len(item.response_tail) + \
                     len(item.request_body_tail)
         self._batch_grew()

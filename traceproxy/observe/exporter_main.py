@@ -123,8 +123,6 @@ def spans_of(items: list, counters: Counters) -> list[SpanData]:
             continue
         if isinstance(item, (RawSpans, AccessLines)):  # relayed as they came (relay_raw), or the access log's
             continue
-        if not item.keep_spans:  # made without its bodies' evidence: no spans are wanted of it
-            continue
         try:
             spans.extend(spans_for(item))
         except Exception:  # one odd request must not cost the rest of the batch

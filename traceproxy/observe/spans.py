@@ -93,20 +93,16 @@ class RequestSummary(NamedTuple):
     request_body_tail: bytes
     attempts: tuple[AttemptSummary, ...]
     stalls: tuple[tuple[str, str, int, int, int], ...] = ()  # code, phase, since, detected, resolved (0: no)
-    keep_spans: bool = True  # False: made without its bodies' evidence (no spans will be built from it)
     genai: tuple = ()  # genai_spans.GenAIEvidence as a plain tuple, () when there is none
     # Where the engines had it when it ended (engine_join; EngineStage.as_dict), when known.
     engine_stage: dict | None = None
 
 
 def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, int],
-              upstream: tuple[str, int], keep_spans: bool = True, engine_stage: dict | None = None) -> RequestSummary:
+              upstream: tuple[str, int], engine_stage: dict | None = None) -> RequestSummary:
+    """A kept request, for its spans (only kept requests are summarized)."""
     marks = record.marks
-    if keep_spans:
-        head, request_tail = record.request_body_head, record.request_body_tail
-        tail = b"".join(read[-TAIL_BYTES:] for read in record.response_tail)
-    else:
-        head = tail = request_tail = b""  # only its access log line is wanted: no GenAI evidence
+    tail = b"".join(read[-TAIL_BYTES:] for read in record.response_tail)
     # Every field, in order, through tuple.__new__: the named tuple's generated __new__
     # (a Python function of forty arguments) was a third of this, once per request.
     return _new_tuple(RequestSummary, (
@@ -118,11 +114,11 @@ def summarize(record: RequestRecord, clock_offset_ns: int, server: tuple[str, in
         record.connection.peer, record.connection.id, record.sequence,
         -1 if record.idle_gap_ns is None else record.idle_gap_ns, record.user_agent, server, upstream,
         record.downstream_rx_body_bytes, record.downstream_tx_body_bytes, record.upstream_rx_chunks,
-        record.max_chunk_gap_ns, head, tail, request_tail,
+        record.max_chunk_gap_ns, record.request_body_head, tail, record.request_body_tail,
         tuple(map(_summarize_attempt, record.attempts)),
         tuple([(e.code, e.phase, e.since_ns, e.detected_ns, e.resolved_ns or 0) for e in record.stalls])
         if record.stalls else (),
-        keep_spans, evidence(record) if keep_spans else (), engine_stage,
+        evidence(record), engine_stage,
     ))
 
 
