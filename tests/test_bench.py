@@ -454,6 +454,19 @@ def test_a_child_interrupted_while_stopping_is_still_killed_on_the_way_out(tmp_p
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_child_stopped_twice_is_signalled_once(tmp_path, monkeypatch):
+    # A run stops its engine loads before the drain and every child again on the way out:
+    # the second stop must not signal a process group id that may be another's by now.
+    from traceproxy.bench import procs
+
+    with Children(tmp_path) as children:
+        child = children.start("short", [sys.executable, "-c", "import time; time.sleep(60)"])
+        code = children.stop(child, grace=5)
+        signalled = []
+        monkeypatch.setattr(procs, "_signal_group", lambda pgid, sig: signalled.append((pgid, sig)))
+        assert children.stop(child, grace=5) == code and signalled == []
+
+
 def test_requests_never_started_are_hangs_in_the_log_and_noted_apart_from_errors():
     from traceproxy.bench.runner import _error_kinds, _hangs, _never_started
 

@@ -108,11 +108,14 @@ class Children:
         return child
 
     def stop(self, child: Child, leader_grace: float = 0.0, grace: float = STOP_GRACE) -> int | None:
+        """Stop ``child`` once; a child stopped already is left alone (its exit status): its
+        process group's id may be another group's by now."""
+        if child not in self.started:
+            return child.proc.returncode
         # Registered until it is gone: an interrupt during its grace period must still
         # leave it to ``__exit__``, which escalates to SIGKILL.
         code = child.stop(grace=grace, leader_grace=leader_grace)
-        if child in self.started:
-            self.started.remove(child)
+        self.started.remove(child)
         return code
 
     def __enter__(self) -> "Children":

@@ -272,9 +272,8 @@ class Session:
             engine_parts = self._stop_engine_loads(engines)  # before the drain, which they would keep busy
             proxy_cpu_s = self._cpu_after_drain(cpu, proxy) if proxy is not None else None
         finally:
-            for child, _ in [*loads, *engines]:
-                if child in self.children.started:  # an engine load is stopped already, unless this is an error
-                    self.children.stop(child)
+            for child, _ in [*loads, *engines]:  # the engine loads are stopped already, unless this is an error
+                self.children.stop(child)
         merged = report.merge(parts)
         if "proxy_main" in usage:
             main, tree = usage.pop("proxy_main"), usage["proxy"]
