@@ -388,11 +388,8 @@ class _Connection(asyncio.Protocol):
     async def _answer_all(self) -> None:
         while self.waiting and not self.closed:
             request = self.waiting.popleft()
-            status, body = await self._answer(request)
-            self._write(status, body, keep_alive=request.keep_alive)
-            if not request.keep_alive and not self.discarding:
-                self.close()
-            elif self.unparsed and not self.closed:
+            self._reply(request, await self._answer(request))
+            if self.unparsed and not self.closed:
                 self._feed(self.unparsed)  # may queue more, answered in this loop
         self.answering = None
         if self.discarding and self.discarded_all:
@@ -404,43 +401,52 @@ class _Connection(asyncio.Protocol):
             self._close_in(IDLE_TIMEOUT_S)  # for the next head, or the rest of a body begun
 
     async def _answer(self, request: _Request) -> tuple[int, bytes]:
+        answer = self._judged(request)
+        if answer is not None:
+            return answer
+        try:
+            await self.server.take(_body(request), self.peer)
+        except Exception as exc:
+            return self._not_taken(exc)
+        return 200, b""
+
+    def _answer_now(self, request: _Request) -> None:
+        """As ``_answer_all`` for one request, from llhttp's callback (``take_now``)."""
+        answer = self._judged(request)
+        if answer is None:
+            try:
+                self.server.take_now(_body(request), self.peer)
+                answer = 200, b""
+            except Exception as exc:
+                answer = self._not_taken(exc)
+        self._reply(request, answer)
+        if not self.closed:
+            self._close_in(IDLE_TIMEOUT_S)  # cancelled by the next request's headers
+
+    def _judged(self, request: _Request) -> tuple[int, bytes] | None:
+        """The answer decided before its body is taken: from its headers, or a refusal as it came."""
         if request.status:
             return request.status, b""
         if request.refusal is not None:
             return self._refuse(request.refusal)
-        try:
-            await self.server.take(_body(request), self.peer)
-            return 200, b""
-        except BodyRefused as refusal:
-            return self._refuse(refusal)
-        except Exception:  # a fault of ours: answered (the exporter retries), never a hung client
-            return self._fault()
+        return None
 
-    def _answer_now(self, request: _Request) -> None:
-        """As ``_answer_all`` for one request, from llhttp's callback (``take_now``)."""
-        if request.refusal is not None:
-            status, body = self._refuse(request.refusal)
-        else:
-            try:
-                self.server.take_now(_body(request), self.peer)
-                status, body = 200, b""
-            except BodyRefused as refusal:
-                status, body = self._refuse(refusal)
-            except Exception:  # as in _answer
-                status, body = self._fault()
-        self._write(status, body, keep_alive=request.keep_alive)
-        if not request.keep_alive:
+    def _not_taken(self, exc: Exception) -> tuple[int, bytes]:
+        """The answer when ``take`` raised: a refusal, or a fault of ours, answered (the
+        exporter retries), never a hung client. Called in the ``except`` (it logs the trace)."""
+        if isinstance(exc, BodyRefused):
+            return self._refuse(exc)
+        log.exception("engine spans from %s could not be taken", self.peer)
+        return 500, rpc_status(_INTERNAL, "the receiver failed to take this request")
+
+    def _reply(self, request: _Request, answer: tuple[int, bytes]) -> None:
+        self._write(*answer, keep_alive=request.keep_alive)
+        if not request.keep_alive and not self.discarding:  # one answered from its headers lingers for its body
             self.close()
-        elif not self.closed:
-            self._close_in(IDLE_TIMEOUT_S)  # cancelled by the next request's headers
 
     def _refuse(self, refusal: BodyRefused) -> tuple[int, bytes]:
         self.server.refused(refusal, self.peer)
         return _refusal_answer(refusal)
-
-    def _fault(self) -> tuple[int, bytes]:
-        log.exception("engine spans from %s could not be taken", self.peer)
-        return 500, rpc_status(_INTERNAL, "the receiver failed to take this request")
 
     def _write(self, status: int, body: bytes, keep_alive: bool) -> None:
         if self.transport is None or self.transport.is_closing():
