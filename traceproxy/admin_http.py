@@ -128,9 +128,8 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.server.connections.discard(self)
         self._stop_idle_timer()
-        for timer in (self.write_timer,):
-            if timer is not None:
-                timer.cancel()
+        if self.write_timer is not None:
+            self.write_timer.cancel()
         self.writable.set()  # an answer waiting to be written ends (the queue is dropped)
         if self.answering is not None and not self.answering.done():
             self.answering.cancel()
@@ -160,7 +159,7 @@ class _Connection(asyncio.Protocol):
         # The client does not read its answers: answer and read nothing more until it
         # does, and not forever.
         self.writable.clear()
-        self._pause_reading()
+        self._set_reading(False)
         self._arm_write_timer()
 
     def resume_writing(self) -> None:
@@ -187,19 +186,18 @@ class _Connection(asyncio.Protocol):
             self.idle_timer.cancel()
             self.idle_timer = None
 
-    def _pause_reading(self) -> None:
-        if self.reading and not self.closed:
-            self.reading = False
-            self.transport.pause_reading()
+    def _set_reading(self, reading: bool) -> None:
+        if self.reading != reading and not self.closed:
+            self.reading = reading
+            (self.transport.resume_reading if reading else self.transport.pause_reading)()
 
     def _resume_reading(self) -> None:
         if self.closed or not self.writable.is_set() or len(self.queue) >= PIPELINED:
             return
         if self.unfed:
             self._feed(b"")
-        if not self.unfed and not self.reading and not self.closed and len(self.queue) < PIPELINED:
-            self.reading = True
-            self.transport.resume_reading()
+        if not self.unfed and len(self.queue) < PIPELINED:
+            self._set_reading(True)
 
     # -- parsing --------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -225,7 +223,7 @@ class _Connection(asyncio.Protocol):
             if self.in_message and self.parsing:
                 self._count_fed(len(piece))
         if unfed and self.parsing:
-            self._pause_reading()
+            self._set_reading(False)
         elif not self.parsing:
             unfed.clear()
 
@@ -371,10 +369,5 @@ class _Connection(asyncio.Protocol):
         self.unfed.clear()
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self._resume_reading_to_discard()
+        self._set_reading(True)  # to throw away
         asyncio.get_running_loop().call_later(LINGER_S, self.close)
-
-    def _resume_reading_to_discard(self) -> None:
-        if not self.reading and not self.closed:
-            self.reading = True
-            self.transport.resume_reading()
