@@ -110,21 +110,33 @@ class Session:
         return self.ports["direct"]
 
     def start_sink(self) -> int:
-        port_file = self.workdir / "sink.port"
-        argv = python_module("traceproxy.bench.sink_proc", "--port-file", str(port_file),
-                             "--stats-file", str(self.workdir / "sink.stats.json"))
-        self.sink = self.children.start("otlp-sink", argv)
-        self.ports["sink"] = wait_port_file(self.sink, port_file)
+        self.sink = self._start_counting_server("otlp-sink", "traceproxy.bench.sink_proc", "sink")
         return self.ports["sink"]
 
     def start_discard(self) -> int:
         """The engine span loads' destination for targets without a receiver."""
-        port_file = self.workdir / "discard.port"
-        argv = python_module("traceproxy.bench.discard_proc", "--port-file", str(port_file),
-                             "--stats-file", str(self.workdir / "discard.stats.json"))
-        self.discard = self.children.start("span-discard", argv)
-        self.ports["discard"] = wait_port_file(self.discard, port_file)
+        self.discard = self._start_counting_server("span-discard", "traceproxy.bench.discard_proc", "discard")
         return self.ports["discard"]
+
+    def _start_counting_server(self, name: str, module: str, key: str) -> Child:
+        """A server of the bench's own (``python -m module``), its port in ``self.ports[key]``;
+        it writes its counts to ``key``'s stats file when stopped (``_stop_counting_server``)."""
+        port_file = self.workdir / f"{key}.port"
+        argv = python_module(module, "--port-file", str(port_file), "--stats-file", str(self._stats_file(key)))
+        child = self.children.start(name, argv)
+        self.ports[key] = wait_port_file(child, port_file)
+        return child
+
+    def _stop_counting_server(self, child: Child, key: str) -> dict | None:
+        """Stop it; the counts it wrote on the way out, None when it wrote none."""
+        self.children.stop(child)
+        try:
+            return json.loads(self._stats_file(key).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _stats_file(self, key: str) -> Path:
+        return self.workdir / f"{key}.stats.json"
 
     def start_proxy(self, target: str = "proxy", command: str | None = None,
                     overrides: list[str] | None = None) -> int:
@@ -230,10 +242,12 @@ class Session:
         """Run one scenario against ``target``; the merged result."""
         self._runs += 1
         settled = self.settle()
-        engines = self._start_engine_loads(scenario, target) if self.engine_span_rate else []
+        proxy = self.proxies.get(target)
+        receiving = proxy is not None and proxy.engine_url is not None  # the engine loads export to its receiver
+        engines = self._start_engine_loads(scenario, target, proxy.engine_url if receiving else None) \
+            if self.engine_span_rate else []
         loads = [self._start_load(scenario, target, k, offset, count)
                  for k, (offset, count) in enumerate(split(scenario.connections, self.load_procs))]
-        proxy = self.proxies.get(target)
         engine_parts: list[dict] = []
         try:
             for child, _ in [*loads, *engines]:
@@ -253,7 +267,7 @@ class Session:
                 singles["receiver"] = proxy.receiver_pid
             for role, (child, _) in zip(ENGINE_ROLES, engines):
                 trees[f"engine_{role}"] = child.pid
-            if engines and (proxy is None or proxy.engine_url is None):
+            if engines and not receiving:
                 trees["discard"] = self.discard.pid
             cpu = CpuWindow(trees, singles)
             if proxy is not None:
@@ -283,7 +297,7 @@ class Session:
         if engines:
             usage["engines"] = _sum_known(usage.pop(f"engine_{role}", None) for role in ENGINE_ROLES)
             merged["engine_loads"] = engine_parts
-            merged["engine_destination"] = RECEIVER_TARGETS[target] if proxy and proxy.engine_url else "discard"
+            merged["engine_destination"] = RECEIVER_TARGETS[target] if receiving else "discard"
         merged["cpu"] = usage
         merged["proxy_cpu_s"] = proxy_cpu_s
         merged["settle_s"] = round(settled, 3)
@@ -302,11 +316,10 @@ class Session:
                 break
         return cpu.seconds("proxy")
 
-    def _start_engine_loads(self, scenario: Scenario, target: str) -> list[tuple[Child, Path]]:
+    def _start_engine_loads(self, scenario: Scenario, target: str,
+                            receiver_url: str | None) -> list[tuple[Child, Path]]:
         """The two emulated engines' span exports for one run: to the target's receiver, or the discard sink."""
-        proxy = self.proxies.get(target)
-        url = proxy.engine_url if proxy is not None and proxy.engine_url else \
-            f"http://127.0.0.1:{self.ports['discard']}/v1/traces"
+        url = receiver_url or f"http://127.0.0.1:{self.ports['discard']}/v1/traces"
         longest = READY_TIMEOUT + ENGINE_LEAD_S + scenario.budget + EXIT_SLACK + DRAIN_MAX
         started = []
         for role in ENGINE_ROLES:
@@ -356,11 +369,7 @@ class Session:
 
     def _stop_discard(self) -> dict:
         """The discard sink's counts: the export requests it took for the targets without a receiver."""
-        self.children.stop(self.discard)
-        try:
-            return json.loads((self.workdir / "discard.stats.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return self._stop_counting_server(self.discard, "discard") or {}
 
     def _drain(self, target: str) -> dict:
         proxy = self.proxies.get(target)
@@ -400,12 +409,8 @@ class Session:
 
     def _stop_sink(self) -> dict:
         last = self.sink_stats()
-        self.children.stop(self.sink)
-        stats_file = self.workdir / "sink.stats.json"
-        try:
-            return json.loads(stats_file.read_text())
-        except (OSError, ValueError):
-            return last or {}
+        stats = self._stop_counting_server(self.sink, "sink")
+        return stats if stats is not None else last or {}
 
 
 class _Scraper:
