@@ -567,16 +567,14 @@ def request_lines(found: RequestSpans) -> list[str]:
 def _engines_at_end(found: RequestSpans) -> tuple[str, diagnose_engines.EngineStage] | None:
     """(outcome, where the engines had it) as the proxy knew it when the request ended:
     from its SERVER span when that carries it, else from its access log line."""
-    if found.server is not None:
-        stage = diagnose_engines.stage_from_attributes(found.server.attributes)
-        if stage is not None:
-            return str(found.server.attributes.get(sc.OUTCOME, "-")), stage
-    if found.access_log is not None:
-        stage = diagnose_engines.stage_from_access_log(found.access_log)
-        if stage is not None:
-            outcome = (found.server.attributes.get(sc.OUTCOME) if found.server is not None else None) \
-                or found.access_log.get("outcome") or "-"
-            return str(outcome), stage
+    server = found.server.attributes if found.server is not None else {}
+    stage = diagnose_engines.stage_from_attributes(server)
+    if stage is not None:
+        return str(server.get(sc.OUTCOME, "-")), stage
+    logged = found.access_log or {}
+    stage = diagnose_engines.stage_from_dict(logged.get("engine_stage"))
+    if stage is not None:
+        return str(server.get(sc.OUTCOME) or logged.get("outcome") or "-"), stage
     return None
 
 

@@ -17,7 +17,7 @@ from .observe import semconv as sc
 from .observe.engine_spans import EngineSpanStore, is_thread_span, pid_of
 from .observe.otlp_reader import ResourceBatch, SpanFacts
 
-ENGINE_WHERE = "engine"  # the timeline's "where" of an engine stage, which does not cut the proxy's waits
+ENGINE_WHERE = "engine"  # the timeline's "where" of an engine stage's end
 
 
 def is_engine_span(span) -> bool:
@@ -127,12 +127,6 @@ def _how_workers_ended(spans: list) -> str:
     if never:
         words += ", not finished: " + ", ".join(f"{name} ({role})" for role, name in never) + " never ended"
     return words
-
-
-def stage_from_access_log(entry: dict) -> EngineStage | None:
-    """The ``engine_stage`` of an access log line, None when it has none or it is not of
-    that shape."""
-    return stage_from_dict(entry.get("engine_stage"))
 
 
 def stage_from_dict(stage) -> EngineStage | None:
