@@ -47,8 +47,8 @@ from typing import NamedTuple
 
 from ..lifecycle.pd_stages import (DECODE, NESTED_IN, PREFILL, STAGE_ORDER, STAGES, EngineStage, Worker,
                                    WorkerProgress, holding, role_of_stage, role_of_thread)
-
-from .otlp_reader import KEPT_RESOURCE_ATTRIBUTES, MalformedOtlp, ResourceBatch, SpanFacts, _kept, parse_export_request
+from .otlp_reader import (KEPT_RESOURCE_ATTRIBUTES, ResourceBatch, SpanFacts, check_ids, kept_attributes,
+                          parse_export_request, span_facts)
 
 GRACE_NS = 30_000_000_000
 SWEEP_EVERY_NS = 1_000_000_000  # when full, finished traces are looked for at most this often
@@ -343,7 +343,7 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
     """The spans of one export request that the store reads (``add``), per resource;
     raises ``MalformedOtlp``.
 
-    As ``otlp_reader.read_export_request`` with ``keep``, for less: building a span's
+    As ``otlp_reader.read_export_request``, for less: building a span's
     facts in Python, not protobuf's C parse, is what reading a batch costs (about 2 us a
     span against 0.2), so they are built only for the spans ``add`` reads, and at most
     once per worker and request: a worker's top-level stage spans of one request (same
@@ -370,7 +370,7 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
                 # Inline, not a call: this runs for nearly every span of a batch.
                 trace_id, parent = span.trace_id, span.parent_span_id
                 if len(trace_id) != 16 or len(span.span_id) != 8 or len(parent) != 8:
-                    _check_ids(span, trace_id, span.span_id, parent)  # raises, unless a root span
+                    check_ids(span, trace_id, span.span_id, parent)  # raises, unless a root span
                 end = span.end_time_unix_nano
                 if kind is _NESTED:
                     last = nested.get(trace_id)
@@ -387,9 +387,9 @@ def read_engine_request(data: bytes) -> list[ResourceBatch]:
         kept: list = [StageRun(int.from_bytes(trace_id, "big"), int.from_bytes(parent, "big") if parent else 0,
                                tuple(names), end) for (trace_id, parent), (names, end) in runs.items()]
         kept += threads
-        kept.extend(_stage_facts(span, span.name) for _, span in nested.values())
-        batches.append(ResourceBatch(_kept(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES), kept,
-                                     received))
+        kept.extend(span_facts(span, {}, 0) for _, span in nested.values())
+        batches.append(ResourceBatch(kept_attributes(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES),
+                                     kept, received))
     return batches
 
 
@@ -398,36 +398,9 @@ _SPAN_KIND = {**dict.fromkeys(STAGES, _TOP), **dict.fromkeys(NESTED_IN, _NESTED)
 
 
 _THREAD_ATTRIBUTES = frozenset({"thread_label", "host_id", "pid"})  # what _thread reads
-_SCALARS = frozenset({"string_value", "int_value", "bool_value", "double_value"})
 
 
 def _thread_facts(span) -> SpanFacts:
     """A thread span's facts, with the attributes the store reads and without its status
-    (``otlp_reader._span`` reads every kept one, and the status: a third more)."""
-    trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
-    _check_ids(span, trace_id, span_id, parent)
-    attributes = {}
-    for key_value in span.attributes:
-        key = key_value.key
-        if key in _THREAD_ATTRIBUTES:
-            value = key_value.value
-            kind = value.WhichOneof("value")
-            if kind in _SCALARS:
-                attributes[key] = getattr(value, kind)
-    return SpanFacts(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"),
-                     int.from_bytes(parent, "big") if parent else 0, span.name, span.start_time_unix_nano,
-                     span.end_time_unix_nano, attributes, 0)
-
-
-def _stage_facts(span, name: str) -> SpanFacts:
-    trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
-    _check_ids(span, trace_id, span_id, parent)
-    return SpanFacts(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"),
-                     int.from_bytes(parent, "big") if parent else 0, name, span.start_time_unix_nano,
-                     span.end_time_unix_nano, {}, 0)
-
-
-def _check_ids(span, trace_id: bytes, span_id: bytes, parent: bytes) -> None:
-    if len(trace_id) != 16 or len(span_id) != 8 or len(parent) not in (0, 8):
-        raise MalformedOtlp(f"span {span.name!r}: trace_id of {len(trace_id)} bytes, span_id of {len(span_id)}, "
-                            f"parent_span_id of {len(parent)} (expected 16, 8 and 8 or none)")
+    (``otlp_reader.read_export_request`` reads every kept attribute, and the status: a third more)."""
+    return span_facts(span, kept_attributes(span.attributes, _THREAD_ATTRIBUTES), 0)

@@ -24,7 +24,6 @@ Hazards:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
@@ -55,10 +54,6 @@ class ResourceBatch(NamedTuple):
     received: int = 0  # every span of the resource, kept or not
 
 
-# What a ``keep`` function answers for a span's name.
-SKIP, IDS, WHOLE = 0, 1, 2  # left out; ids, name, times and status; and its kept attributes too
-
-
 def parse_export_request(data: bytes) -> ExportTraceServiceRequest:
     """protobuf's parse of one export request; raises ``MalformedOtlp``."""
     try:
@@ -67,12 +62,9 @@ def parse_export_request(data: bytes) -> ExportTraceServiceRequest:
         raise MalformedOtlp(f"not an OTLP ExportTraceServiceRequest ({exc})") from None
 
 
-def read_export_request(data: bytes, keep: Callable[[str], int] | None = None) -> list[ResourceBatch]:
-    """The resources of one request, each with its spans; raises ``MalformedOtlp``.
-
-    ``keep``: for each span's name, ``SKIP``, ``IDS`` or ``WHOLE`` (None: every span whole).
-    Building a span's facts is most of the cost, and most of an engine's spans need no
-    attribute read."""
+def read_export_request(data: bytes) -> list[ResourceBatch]:
+    """The resources of one request, each with every span whole; raises ``MalformedOtlp``.
+    (The receivers read less of it: ``engine_spans.read_engine_request``.)"""
     request = parse_export_request(data)
     batches = []
     for resource_spans in request.resource_spans:
@@ -80,12 +72,10 @@ def read_export_request(data: bytes, keep: Callable[[str], int] | None = None) -
         for scope_spans in resource_spans.scope_spans:
             spans = scope_spans.spans
             received += len(spans)
-            for span in spans:
-                how = WHOLE if keep is None else keep(span.name)
-                if how:
-                    kept.append(_span(span, how == WHOLE))
-        batches.append(ResourceBatch(_kept(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES), kept,
-                                     received))
+            kept.extend(span_facts(span, kept_attributes(span.attributes, KEPT_SPAN_ATTRIBUTES), span.status.code)
+                        for span in spans)
+        batches.append(ResourceBatch(kept_attributes(resource_spans.resource.attributes, KEPT_RESOURCE_ATTRIBUTES),
+                                     kept, received))
     return batches
 
 
@@ -93,18 +83,25 @@ def count_spans(batches: list[ResourceBatch]) -> int:
     return sum(batch.received for batch in batches)
 
 
-def _span(span, whole: bool = True) -> SpanFacts:
+def span_facts(span, attributes: dict, status_code: int) -> SpanFacts:
+    """A span's facts, with the attributes and status code given; raises ``MalformedOtlp``
+    for ids of the wrong size."""
     trace_id, span_id, parent = span.trace_id, span.span_id, span.parent_span_id
+    check_ids(span, trace_id, span_id, parent)
+    return SpanFacts(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"),
+                     int.from_bytes(parent, "big") if parent else 0, span.name, span.start_time_unix_nano,
+                     span.end_time_unix_nano, attributes, status_code)
+
+
+def check_ids(span, trace_id: bytes, span_id: bytes, parent: bytes) -> None:
+    """Raises ``MalformedOtlp`` unless the ids are 16 bytes, 8 and 8 or none (a root span)."""
     if len(trace_id) != 16 or len(span_id) != 8 or len(parent) not in (0, 8):
         raise MalformedOtlp(f"span {span.name!r}: trace_id of {len(trace_id)} bytes, span_id of {len(span_id)}, "
                             f"parent_span_id of {len(parent)} (expected 16, 8 and 8 or none)")
-    attributes = _kept(span.attributes, KEPT_SPAN_ATTRIBUTES) if whole and span.attributes else {}
-    return SpanFacts(int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big"),
-                     int.from_bytes(parent, "big") if parent else 0, span.name, span.start_time_unix_nano,
-                     span.end_time_unix_nano, attributes, span.status.code)
 
 
-def _kept(key_values, kept: frozenset) -> dict:
+def kept_attributes(key_values, kept: frozenset) -> dict:
+    """Of ``key_values``, those named in ``kept`` with a scalar value."""
     out = {}
     for kv in key_values:
         if kv.key in kept:
