@@ -331,10 +331,10 @@ def _output(args, scenarios, runs, problems, end, settle_waits) -> int:
     targets = args.targets
     served = f"; {args.workers} workers per proxy" if args.workers > 1 else ""
     scraped = f"; /metrics read every {args.scrape_every:g} s" if args.scrape_every else ""
-    scraped += f"; engine span load {args.engine_span_load:g} requests/s per worker" if args.engine_span_load else ""
+    loaded = f"; engine span load {args.engine_span_load:g} requests/s per worker" if args.engine_span_load else ""
     print(f"traceproxy bench: targets {', '.join(targets)}; proxy = {meta['proxy']}; {meta['cpus']} CPUs, "
           f"Python {meta['python']}, scale {args.factor:g}, reps {args.reps}, load processes {args.load_procs}"
-          f"{served}{scraped}\n")
+          f"{served}{scraped}{loaded}\n")
     print(report.markdown(table_rows(scenarios, summary, memory, targets), targets))
     base = report.bare_of(targets) or "bare"
     caveat = " (--proxy-cmd: 'proxy' is another program, so this is not the feature alone)" \
@@ -356,7 +356,8 @@ def _output(args, scenarios, runs, problems, end, settle_waits) -> int:
           "busiest load process; a proxy's CPU includes its child processes (the span exporter, also shown "
           "apart) and 'sink' is the OTLP sink. CPU µs/request: the proxy's tree from the run's start until it "
           "is quiet again, over the requests answered (a receiver target's receivers' process included, and also "
-          "shown apart as 'receiver'; 'engines' is the two engine span loads, 'discard' their sink). Peak RSS: each process's peak (VmHWM), summed over the tree.")
+          "shown apart as 'receiver'; 'engines' is the two engine span loads, 'discard' their sink). "
+          "Peak RSS: each process's peak (VmHWM), summed over the tree.")
     if args.json:
         report.write_json(args.json, {"meta": meta, "summary": summary, "memory": memory, "tracing": tracing,
                                       "access_log": access_log, "engine_discard": end.get("engine_discard"),
