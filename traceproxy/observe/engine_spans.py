@@ -137,7 +137,8 @@ class EngineSpanStore:
                         nested[span.trace_id] = span
                     continue
                 if name in STAGES:
-                    trace = self._stage(span, resource, source, now_ns)
+                    trace = self._stage_run(StageRun(span.trace_id, span.parent_span_id, (name,), span.end_ns),
+                                            resource, source, now_ns)
                 elif is_thread_span(name, span.attributes):
                     trace = self._thread(span, resource, source, now_ns)
                 else:
@@ -145,7 +146,7 @@ class EngineSpanStore:
                 if trace is not None:
                     touched[span.trace_id] = trace
             for span in nested.values():  # after the top-level stages, which name the workers' roles
-                trace = self._stage(span, resource, source, now_ns)
+                trace = self._nested_stage(span, resource, source, now_ns)
                 if trace is not None:
                     touched[span.trace_id] = trace
         # Once per trace and request, not per span: a decode worker's batch is mostly one
@@ -155,7 +156,7 @@ class EngineSpanStore:
                 self._updated(trace_id, trace)
 
     def _stage_run(self, run: StageRun, resource: dict, source: str, now_ns: int) -> _Trace | None:
-        """A worker's top-level stage spans of one request, in one batch: as ``_stage`` for each."""
+        """A worker's top-level stage spans of one request, in one batch (or one such span)."""
         trace = self._trace(run.trace_id, now_ns, spans=len(run.names))
         if trace is None:
             return None
@@ -170,23 +171,15 @@ class EngineSpanStore:
         worker.last_end_ns = max(worker.last_end_ns, run.end_ns)
         return trace
 
-    def _stage(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> _Trace | None:
+    def _nested_stage(self, span: SpanFacts, resource: dict, source: str, now_ns: int) -> _Trace | None:
         trace = self._trace(span.trace_id, now_ns)
         if trace is None:
             return None
         self.seen_engine_spans = True
-        if span.name in NESTED_IN:
-            worker = self._open_worker_of(trace, span.name, span.parent_span_id, resource, source)
-            if worker is not None:
-                worker.nested = span.name
-        else:
-            worker = self._worker(trace, span.parent_span_id, resource, source)
-            if worker is not None:
-                if span.name not in worker.ended:
-                    worker.ended.append(span.name)
-                worker.role = worker.role or role_of_stage(span.name) or ""
+        worker = self._open_worker_of(trace, span.name, span.parent_span_id, resource, source)
         if worker is None:
             return None
+        worker.nested = span.name
         worker.last_end_ns = max(worker.last_end_ns, span.end_ns)
         return trace
 
