@@ -148,9 +148,9 @@ def any_value(value) -> dict:
     if isinstance(value, bool):
         return {"boolValue": value}
     if isinstance(value, int):
-        return {"intValue": str(_as_int64(int(value)))}
+        return {"intValue": str(as_int64(int(value)))}
     if isinstance(value, float):
-        return {"doubleValue": _double(value)}
+        return {"doubleValue": double_value(value)}
     if isinstance(value, (tuple, list)):
         items = [any_value(item) for item in value]
         return {"arrayValue": {"values": items} if items else {}}
@@ -165,7 +165,7 @@ def text(value: str) -> str:
     return value.encode("utf-8", "replace").decode("utf-8")
 
 
-def _as_int64(value: int) -> int:
+def as_int64(value: int) -> int:
     """What an int64 field reads back: the low 64 bits, two's complement."""
     if -_INT64_MAX - 1 <= value <= _INT64_MAX:
         return value
@@ -173,7 +173,7 @@ def _as_int64(value: int) -> int:
     return value - _INT64_SPAN if value > _INT64_MAX else value
 
 
-def _double(value: float):
+def double_value(value: float):
     if math.isnan(value):
         return "NaN"
     return _NON_FINITE.get(value, float(value))

@@ -33,7 +33,6 @@ Hazards:
 from __future__ import annotations
 
 import base64
-import math
 import struct
 
 import orjson
@@ -45,6 +44,7 @@ from opentelemetry.proto.common.v1.common_pb2 import (
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
+from .otlp_json import as_int64, double_value
 from .otlp_proto import read_varint
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -498,24 +498,16 @@ def _any_value(buf: bytes, pos: int, end: int) -> dict:
         value &= 0xFFFFFFFFFFFFFFFF  # protobuf keeps a varint's low 64 bits, for a bool too
         if key == 0x10:
             return {"boolValue": value != 0}
-        return {"intValue": str(value - (1 << 64) if value > 0x7FFFFFFFFFFFFFFF else value)}
+        return {"intValue": str(as_int64(value))}
     if key == 0x21 and pos + 8 == end:
         (value,) = _DOUBLE.unpack_from(buf, pos)
-        return {"doubleValue": _double(value)}
+        return {"doubleValue": double_value(value)}
     raise _Unusual
 
 
 def _values(buf: bytes, pos: int, end: int, read) -> dict:
     values = _messages(buf, pos, end, 1, read)
     return {"values": values} if values else {}
-
-
-def _double(value: float):
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
-    return value
 
 
 # The fields the walk writes, by message and number: an installed message without one of
