@@ -22,6 +22,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from traceproxy.observe import otlp_relay
+from traceproxy.observe.otlp_proto import varint
 from traceproxy.observe.otlp_relay import console_lines, json_line, line
 
 from .sglang_spans import Request, payload, random_trace_id
@@ -171,16 +172,6 @@ def test_random_spans_are_written_as_protobuf_maps_them(walked_only):
 # ---------------------------------------------------------------- odd but valid encodings
 def tag(field: int, wire_type: int) -> bytes:
     return varint(field << 3 | wire_type)
-
-
-def varint(value: int) -> bytes:
-    value &= 2**64 - 1
-    out = bytearray()
-    while True:
-        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
-        value >>= 7
-        if not value:
-            return bytes(out)
 
 
 def delimited(field: int, body: bytes) -> bytes:
