@@ -476,13 +476,20 @@ def start_worker(loop_thread):
     yield from started_for_the_test(loop_thread, SimWorker)
 
 
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def checkout_environment() -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH, for a child
+    that must run the code under test whatever its working directory."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
+
+
 def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
     """``traceproxy bench`` with ``args`` in a process group of its own, from the checkout;
     past ``timeout`` it is stopped (it stops its own children on SIGTERM) and the test fails."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=root, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=CHECKOUT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=checkout_environment())
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -5,12 +5,10 @@ that both sides of the comparison pay the emulated engines' CPU alike. No timing
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
 import sys
-from pathlib import Path
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -20,9 +18,8 @@ from traceproxy.bench.discard_proc import BAD, OK, Counts, Discard
 from traceproxy.bench.proxy_proc import build_settings, minimal_overrides, receiver_overrides
 from traceproxy.bench.span_load import BATCH, Load, template
 
-from .support import run_bench
+from .support import checkout_environment, run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
@@ -193,7 +190,7 @@ def test_a_span_load_stops_with_its_counts_on_sigterm_or_when_its_stdin_closes(t
     with socket.socket() as closed:  # a port nobody listens on: every export fails at once, and is counted
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1/traces"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = checkout_environment()
     loads = []
     for k in range(4):
         out = tmp_path / f"load{k}.json"
