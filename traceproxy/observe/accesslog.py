@@ -1,7 +1,9 @@
 """The access log: one JSON line per finished request.
 
-Made on the proxy's loop from the request's record as it ends, about 4 µs: less than
-handing a summary of it to the exporter process and restoring it there (decision 0030). The exporter process
+Made on the proxy's loop from the request's record as it ends: about 4 µs in a loop of
+lines alone, about three times that in place between requests (docs/performance.md,
+"Fourth round"), and still less than handing a summary of it to the exporter process
+and restoring it there (decision 0030). The exporter process
 appends the lines (``AccessLogWriter``), so a slow disk or a full pipe on stdout never
 blocks the loop.
 With engine spans received, a line also says where the engines had the request when it
@@ -34,7 +36,7 @@ import orjson
 
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import MARK
-from ..lifecycle.timeline import RequestRecord
+from ..lifecycle.timeline import RequestRecord, StallEntry
 from ..lifecycle.token_progress import token_progress
 from .line_file import LineFile
 from .token_view import access_fields
@@ -62,40 +64,42 @@ def _utc_second(second: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
-def _seconds(later: int | None, earlier: int | None) -> float | None:
-    """From one mark to a later one in seconds, to the microsecond (a half rounded up); None
-    when either was not reached. Integer arithmetic: a line has a dozen of these, and
-    ``round`` costs three times as much."""
-    return (later - earlier + 500) // 1000 / 1e6 if later and earlier else None
+def access_line(r: RequestRecord, clock_offset_ns: int, engine_stage: dict | None = None) -> bytes:
+    """A finished request's line in UTF-8, without its newline, read off its record as it
+    ends (no summary is made for a request whose spans are not kept: most of them); kept
+    as orjson writes it, never decoded. ``engine_stage``: where the engines had the
+    request when it ended, when the join knows.
 
-
-def _duration(ns: int) -> float:
-    return (ns + 500) // 1000 / 1e6
-
-
-def access_entry(r: RequestRecord, clock_offset_ns: int) -> dict:
-    """A finished request's line, read off its record as it ends (no summary is made for
-    a request whose spans are not kept: most of them)."""
-    marks = r.marks
+    One function with its arithmetic written out, not a helper per timing: it runs for
+    every request, between the request path's own work, where each call and each
+    intermediate number costs several times what it does in a loop of lines alone
+    (docs/performance.md, "Fourth round"). A timing is from one mark to a later one in
+    seconds, to the microsecond (a half rounded up), null when either was not reached:
+    integer arithmetic, as ``round`` costs three times as much."""
+    get = r.marks.get
     end = r.end_ns
-    start = marks.get(_RX_START) or end
-    attempt = r.attempts[-1] if r.attempts else None
-    if attempt is not None:
-        up = attempt.marks
+    start = get(_RX_START) or end
+    attempts = r.attempts
+    if attempts:
+        attempt = attempts[-1]
+        up = attempt.marks.get
         # From when this attempt asked for a connection: not the wait of a pipelined
         # request for its turn, nor an earlier attempt of a resent one.
-        connect_from = attempt.started_ns or marks.get(_RX_HEAD_END)
-        connected = attempt.connection is not None
+        connect_from = attempt.started_ns or get(_RX_HEAD_END)
+        upstream = attempt.connection
     else:
-        up, connect_from, connected = _NO_MARKS, marks.get(_RX_HEAD_END), False
-    up_tx_start = up.get(_UP_TX_START)
+        attempt, up, connect_from, upstream = None, _NO_MARKS.get, get(_RX_HEAD_END), None
+    acquired, up_tx_start, up_head_end, up_rx_end = up(_UP_ACQUIRED), up(_UP_TX_START), up(_UP_HEAD_END), up(_UP_RX_END)
+    tx_head, tx_body = get(_TX_HEAD), get(_TX_BODY)
     outcome, blame = _OUTCOME_AND_BLAME[r.outcome.code]
     second, ns = divmod(start + clock_offset_ns, 1_000_000_000)
-    return {
+    idle_gap = r.idle_gap_ns
+    client = r.connection
+    entry = {
         "time": f"{_utc_second(second)}.{ns // 1_000_000:03d}Z",
         "request_id": r.request_id or None,
         "trace_id": "%032x" % r.trace_id if r.trace_id else None,
-        "client": r.connection.peer,
+        "client": client.peer,
         "method": r.method or None,
         "path": r.target or None,
         "protocol": "HTTP/" + r.http_version,
@@ -106,39 +110,40 @@ def access_entry(r: RequestRecord, clock_offset_ns: int) -> dict:
         "request_bytes": r.downstream_rx_body_bytes,
         "response_bytes": r.downstream_tx_body_bytes,
         "chunks": r.upstream_rx_chunks,
-        "chunk_max_gap": _duration(r.max_chunk_gap_ns),
-        "upstream_connect_time": _seconds(up.get(_UP_ACQUIRED), connect_from),
-        "upstream_header_time": _seconds(up.get(_UP_HEAD_END), up_tx_start),
-        "upstream_response_time": _seconds(up.get(_UP_RX_END), up_tx_start),
-        "time_to_first_byte": _seconds(marks.get(_TX_HEAD), start),
-        "time_to_first_chunk": _seconds(marks.get(_TX_BODY), start),
-        "request_time": _seconds(end, start),
-        "client_connection": r.connection.id,
+        "chunk_max_gap": (r.max_chunk_gap_ns + 500) // 1000 / 1e6,
+        "upstream_connect_time":
+            (acquired - connect_from + 500) // 1000 / 1e6 if acquired and connect_from else None,
+        "upstream_header_time": (up_head_end - up_tx_start + 500) // 1000 / 1e6 if up_head_end and up_tx_start else None,
+        "upstream_response_time": (up_rx_end - up_tx_start + 500) // 1000 / 1e6 if up_rx_end and up_tx_start else None,
+        "time_to_first_byte": (tx_head - start + 500) // 1000 / 1e6 if tx_head and start else None,
+        "time_to_first_chunk": (tx_body - start + 500) // 1000 / 1e6 if tx_body and start else None,
+        "request_time": (end - start + 500) // 1000 / 1e6 if end and start else None,
+        "client_connection": client.id,
         "client_request_sequence": r.sequence,
-        "client_idle_gap": None if r.idle_gap_ns is None else _duration(r.idle_gap_ns),
-        "upstream_connection": attempt.connection.id if connected else None,
-        "upstream_reused": attempt.reused if connected else None,
-        "upstream_idle_age": _duration(attempt.idle_age_ns) if connected else None,
-        "upstream_connection_request": attempt.connection_request_number if connected else None,
-        "attempts": len(r.attempts),
-        "stalls": [{"outcome": e.code, "phase": e.phase, "waited": _seconds(e.detected_ns, e.since_ns),
-                    "resolved_after": _seconds(e.resolved_ns, e.since_ns)}
-                   for e in r.stalls] if r.stalls else [],
+        "client_idle_gap": None if idle_gap is None else (idle_gap + 500) // 1000 / 1e6,
+        "upstream_connection": upstream.id if upstream is not None else None,
+        "upstream_reused": attempt.reused if upstream is not None else None,
+        "upstream_idle_age": (attempt.idle_age_ns + 500) // 1000 / 1e6 if upstream is not None else None,
+        "upstream_connection_request": attempt.connection_request_number if upstream is not None else None,
+        "attempts": len(attempts),
+        "stalls": [_stall(entry) for entry in r.stalls] if r.stalls else [],
     }
-
-
-def access_line(record: RequestRecord, clock_offset_ns: int, engine_stage: dict | None = None) -> bytes:
-    """The line in UTF-8, without its newline: kept as orjson writes it, never decoded.
-    ``engine_stage``: where the engines had the request when it ended, when the join knows."""
-    entry = access_entry(record, clock_offset_ns)
     if engine_stage:
         entry["engine_stage"] = engine_stage
-    progress = token_progress(record)
-    if progress is not None:  # an event stream, judged on its tokens
-        entry["tokens"] = access_fields(progress, record.marks.get(_RX_START) or record.end_ns)
-    if record.conversation_id:
-        entry["conversation_id"] = record.conversation_id
+    if r.stream_events is not None:  # an event stream, judged on its tokens
+        entry["tokens"] = access_fields(token_progress(r), start)
+    if r.conversation_id:
+        entry["conversation_id"] = r.conversation_id
     return orjson.dumps(entry)
+
+
+def _seconds(later: int | None, earlier: int | None) -> float | None:
+    return (later - earlier + 500) // 1000 / 1e6 if later and earlier else None
+
+
+def _stall(entry: StallEntry) -> dict:
+    return {"outcome": entry.code, "phase": entry.phase, "waited": _seconds(entry.detected_ns, entry.since_ns),
+            "resolved_after": _seconds(entry.resolved_ns, entry.since_ns)}
 
 
 class AccessLogWriter:

@@ -51,6 +51,8 @@ from .spans import RequestSummary, stall_span, summarize
 
 log = logging.getLogger("traceproxy.tracing")
 _RATIO_BOUND = 1 << 64
+_RATIO_MASK = _RATIO_BOUND - 1
+_OK = Flag.OK
 SHED_REASONS = ("rate", "backlog")
 
 
@@ -87,13 +89,6 @@ class TracingObserver:
         # The service's shared ceiling when given (several workers), else this process's own.
         self.healthy_ceiling = healthy_ceiling or RateCeiling(healthy_max_per_second)
 
-    @staticmethod
-    def failed(record: RequestRecord) -> bool:
-        return record.outcome is not Flag.OK or (record.status or 0) >= 500 or bool(record.stalls)
-
-    def sampled_in(self, record: RequestRecord) -> bool:
-        return record.sampled and (record.trace_id & (_RATIO_BOUND - 1)) < self.threshold
-
     def on_done(self, record: RequestRecord) -> None:
         keep = self.spans and self._keep_spans(record)
         if not keep and not self.access_log:
@@ -107,9 +102,10 @@ class TracingObserver:
             self.sink.submit_line(access_line(record, self.clock_offset_ns, stage))
 
     def _keep_spans(self, record: RequestRecord) -> bool:
-        if self.failed(record):
-            return True
-        if not self.sampled_in(record):
+        # The tests written out rather than a call each: this runs for every request.
+        if record.outcome is not _OK or record.stalls or (record.status or 0) >= 500:
+            return True  # errored or stalled: always kept
+        if not (record.sampled and (record.trace_id & _RATIO_MASK) < self.threshold):
             self.sampled_out += 1
             return False
         if not self.healthy_ceiling.take(record.end_ns):
