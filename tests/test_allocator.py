@@ -53,3 +53,56 @@ def test_the_operators_own_glibc_settings_are_kept():
     assert said == "allocator left as configured by MALLOC_TRIM_THRESHOLD_"
     assert faults > 2000, "the thresholds were changed although the operator set their own"
     assert tune_allocator({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}).endswith("GLIBC_TUNABLES")
+
+
+# A burst's buffers freed but for the last one, which pins the heap's top: glibc's own
+# trim (only the top, only past the threshold) can give none of it back.
+FRAGMENTED = """
+import sys
+from traceproxy.allocator import IdleHeapTrim, tune_allocator
+tune_allocator({})
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+buffers = [bytearray(64 * 1024) for _ in range(160)]  # 10 MiB, touched
+pin = buffers[-1]
+del buffers[-1]
+del buffers
+kept = rss_kib()
+trim = IdleHeapTrim.for_this_process()
+trim.check(1, busy=False)  # work was done since the last check: not quiet yet
+after_work = rss_kib()
+trim.check(1, busy=False)  # a check later, nothing new: quiet
+print(kept - after_work, kept - rss_kib(), trim.trimmed)
+"""
+
+
+def test_a_quiet_process_gives_a_bursts_freed_heap_back():
+    out = subprocess.run([sys.executable, "-c", FRAGMENTED], capture_output=True, text=True, timeout=60, check=True)
+    before_quiet, once_quiet, trims = (int(word) for word in out.stdout.split())
+    assert before_quiet < 1024, "trimmed before the process was quiet"
+    assert once_quiet > 8 * 1024, f"only {once_quiet} KiB of the 10 MiB freed went back to the kernel"
+    assert trims == 1
+
+
+def test_the_heap_is_trimmed_once_per_quiet_spell_and_never_while_busy():
+    from traceproxy.allocator import IdleHeapTrim
+
+    trims = []
+    trim = IdleHeapTrim(lambda: trims.append(1))
+    said = [trim.check(work, busy) for work, busy in [
+        (5, True), (5, True),  # requests in flight: never
+        (5, False),  # the first check with nothing in flight and nothing new: quiet
+        (5, False), (5, False),  # still quiet, nothing done since the trim: not again
+        (9, False),  # work done since the last check: not quiet yet
+        (9, False),  # quiet again after new work: once more
+    ]]
+    assert said == [False, False, True, False, False, False, True]
+    assert trim.trimmed == len(trims) == 2
+
+
+def test_the_operators_own_glibc_settings_mean_no_idle_trim():
+    from traceproxy.allocator import IdleHeapTrim
+
+    assert IdleHeapTrim.for_this_process({"MALLOC_TRIM_THRESHOLD_": "131072"}) is None
+    assert IdleHeapTrim.for_this_process({}) is not None

@@ -19,8 +19,11 @@ Fixed thresholds, set once per worker process before it serves:
 * buffers below ``MMAP_THRESHOLD`` come from the heap (never a fresh mapping);
 * free heap space is returned to the kernel only beyond ``TRIM_THRESHOLD``.
 
-The cost is at most ``TRIM_THRESHOLD`` of freed memory kept resident after a burst.
-An operator who set glibc's own knobs (``MALLOC_*_`` variables or
+The cost is at most ``TRIM_THRESHOLD`` of freed memory kept resident after a burst,
+and only while work goes on: ``IdleHeapTrim`` gives the heap's free memory back
+(``malloc_trim``) once a process has gone quiet after work, a second with nothing in
+flight and nothing new done. The trim never runs while a request is in flight, so it
+cannot cost one; the next burst pays the page faults once. An operator who set glibc's own knobs (``MALLOC_*_`` variables or
 ``GLIBC_TUNABLES``) keeps them: this module then changes nothing. Other C
 libraries (musl, macOS) are left alone as well.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 # mallopt(3) parameter numbers, from glibc's <malloc.h>.
 M_TRIM_THRESHOLD = -1
@@ -42,18 +45,66 @@ TRIM_THRESHOLD = 16 << 20  # 16 MiB of freed heap may stay resident
 OPERATOR_KNOBS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
 
-def tune_allocator(environ: Mapping[str, str] = os.environ) -> str:
-    """Set the thresholds above; return what was done, in words for the log."""
+def _glibc(environ: Mapping[str, str]) -> "tuple[ctypes.CDLL | None, str]":
+    """The C library when it is glibc and the operator left its knobs alone; else None
+    and why, in words for the log."""
     chosen = [name for name in OPERATOR_KNOBS if name in environ]
     if chosen:
-        return f"allocator left as configured by {', '.join(chosen)}"
+        return None, f"allocator left as configured by {', '.join(chosen)}"
     if platform.libc_ver()[0] != "glibc":
-        return "allocator left alone (not glibc)"
+        return None, "allocator left alone (not glibc)"
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6"), ""
+    except OSError:
+        return None, "allocator left alone (no libc.so.6)"
+
+
+def tune_allocator(environ: Mapping[str, str] = os.environ) -> str:
+    """Set the thresholds above; return what was done, in words for the log."""
+    libc, why_not = _glibc(environ)
+    if libc is None:
+        return why_not
+    try:
         ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    except (OSError, AttributeError):
+    except AttributeError:
         ok = False
     if not ok:
         return "allocator left alone (mallopt refused)"
     return f"allocator: heap buffers up to {MMAP_THRESHOLD >> 20} MiB, trim beyond {TRIM_THRESHOLD >> 20} MiB"
+
+
+class IdleHeapTrim:
+    """Gives freed heap back to the kernel once a process has gone quiet after work.
+
+    ``check`` is called about once a second (by a timer, or a thread's tick) with how
+    much work the process has done so far (any count that grows with it) and whether
+    any is under way now. The heap is trimmed once per quiet spell, on the first check
+    that finds nothing under way and the count unchanged since the check before: a
+    second of quiet, never while work goes on (a trim walks the heap and holds the
+    allocator's lock for milliseconds). ``trimmed`` counts the trims."""
+
+    def __init__(self, trim: Callable[[], object]) -> None:
+        self._trim = trim
+        self._seen: int | None = None  # the work count at the last check
+        self._trimmed_at: int | None = None  # the work count at the last trim
+        self.trimmed = 0
+
+    @classmethod
+    def for_this_process(cls, environ: Mapping[str, str] = os.environ) -> "IdleHeapTrim | None":
+        """One that calls glibc's ``malloc_trim``; None on another C library or when the
+        operator set glibc's knobs (the trim is theirs to decide then)."""
+        libc, _ = _glibc(environ)
+        if libc is None or not hasattr(libc, "malloc_trim"):
+            return None
+        return cls(lambda: libc.malloc_trim(0))
+
+    def check(self, work_done: int, busy: bool) -> bool:
+        """True when this check trimmed."""
+        quiet = not busy and work_done == self._seen
+        self._seen = work_done
+        if not quiet or work_done == self._trimmed_at:
+            return False
+        self._trimmed_at = work_done
+        self._trim()
+        self.trimmed += 1
+        return True

@@ -21,7 +21,7 @@ import traceback
 
 from typing import TYPE_CHECKING
 
-from .allocator import tune_allocator
+from .allocator import IdleHeapTrim, tune_allocator
 from .config import ConfigError, HostPort, Settings, check_appendable, check_http_endpoint, named_setting
 from .destinations import access_log_destination, admin_url, spans_destination
 from .engine_wiring import check_receiver_exposure, engine_receivers
@@ -55,6 +55,10 @@ YOUNG_COLLECTION_THRESHOLD = 50_000
 # How long shutdown lets the span exporter export and log what it still holds, after
 # the requests' grace, before it is told to stop now (and then killed).
 EXPORTER_STOP_TIMEOUT = 5.0
+
+# How often the proxy asks whether it went quiet after work, to give its freed heap
+# back (allocator.IdleHeapTrim): a trim comes one to two of these after the last request.
+IDLE_TRIM_CHECK_S = 1.0
 
 
 def tracing_export_config(settings: Settings, environ=os.environ, *, create_files: bool = True):
@@ -160,6 +164,8 @@ class ProxyServer:
         self.engine_readings = None  # what correlates requests with the engines: the scraper or the link's readings
         self.engine_side = None  # engine_wiring.LocalEngines when engine metrics or spans are on
         self.prober = None  # StallProber when [engines] probe_on_stall is true
+        self.heap_trim: IdleHeapTrim | None = None  # on glibc, unless the operator tuned it
+        self._idle_trim_timer: asyncio.TimerHandle | None = None
         self._server: asyncio.base_events.Server | None = None
         self._admin_server: AdminHttpServer | None = None
         self.admin_port: int | None = None
@@ -175,6 +181,7 @@ class ProxyServer:
         self._start_metrics()
         await self._start_engines()
         self._start_prober()
+        self._start_idle_trim()
         listen = self.settings.listen
         with _binding("listen", listen):
             self._server = await loop.create_server(
@@ -274,6 +281,21 @@ class ProxyServer:
                                   authority=upstream.authority)
         self.watchdog.listeners.append(self.prober)
 
+    def _start_idle_trim(self) -> None:
+        """Once a second, whether the proxy went quiet after work: then its freed heap goes
+        back to the kernel (allocator.IdleHeapTrim), never while a request is in flight."""
+        self.heap_trim = IdleHeapTrim.for_this_process()
+        if self.heap_trim is None:
+            return
+        loop = asyncio.get_running_loop()
+        requests, in_flight = self.metrics.requests, self.ctx.in_flight
+
+        def tick() -> None:
+            self.heap_trim.check(sum(requests.values()), bool(in_flight))
+            self._idle_trim_timer = loop.call_later(IDLE_TRIM_CHECK_S, tick)
+
+        self._idle_trim_timer = loop.call_later(IDLE_TRIM_CHECK_S, tick)
+
     async def _start_admin(self, view: WorkerView) -> None:
         from .admin import ServiceAdmin
 
@@ -304,6 +326,8 @@ class ProxyServer:
         await self._let_clients_take_what_is_written(deadline)
         ctx.pool.close_all()
         self.watchdog.stop()
+        if self._idle_trim_timer is not None:
+            self._idle_trim_timer.cancel()
         if self.prober is not None:
             self.prober.stop()
         if self.engine_side is not None:

@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 
+from ..allocator import IdleHeapTrim
 from . import genai_spans
 from .export_wire import STOP_NOW, AccessLines, ExportConfig, RawSpans, decode_frame, read_frame, stats_line
 from .spandata import SpanData
@@ -49,20 +50,28 @@ STATS_INTERVAL = 1.0
 
 
 class Counters:
-    """Spans handed to a sink, access log lines lost; written by the main thread only."""
+    """Spans handed to a sink, access log lines lost, frames read; written by the main
+    thread only."""
 
     def __init__(self) -> None:
         self.exported = 0
         self.failed = 0
         self.access_log_lost = 0
+        self.frames = 0  # how much work was done, for the idle heap trim
 
     def snapshot(self) -> tuple[int, int, int]:
         return self.exported, self.failed, self.access_log_lost
 
 
 class StatsReporter:
+    """Sends the counts once a second when they changed; on the same tick, gives freed heap
+    back to the kernel once the process went quiet after frames (``IdleHeapTrim``, which
+    takes glibc's allocator lock: safe from this thread; a frame that comes during the trim
+    waits for it, milliseconds)."""
+
     def __init__(self, fd: int, counters: Counters) -> None:
         self._fd, self._counters = fd, counters
+        self._heap_trim = IdleHeapTrim.for_this_process()
         self._stopping = threading.Event()
         self._last_sent: tuple[int, int, int] | None = None
         self._thread = threading.Thread(target=self._report_periodically, name="stats", daemon=True)
@@ -87,10 +96,13 @@ class StatsReporter:
         while not self._stopping.wait(STATS_INTERVAL):
             if self._counters.snapshot() != self._last_sent:
                 self.send()
+            if self._heap_trim is not None:
+                self._heap_trim.check(self._counters.frames, busy=False)
 
 
 def pump(stream, sink, counters: Counters, access_log=None) -> None:
     while (payload := read_frame(stream)) is not None:
+        counters.frames += 1
         try:
             items = decode_frame(payload)
         except Exception:  # the frame boundary is known, so the next frame is still good
