@@ -116,3 +116,26 @@ def test_the_encoder_can_be_reused():
     first = encoder.line([SERVER, CLIENT])
     encoder.line(odd_spans())
     assert encoder.line([SERVER, CLIENT]) == first
+
+
+def test_attributes_written_once_and_reused_still_equal_the_protobuf_route():
+    # The third line of the same spans is written from the attributes kept on their second
+    # sighting; True and 1 under one key stay a boolValue and an intValue.
+    flip = [CLIENT._replace(attributes={"k": True, "n": 1}), CLIENT._replace(attributes={"k": 1, "n": True})]
+    spans = [SERVER, CLIENT, ROOT_UNSAMPLED, *odd_spans(), *flip]
+    encoder = OtlpJsonEncoder(RESOURCE, *SCOPE)
+    lines = [encoder.line(spans) for _ in range(3)]
+    assert lines[0] == lines[1] == lines[2]
+    assert same_json(lines[2], reference_line(spans))
+
+
+def test_attributes_unique_to_each_request_never_grow_the_encoder():
+    from traceproxy.observe.otlp_json import RepeatedAttributes
+
+    encoder = OtlpJsonEncoder(RESOURCE, *SCOPE)
+    for n in range(3 * RepeatedAttributes.LIMIT):
+        line = encoder.line([CLIENT._replace(attributes={"request_id": f"r{n}", "port": n, "method": "POST"})])
+        assert f'"stringValue":"r{n}"'.encode() in line and f'"intValue":"{n}"'.encode() in line
+    kept = encoder._attributes
+    assert len(kept._seen) <= RepeatedAttributes.LIMIT and len(kept._written) <= RepeatedAttributes.LIMIT
+    assert ("method", str, "POST") in kept._written
