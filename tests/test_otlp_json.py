@@ -129,13 +129,13 @@ def test_attributes_written_once_and_reused_still_equal_the_protobuf_route():
     assert same_json(lines[2], reference_line(spans))
 
 
-def test_attributes_unique_to_each_request_never_grow_the_encoder():
+def test_attributes_unique_to_each_request_are_not_kept():
     from traceproxy.observe.otlp_json import RepeatedAttributes
 
     encoder = OtlpJsonEncoder(RESOURCE, *SCOPE)
-    for n in range(3 * RepeatedAttributes.LIMIT):
+    for n in range(3 * RepeatedAttributes.DISTINCT):
         line = encoder.line([CLIENT._replace(attributes={"request_id": f"r{n}", "port": n, "method": "POST"})])
         assert f'"stringValue":"r{n}"'.encode() in line and f'"intValue":"{n}"'.encode() in line
     kept = encoder._attributes
-    assert len(kept._seen) <= RepeatedAttributes.LIMIT and len(kept._written) <= RepeatedAttributes.LIMIT
-    assert ("method", str, "POST") in kept._written
+    assert {"request_id", "port"} <= kept._varied and "method" not in kept._varied
+    assert len(kept._written) == 2 * RepeatedAttributes.DISTINCT + 1  # the ids' first values, and POST
