@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import shlex
 import socket
 import sys
 import threading
@@ -23,9 +24,11 @@ from traceproxy.cli import main
 from traceproxy.repro import ReproResult, TargetUnreachable, TurnRecord, UsageError, run_repro
 from traceproxy.repro.harness import FAILED, HUNG, OK, parse_stream, trace_id_of
 from traceproxy.repro.inflight import IN_FLIGHT, LEFT_PROXY, NOT_REACHED, UNKNOWN, Diagnosis, locate
-from traceproxy.repro.report import (NOT_REACHED_TEXT, hung_lines, result_document, summary_lines, verdict_key,
-                                     verdict_text)
+from traceproxy.repro.report import (INDENT, NOT_REACHED_TEXT, hung_lines, result_document, summary_lines,
+                                     verdict_key, verdict_text)
 from traceproxy.sim.launch import free_port
+
+from .support import wait_until
 
 REPRO = Path(__file__).resolve().parents[1] / "traceproxy" / "repro"
 
@@ -152,6 +155,34 @@ def test_hang_behind_the_proxy_is_an_engine_first_byte_stall(start_proxy, script
     summary = "\n".join(summary_lines(result))
     assert "hung: stuck in phase awaiting_upstream_headers, blame engine (outcome FBS)" in summary
     assert "not run" in summary
+
+
+def test_a_hung_turns_diagnose_hint_names_the_proxys_span_file_and_works_from_any_folder(
+        start_proxy, scripted_upstream, tmp_path, monkeypatch, capsys):
+    upstream = scripted_upstream(answer_first_then_hang)
+    span_file = tmp_path / "proxy side" / "spans.jsonl"  # a space: the hint must quote it
+    proxy = start_proxy(upstream.url, **{"stall.first_byte": 0.3, "tracing.exporter": "file",
+                                         "tracing.file_path": str(span_file)})
+
+    result = run_repro(f"http://127.0.0.1:{proxy.port}", f"127.0.0.1:{proxy.admin_port}",
+                       conversations=1, turns=2, turn_timeout=1.5, mode="reused")
+
+    [record] = result.hung
+    hint = next(line for line in hung_lines(record) if "next:" in line).split("next:", 1)[1].strip()
+    assert hint == f"traceproxy diagnose {record.request_id} --spans {shlex.quote(str(span_file))}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not where the proxy was started
+    capsys.readouterr()
+    assert wait_until(lambda: main(shlex.split(hint)[1:]) == 0 and record.request_id in capsys.readouterr().out,
+                      timeout=5)
+
+
+def test_without_a_span_file_the_hint_has_no_spans_option():
+    found = locate([ENTRY], "rid-1", answered=False)
+    assert found.span_file is None
+    hung = TurnRecord("reused", 1, 2, "rid-1", connection=1, connection_use=2, result=HUNG, diagnosis=found)
+    assert f"{INDENT}next:   traceproxy diagnose rid-1" in hung_lines(hung)
 
 
 def test_hang_in_front_of_the_proxy_never_reached_it(start_proxy, fast_upstream, black_hole, capsys):

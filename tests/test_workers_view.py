@@ -461,6 +461,8 @@ def test_the_healthy_trace_ceiling_holds_for_the_service_not_each_worker(upstrea
             thread.join(30)
         elapsed = time.monotonic() - started
         assert sum(sent) == connections * each
+        # The service says where its spans go, the parent's answer as one process's would.
+        assert service.json("/healthz")["spans"] == str(tmp_path / "spans.jsonl")
         shed = service.get("/metrics")[1]
         rate_shed = float(re.search(r'^traceproxy_spans_shed_total\{reason="rate"\} (\S+)$', shed, re.M).group(1))
         backlog_shed = float(re.search(r'^traceproxy_spans_shed_total\{reason="backlog"\} (\S+)$', shed, re.M).group(1))

@@ -50,10 +50,13 @@ SUMMED_HEALTH = ("client_connections", "requests_in_flight", "upstream_connectio
 class ServiceAdmin:
     """The three answers, from ``source`` (see the module doc). ``engines``: the
     service's ``EngineScraper`` or None; ``stopping``: a callable saying the service
-    was asked to stop (a worker's own draining says so too)."""
+    was asked to stop (a worker's own draining says so too); ``spans``: where the spans go,
+    in the start-up line's words (``destinations.spans_destination``: a span file's
+    absolute path, an OTLP address, or off), for tools that point at the file."""
 
-    def __init__(self, source, settings, started_ns: int, engines=None, stopping=lambda: False) -> None:
-        self.source, self.settings, self.engines = source, settings, engines
+    def __init__(self, source, settings, started_ns: int, engines=None, stopping=lambda: False,
+                 spans: str = "off") -> None:
+        self.source, self.settings, self.engines, self.spans = source, settings, engines, spans
         self.started_ns = started_ns
         self.stopping = stopping
         # Counting began when the service started: the _created of every OpenMetrics counter.
@@ -73,6 +76,7 @@ class ServiceAdmin:
             "pid": os.getpid(),
             "uptime_s": round((time.monotonic_ns() - self.started_ns) / 1e9, 3),
             "upstream": str(self.settings.upstream),
+            "spans": self.spans,
             **{key: sum(h[key] for h in healths) for key in SUMMED_HEALTH},
             "upstream_keepalive_timeout_s": min(learned) if learned else None,
             "upstream_keepalive_misaligned": any(h["upstream_keepalive_misaligned"] for h in healths),

@@ -300,7 +300,8 @@ class ProxyServer:
         from .admin import ServiceAdmin
 
         admin = ServiceAdmin(LocalSource(view), self.settings, self.started_ns, self.engines,
-                             stopping=lambda: self.ctx.shutting_down)
+                             stopping=lambda: self.ctx.shutting_down,
+                             spans=spans_destination(self.export_config, os.environ))
         self._admin_server, self.admin_port = await start_admin_listener(admin, self.settings.admin)
 
     @property
@@ -562,7 +563,8 @@ async def _start_service_admin(settings: Settings, peers, started_ns: int, stopp
     if settings.admin is not None:
         from .admin import ServiceAdmin
 
-        admin = ServiceAdmin(links, settings, started_ns, scraper, stopping)
+        admin = ServiceAdmin(links, settings, started_ns, scraper, stopping,
+                             spans=spans_destination(tracing_export_config(settings), os.environ))
         try:
             admin_listener, port = await start_admin_listener(admin, settings.admin)
         except OSError as exc:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .lifecycle.flags import BY_CODE, Blame, Flag, Outcome
+from .repro.report import diagnose_command
 from .sim.routers import ROUTER_NAMES, RouterKind, router_kind
 
 DATA_DIR = "traceproxy-data"
@@ -312,10 +313,6 @@ def example_trace_id(rows: Iterable[Row]) -> str | None:
     return (wrong or traced)[0].said.trace_id if traced else None
 
 
-def diagnose_command(trace_id: str, where: Where) -> str:
-    return f"traceproxy diagnose {trace_id} --spans {shlex.quote(str(where.spans))}"
-
-
 def fault_command(where: Where, faults: list[str]) -> str:
     return (f"curl -s {where.decode_url}/admin/faults -H 'Content-Type: application/json' "
             f"-d {shlex.quote(json.dumps({'faults': faults}))}")
@@ -342,7 +339,7 @@ def stopped_lines(rows: list[Row], where: Where) -> list[str]:
     lines = []
     trace_id = example_trace_id(rows)
     if trace_id is not None:
-        lines += ["look a request up (from any folder):", f"  {diagnose_command(trace_id, where)}"]
+        lines += ["look a request up (from any folder):", f"  {diagnose_command(trace_id, str(where.spans))}"]
     # The same scenarios again, kept running: a run of some scenarios offers those.
     chosen = "" if len(rows) == len(SCENARIOS) else "".join(f" --scenario {row.scenario.key}" for row in rows)
     if where.router is not None:
@@ -359,10 +356,10 @@ def running_lines(rows: list[Row], where: Where) -> list[str]:
              f"  traceproxy top --admin {where.admin}"]
     trace_id = example_trace_id(rows)
     if trace_id is not None:
-        lines.append(f"  {diagnose_command(trace_id, where)}")
-    lines += ["make decode stall after 3 tokens; repro then says where each turn is stuck, and top shows "
-              "the stalls live while repro waits (its ENGINE column: the PD component and SGLang stage); "
-              "then clear the fault:",
+        lines.append(f"  {diagnose_command(trace_id, str(where.spans))}")
+    lines += ["make decode stall after 3 tokens; repro then says where each turn is stuck (its phase, "
+              "blame and outcome, and the diagnose command for it), and top shows the stalls live while "
+              "repro waits, its ENGINE column naming the PD component and SGLang stage; then clear the fault:",
               f"  {fault_command(where, ['decode_stall:3'])}",
               f"  {repro_command(where)} --turn-timeout 5",
               f"  {fault_command(where, [])}"]

@@ -17,6 +17,7 @@ request under. ``locate`` turns the in-flight list and that id into a ``Diagnosi
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from .client import COMPLETE, simple_get
@@ -47,6 +48,7 @@ class Diagnosis:
     upstream_reused: bool | None = None
     attempts: int | None = None
     trace_id: str | None = None
+    span_file: str | None = None  # the proxy's span file, when it writes one: for the diagnose hint
 
 
 class AdminError(Exception):
@@ -66,6 +68,23 @@ def parse_admin(text: str) -> tuple[str, int]:
 
 def fetch_inflight(admin: tuple[str, int], timeout: float = ADMIN_TIMEOUT_S) -> list[dict]:
     """The ``requests`` list of ``GET /debug/inflight``; raises AdminError."""
+    return requests_of(fetch_inflight_document(admin, timeout))
+
+
+def requests_of(document: dict) -> list[dict]:
+    return [entry for entry in document["requests"] if isinstance(entry, dict)]
+
+
+def span_file_of(document: dict) -> str | None:
+    """The span file the proxy writes, from the ``health`` in its in-flight answer: an
+    absolute path, else None (spans over OTLP, off, or a proxy that does not say)."""
+    health = document.get("health")
+    spans = health.get("spans") if isinstance(health, dict) else None
+    return spans if isinstance(spans, str) and os.path.isabs(spans) else None
+
+
+def fetch_inflight_document(admin: tuple[str, int], timeout: float = ADMIN_TIMEOUT_S) -> dict:
+    """``GET /debug/inflight`` as JSON, with its list of requests; raises AdminError."""
     host, port = admin
     try:
         answer = simple_get(host, port, "/debug/inflight", timeout)
@@ -79,7 +98,7 @@ def fetch_inflight(admin: tuple[str, int], timeout: float = ADMIN_TIMEOUT_S) -> 
         raise AdminError(f"{host}:{port}/debug/inflight did not answer JSON (is this the admin port?)") from None
     if not isinstance(document, dict) or not isinstance(document.get("requests"), list):
         raise AdminError(f"{host}:{port}/debug/inflight has no list of requests (is this the admin port?)")
-    return [entry for entry in document["requests"] if isinstance(entry, dict)]
+    return document
 
 
 def locate(entries: list[dict], request_id: str, answered: bool) -> Diagnosis:
@@ -114,6 +133,9 @@ def ask_proxy(admin: tuple[str, int] | None, request_id: str, answered: bool) ->
     if admin is None:
         return Diagnosis(UNKNOWN, "no --admin given, so the proxy was not asked")
     try:
-        return locate(fetch_inflight(admin), request_id, answered)
+        document = fetch_inflight_document(admin)
     except AdminError as exc:
         return Diagnosis(UNKNOWN, str(exc))
+    diagnosis = locate(requests_of(document), request_id, answered)
+    diagnosis.span_file = span_file_of(document)
+    return diagnosis

@@ -7,6 +7,7 @@ Pure functions only, so every line is testable without sockets. The CLI prints
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 from dataclasses import asdict
 
@@ -115,8 +116,20 @@ def hung_lines(record: TurnRecord) -> list[str]:
     lines.append(f"{INDENT}proxy:  {verdict_text(record.diagnosis)}")
     if record.diagnosis is not None and record.diagnosis.kind == IN_FLIGHT:
         lines.append(f"{INDENT}        {ledger_text(record.diagnosis)}")
-        lines.append(f"{INDENT}next:   traceproxy diagnose {record.request_id}")
+        lines.append(f"{INDENT}next:   {diagnose_command(record.request_id, _span_file(record))}")
     return lines
+
+
+def diagnose_command(request_id: str, span_file: str | None) -> str:
+    """``traceproxy diagnose ID``, with ``--spans`` and the proxy's span file when it is
+    known, so the command works from any folder."""
+    spans = f" --spans {shlex.quote(span_file)}" if span_file else ""
+    return f"traceproxy diagnose {request_id}{spans}"
+
+
+def _span_file(record: TurnRecord) -> str | None:
+    """Where the proxy said it writes its spans, when it was asked about this turn."""
+    return record.diagnosis.span_file if record.diagnosis is not None else None
 
 
 def failed_lines(record: TurnRecord) -> list[str]:
@@ -124,7 +137,7 @@ def failed_lines(record: TurnRecord) -> list[str]:
     if record.note:
         lines.append(f"{INDENT}{record.note}")
     if record.status is not None:
-        lines.append(f"{INDENT}next:  traceproxy diagnose {record.trace_id or record.request_id}")
+        lines.append(f"{INDENT}next:  {diagnose_command(record.trace_id or record.request_id, _span_file(record))}")
     return lines
 
 
