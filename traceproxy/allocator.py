@@ -2,7 +2,7 @@
 
 Why
 ---
-Each socket read hands the proxy a new ``bytes`` of up to 256 KiB (uvloop's read
+Each socket read hands the proxy a new ``bytes`` of up to 256,000 bytes (uvloop's read
 buffer), which lives until it is written on and is then freed. glibc's default
 allocator adapts its thresholds to such sizes: it serves them from the heap, and
 as soon as the free space at the top of the heap exceeds twice the largest
@@ -19,13 +19,14 @@ Fixed thresholds, set once per worker process before it serves:
 * buffers below ``MMAP_THRESHOLD`` come from the heap (never a fresh mapping);
 * free heap space is returned to the kernel only beyond ``TRIM_THRESHOLD``.
 
-The cost is at most ``TRIM_THRESHOLD`` of freed memory kept resident after a burst,
-and only while work goes on: ``IdleHeapTrim`` gives the heap's free memory back
-(``malloc_trim``) once a process has gone quiet after work, a second with nothing in
-flight and nothing new done. The trim never runs while a request is in flight, so it
-cannot cost one; the next burst pays the page faults once. An operator who set glibc's own knobs (``MALLOC_*_`` variables or
-``GLIBC_TUNABLES``) keeps them: this module then changes nothing. Other C
-libraries (musl, macOS) are left alone as well.
+The cost: up to ``TRIM_THRESHOLD`` of free space at the heap's top stays resident
+while work goes on, beside the free pages inside the heap that glibc never returns on
+its own. ``IdleHeapTrim`` gives both back (``malloc_trim``) once a process has gone
+quiet after work, a second with nothing in flight and nothing new done. The trim never
+runs while a request is in flight, so it cannot cost one; the next burst pays the page
+faults once. An operator who set glibc's own knobs (``MALLOC_*_`` variables or
+``GLIBC_TUNABLES``) keeps them: this module then changes nothing. Other C libraries
+(musl, macOS) are left alone as well.
 """
 
 from __future__ import annotations
