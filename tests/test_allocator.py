@@ -64,12 +64,13 @@ tune_allocator({})
 def rss_kib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+trim = IdleHeapTrim.for_this_process()
+trim.check(0, busy=False)  # the process starts
 buffers = [bytearray(64 * 1024) for _ in range(160)]  # 10 MiB, touched
 pin = buffers[-1]
 del buffers[-1]
 del buffers
 kept = rss_kib()
-trim = IdleHeapTrim.for_this_process()
 trim.check(1, busy=False)  # work was done since the last check: not quiet yet
 after_work = rss_kib()
 trim.check(1, busy=False)  # a check later, nothing new: quiet
@@ -88,17 +89,32 @@ def test_a_quiet_process_gives_a_bursts_freed_heap_back():
 def test_the_heap_is_trimmed_once_per_quiet_spell_and_never_while_busy():
     from traceproxy.allocator import IdleHeapTrim
 
-    trims = []
-    trim = IdleHeapTrim(lambda: trims.append(1))
+    trims, free = [], [64 << 20]
+    trim = IdleHeapTrim(lambda: trims.append(1), lambda: free[0])
     said = [trim.check(work, busy) for work, busy in [
+        (0, False), (0, False),  # started, nothing done yet: nothing of the work's to give back
         (5, True), (5, True),  # requests in flight: never
         (5, False),  # the first check with nothing in flight and nothing new: quiet
         (5, False), (5, False),  # still quiet, nothing done since the trim: not again
         (9, False),  # work done since the last check: not quiet yet
         (9, False),  # quiet again after new work: once more
     ]]
-    assert said == [False, False, True, False, False, False, True]
+    assert said == [False, False, False, False, True, False, False, False, True]
     assert trim.trimmed == len(trims) == 2
+
+
+def test_light_traffic_is_not_trimmed_after_every_request():
+    from traceproxy.allocator import IdleHeapTrim
+
+    trims, free = [], [200 << 10]  # a request's few freed KiB
+    trim = IdleHeapTrim(lambda: trims.append(1), lambda: free[0])
+    for request in range(1, 6):  # one request, then two quiet seconds, five times
+        trim.check(request, busy=False)
+        trim.check(request, busy=False)
+    assert trims == []
+    free[0] = 8 << 20  # a burst's buffers freed
+    trim.check(6, busy=False)
+    assert trim.check(6, busy=False) and trims == [1]
 
 
 def test_the_operators_own_glibc_settings_mean_no_idle_trim():

@@ -692,3 +692,45 @@ def test_shutdown_gives_a_stuck_exporter_only_the_stop_deadline_it_is_passed(loo
             pass
     assert server.span_export.stats["exporter_alive"] is False
     assert server.span_export._process.returncode == -signal.SIGKILL
+
+
+def test_the_exporter_trims_its_heap_only_between_frames(tmp_path):
+    # A frame whose export takes seconds (a slow collector) is work under way: the stats
+    # thread's tick, once a second, must not trim then, only once the frame is done.
+    import io
+    import threading
+
+    from traceproxy.allocator import IdleHeapTrim
+    from traceproxy.observe.exporter_main import Counters, StatsReporter, pump
+    from traceproxy.observe.export_wire import encode_frame
+
+    release, exporting, trims = threading.Event(), threading.Event(), []
+
+    class SlowSink:
+        def export(self, spans):
+            exporting.set()
+            return release.wait(10)
+
+    read_fd, write_fd = os.pipe()
+    counters = Counters()
+    reporter = StatsReporter(write_fd, counters)
+    reporter._heap_trim = IdleHeapTrim(lambda: trims.append(1), lambda: 64 << 20)
+    stream = io.BytesIO(encode_frame(sample_trace()))
+    pumping = threading.Thread(target=pump, args=(stream, SlowSink(), counters))
+    try:
+        reporter.tick()  # the process starts
+        pumping.start()
+        assert exporting.wait(10)
+        for _ in range(3):  # three quiet seconds of the stats thread, the export still going
+            reporter.tick()
+        assert trims == []
+        release.set()
+        pumping.join(10)
+        reporter.tick()  # the frame was done since the last tick: not quiet yet
+        reporter.tick()
+        assert trims == [1]
+    finally:
+        release.set()
+        pumping.join(10)
+        os.close(read_fd)
+        os.close(write_fd)

@@ -24,8 +24,8 @@ from traceproxy.cli import main
 from traceproxy.repro import ReproResult, TargetUnreachable, TurnRecord, UsageError, run_repro
 from traceproxy.repro.harness import FAILED, HUNG, OK, parse_stream, trace_id_of
 from traceproxy.repro.inflight import IN_FLIGHT, LEFT_PROXY, NOT_REACHED, UNKNOWN, Diagnosis, locate
-from traceproxy.repro.report import (INDENT, NOT_REACHED_TEXT, hung_lines, result_document, summary_lines,
-                                     verdict_key, verdict_text)
+from traceproxy.repro.report import (INDENT, NOT_REACHED_TEXT, failed_lines, hung_lines, result_document,
+                                     summary_lines, verdict_key, verdict_text)
 from traceproxy.sim.launch import free_port
 
 from .support import wait_until
@@ -178,10 +178,13 @@ def test_a_hung_turns_diagnose_hint_names_the_proxys_span_file_and_works_from_an
                       timeout=5)
 
 
-def test_without_a_span_file_the_hint_has_no_spans_option():
-    found = locate([ENTRY], "rid-1", answered=False)
-    assert found.span_file is None
-    hung = TurnRecord("reused", 1, 2, "rid-1", connection=1, connection_use=2, result=HUNG, diagnosis=found)
+def test_a_failed_turns_hint_names_the_span_file_too_and_without_one_has_no_spans_option():
+    failed = TurnRecord("fresh", 1, 1, "rid-f", result=FAILED, status=502, trace_id="ab" * 16,
+                        error="HTTP 502: upstream down", span_file="/var/lib/proxy data/spans.jsonl")
+    assert f"{INDENT}next:  traceproxy diagnose {'ab' * 16} --spans '/var/lib/proxy data/spans.jsonl'" in \
+        failed_lines(failed)
+    hung = TurnRecord("reused", 1, 2, "rid-1", connection=1, connection_use=2, result=HUNG,
+                      diagnosis=locate([ENTRY], "rid-1", answered=False))
     assert f"{INDENT}next:   traceproxy diagnose rid-1" in hung_lines(hung)
 
 

@@ -22,9 +22,9 @@ Fixed thresholds, set once per worker process before it serves:
 The cost: up to ``TRIM_THRESHOLD`` of free space at the heap's top stays resident
 while work goes on, beside the free pages inside the heap that glibc never returns on
 its own. ``IdleHeapTrim`` gives both back (``malloc_trim``) once a process has gone
-quiet after work, a second with nothing in flight and nothing new done. The trim never
-runs while a request is in flight, so it cannot cost one; the next burst pays the page
-faults once. An operator who set glibc's own knobs (``MALLOC_*_`` variables or
+quiet after work, a second with nothing in flight and nothing new done, when at least
+1 MiB of the heap is free. The trim never runs while a request is in flight, so it
+cannot cost one; the next burst pays the page faults once. An operator who set glibc's own knobs (``MALLOC_*_`` variables or
 ``GLIBC_TUNABLES``) keeps them: this module then changes nothing. Other C libraries
 (musl, macOS) are left alone as well.
 """
@@ -74,38 +74,56 @@ def tune_allocator(environ: Mapping[str, str] = os.environ) -> str:
     return f"allocator: heap buffers up to {MMAP_THRESHOLD >> 20} MiB, trim beyond {TRIM_THRESHOLD >> 20} MiB"
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 and later): the allocator's totals, all arenas."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 class IdleHeapTrim:
     """Gives freed heap back to the kernel once a process has gone quiet after work.
 
     ``check`` is called about once a second (by a timer, or a thread's tick) with how
     much work the process has done so far (any count that grows with it) and whether
-    any is under way now. The heap is trimmed once per quiet spell, on the first check
-    that finds nothing under way and the count unchanged since the check before: a
-    second of quiet, never while work goes on (a trim walks the heap and holds the
-    allocator's lock for milliseconds). ``trimmed`` counts the trims."""
+    any is under way now. A quiet spell is a check that finds nothing under way and the
+    count unchanged since the check before: a second of quiet. On the first check of a
+    quiet spell after new work, the heap is trimmed if at least ``WORTH_TRIMMING`` of
+    it is free (``free_bytes``); never while work goes on (a trim walks the heap and
+    holds the allocator's lock, milliseconds for tens of MiB), never before any work,
+    and not after every request of light traffic, whose few freed KiB are not worth the
+    trim and the page faults that follow it. ``trimmed`` counts the trims."""
 
-    def __init__(self, trim: Callable[[], object]) -> None:
-        self._trim = trim
+    WORTH_TRIMMING = 1 << 20
+
+    def __init__(self, trim: Callable[[], object], free_bytes: Callable[[], int]) -> None:
+        self._trim, self._free_bytes = trim, free_bytes
         self._seen: int | None = None  # the work count at the last check
-        self._trimmed_at: int | None = None  # the work count at the last trim
+        self._judged_at: int | None = None  # the work count when a quiet spell was last judged
         self.trimmed = 0
 
     @classmethod
     def for_this_process(cls, environ: Mapping[str, str] = os.environ) -> "IdleHeapTrim | None":
-        """One that calls glibc's ``malloc_trim``; None on another C library or when the
-        operator set glibc's knobs (the trim is theirs to decide then)."""
+        """One that calls glibc's ``malloc_trim`` (2.33 and later, for ``mallinfo2``); None on
+        another C library or when the operator set glibc's knobs (the trim is theirs then)."""
         libc, _ = _glibc(environ)
-        if libc is None or not hasattr(libc, "malloc_trim"):
+        if libc is None or not hasattr(libc, "malloc_trim") or not hasattr(libc, "mallinfo2"):
             return None
-        return cls(lambda: libc.malloc_trim(0))
+        libc.mallinfo2.restype = _MallInfo2
+        return cls(lambda: libc.malloc_trim(0), lambda: libc.mallinfo2().fordblks)
 
     def check(self, work_done: int, busy: bool) -> bool:
         """True when this check trimmed."""
+        first = self._seen is None
         quiet = not busy and work_done == self._seen
         self._seen = work_done
-        if not quiet or work_done == self._trimmed_at:
+        if first:
+            self._judged_at = work_done  # what was done before the first check is not this spell's
+        if not quiet or work_done == self._judged_at:
             return False
-        self._trimmed_at = work_done
+        self._judged_at = work_done
+        if self._free_bytes() < self.WORTH_TRIMMING:
+            return False
         self._trim()
         self.trimmed += 1
         return True

@@ -291,8 +291,10 @@ class ProxyServer:
         requests, in_flight = self.metrics.requests, self.ctx.in_flight
 
         def tick() -> None:
-            self.heap_trim.check(sum(requests.values()), bool(in_flight))
-            self._idle_trim_timer = loop.call_later(IDLE_TRIM_CHECK_S, tick)
+            try:
+                self.heap_trim.check(sum(requests.values()), bool(in_flight))
+            finally:  # a check that raised must not end the checks
+                self._idle_trim_timer = loop.call_later(IDLE_TRIM_CHECK_S, tick)
 
         self._idle_trim_timer = loop.call_later(IDLE_TRIM_CHECK_S, tick)
 
@@ -440,7 +442,7 @@ def _run_workers(settings: Settings) -> int:
     # service's admin side: it serves the admin listener, asking every worker over
     # its link (workers.py), and scrapes the engines once for the service.
     # What every worker would refuse, the parent refuses first: one message, not N.
-    tracing_export_config(settings)
+    spans = spans_destination(tracing_export_config(settings), os.environ)  # as the workers resolve it
     check_request_id_headers(settings)
     check_receiver_exposure(settings)
     _check_port_bindable(settings)
@@ -464,11 +466,12 @@ def _run_workers(settings: Settings) -> int:
         peers.append(WorkerPeer(pid, parent_end))
     for _, worker_end in pairs:
         worker_end.close()
-    return asyncio.run(_supervise(settings, peers, started_ns))
+    return asyncio.run(_supervise(settings, peers, started_ns, spans))
 
 
-async def _supervise(settings: Settings, peers, started_ns: int) -> int:
+async def _supervise(settings: Settings, peers, started_ns: int, spans: str) -> int:
     """The parent's life once the workers are forked; the service's exit status.
+    ``spans``: where the workers' spans go, for the admin listener to say.
 
     Workers are not restarted: one that ends before the service was asked to stop
     stops the others, and the whole service exits with its status (0 when that worker
@@ -518,7 +521,7 @@ async def _supervise(settings: Settings, peers, started_ns: int) -> int:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, relay, sig)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    service = await _start_service_admin(settings, peers, started_ns, lambda: state["asked_to_stop"])
+    service = await _start_service_admin(settings, peers, started_ns, lambda: state["asked_to_stop"], spans)
     if service is None:  # said why; the workers stop
         state["status"] = 1
         relay(signal.SIGTERM)
@@ -543,7 +546,8 @@ class _ServiceAdminSide:
         self.links.close()
 
 
-async def _start_service_admin(settings: Settings, peers, started_ns: int, stopping) -> _ServiceAdminSide | None:
+async def _start_service_admin(settings: Settings, peers, started_ns: int, stopping,
+                               spans: str) -> _ServiceAdminSide | None:
     from .engine_wiring import start_service
     from .workers import WorkerLinks
 
@@ -563,8 +567,7 @@ async def _start_service_admin(settings: Settings, peers, started_ns: int, stopp
     if settings.admin is not None:
         from .admin import ServiceAdmin
 
-        admin = ServiceAdmin(links, settings, started_ns, scraper, stopping,
-                             spans=spans_destination(tracing_export_config(settings), os.environ))
+        admin = ServiceAdmin(links, settings, started_ns, scraper, stopping, spans=spans)
         try:
             admin_listener, port = await start_admin_listener(admin, settings.admin)
         except OSError as exc:

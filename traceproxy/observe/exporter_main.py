@@ -57,7 +57,8 @@ class Counters:
         self.exported = 0
         self.failed = 0
         self.access_log_lost = 0
-        self.frames = 0  # how much work was done, for the idle heap trim
+        self.frames = 0  # frames read and
+        self.frames_done = 0  # frames exported: how much work was done, and whether any goes on
 
     def snapshot(self) -> tuple[int, int, int]:
         return self.exported, self.failed, self.access_log_lost
@@ -65,9 +66,9 @@ class Counters:
 
 class StatsReporter:
     """Sends the counts once a second when they changed; on the same tick, gives freed heap
-    back to the kernel once the process went quiet after frames (``IdleHeapTrim``, which
-    takes glibc's allocator lock: safe from this thread; a frame that comes during the trim
-    waits for it, milliseconds)."""
+    back to the kernel once the process went quiet after frames, none read and not yet
+    exported (``IdleHeapTrim``, which takes glibc's allocator lock: safe from this thread;
+    a frame that comes during the trim waits for it, milliseconds)."""
 
     def __init__(self, fd: int, counters: Counters) -> None:
         self._fd, self._counters = fd, counters
@@ -94,35 +95,48 @@ class StatsReporter:
 
     def _report_periodically(self) -> None:
         while not self._stopping.wait(STATS_INTERVAL):
-            if self._counters.snapshot() != self._last_sent:
-                self.send()
-            if self._heap_trim is not None:
-                self._heap_trim.check(self._counters.frames, busy=False)
+            self.tick()
+
+    def tick(self) -> None:
+        if self._counters.snapshot() != self._last_sent:
+            self.send()
+        if self._heap_trim is not None:
+            counters = self._counters
+            done = counters.frames_done
+            self._heap_trim.check(done, busy=counters.frames != done)
 
 
 def pump(stream, sink, counters: Counters, access_log=None) -> None:
     while (payload := read_frame(stream)) is not None:
         counters.frames += 1
         try:
-            items = decode_frame(payload)
-        except Exception:  # the frame boundary is known, so the next frame is still good
-            log.exception("skipping a span frame that does not decode")
-            continue
-        if access_log is not None:
-            for lines in (item for item in items if type(item) is AccessLines):
-                access_log.write_lines(lines.data, lines.count)
-            counters.access_log_lost = access_log.lines_lost
-        if sink is None:
-            continue
-        for raw in (item for item in items if isinstance(item, RawSpans)):
-            relay_raw(sink, raw, counters)
-        batch = spans_of(items, counters)
-        if not batch:
-            continue
-        if export_batch(sink, batch):
-            counters.exported += len(batch)
-        else:
-            counters.failed += len(batch)
+            _export_frame(payload, sink, counters, access_log)
+        finally:
+            counters.frames_done += 1
+
+
+def _export_frame(payload: bytes, sink, counters: Counters, access_log) -> None:
+    """One frame's lines written and spans exported (an export may take its whole timeout)."""
+    try:
+        items = decode_frame(payload)
+    except Exception:  # the frame boundary is known, so the next frame is still good
+        log.exception("skipping a span frame that does not decode")
+        return
+    if access_log is not None:
+        for lines in (item for item in items if type(item) is AccessLines):
+            access_log.write_lines(lines.data, lines.count)
+        counters.access_log_lost = access_log.lines_lost
+    if sink is None:
+        return
+    for raw in (item for item in items if isinstance(item, RawSpans)):
+        relay_raw(sink, raw, counters)
+    batch = spans_of(items, counters)
+    if not batch:
+        return
+    if export_batch(sink, batch):
+        counters.exported += len(batch)
+    else:
+        counters.failed += len(batch)
 
 
 def spans_of(items: list, counters: Counters) -> list[SpanData]:

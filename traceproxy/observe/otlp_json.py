@@ -183,7 +183,9 @@ class RepeatedAttributes:
         """The document, kept written when its key has room for another value; else as it is."""
         kept = self._kept_per_key.get(key, 0)
         if kept >= self.DISTINCT:
-            self._varied.add(key)
+            self._varied.add(key)  # and its values kept so far are read no more
+            for stale in [identity for identity in self._written if identity[0] == key]:
+                del self._written[stale]
             return document
         self._kept_per_key[key] = kept + 1
         fragment = self._written[identity] = orjson.Fragment(orjson.dumps(document))

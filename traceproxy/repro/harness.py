@@ -38,7 +38,8 @@ from urllib.parse import urlsplit
 import h11
 
 from .client import COMPLETE, TIMEOUT, ClientConnection, Exchange, connect
-from .inflight import ADMIN_TIMEOUT_S, AdminError, Diagnosis, ask_proxy, fetch_inflight, parse_admin
+from .inflight import (ADMIN_TIMEOUT_S, AdminError, Diagnosis, ask_proxy, fetch_inflight_document, parse_admin,
+                       span_file_of)
 
 REUSED, FRESH, BOTH = "reused", "fresh", "both"
 MODES = (REUSED, FRESH, BOTH)
@@ -86,6 +87,7 @@ class TurnRecord:
     last_byte_s: float | None = None
     elapsed_s: float = 0.0
     diagnosis: Diagnosis | None = None
+    span_file: str | None = None  # the proxy's span file, when its admin listener said: for the diagnose hint
 
 
 @dataclass
@@ -134,6 +136,7 @@ class Plan:
     numbering: "Numbering"
     on_turn: Callable[[TurnRecord], None] | None
     stop: threading.Event  # set on Ctrl-C: no new turns start
+    span_file: str | None = None  # the proxy's span file, when its admin listener said
 
 
 class Numbering:
@@ -185,16 +188,18 @@ def _check_counts(conversations: int, turns: int, turn_timeout: float, think: fl
         raise UsageError(f"think time must be 0..600 s, got {think}")
 
 
-def _check_reachable(host: str, port: int, admin: tuple[str, int] | None) -> None:
+def _check_reachable(host: str, port: int, admin: tuple[str, int] | None) -> str | None:
+    """Raises TargetUnreachable; returns the span file the admin listener names, if any."""
     try:
         connect(host, port, 0, CONNECT_TIMEOUT_S).close()
     except OSError as exc:
         raise TargetUnreachable(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
-    if admin is not None:
-        try:
-            fetch_inflight(admin)
-        except AdminError as exc:
-            raise TargetUnreachable(str(exc)) from None
+    if admin is None:
+        return None
+    try:
+        return span_file_of(fetch_inflight_document(admin))
+    except AdminError as exc:
+        raise TargetUnreachable(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------------
@@ -266,7 +271,8 @@ class Conversation:
 
     def turn(self, turn: int) -> TurnRecord:
         self.messages.append({"role": "user", "content": f"turn {turn}. {TOOL_OUTPUT}"})
-        record = TurnRecord(self.mode, self.index, turn, self._request_id(turn), context_messages=len(self.messages))
+        record = TurnRecord(self.mode, self.index, turn, self._request_id(turn), context_messages=len(self.messages),
+                            span_file=self.plan.span_file)
         if not self._ensure_connection(record):
             return record
         record.connection, record.connection_use = self.conn.number, self.conn.uses + 1
@@ -380,9 +386,9 @@ def run_repro(url: str, admin: str | None = None, conversations: int = 2, turns:
             admin_address = parse_admin(admin)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    _check_reachable(host, port, admin_address)
+    span_file = _check_reachable(host, port, admin_address)
     plan = Plan(host, port, path, admin_address, turns, turn_timeout, model, max_tokens, think, headers,
-                secrets.token_hex(3), Numbering(), on_turn, threading.Event())
+                secrets.token_hex(3), Numbering(), on_turn, threading.Event(), span_file)
     result = ReproResult(url, admin, modes, conversations, turns, turn_timeout)
     started = time.monotonic()
     result.records = _run_conversations(plan, modes, conversations)

@@ -48,7 +48,6 @@ class Diagnosis:
     upstream_reused: bool | None = None
     attempts: int | None = None
     trace_id: str | None = None
-    span_file: str | None = None  # the proxy's span file, when it writes one: for the diagnose hint
 
 
 class AdminError(Exception):
@@ -133,9 +132,6 @@ def ask_proxy(admin: tuple[str, int] | None, request_id: str, answered: bool) ->
     if admin is None:
         return Diagnosis(UNKNOWN, "no --admin given, so the proxy was not asked")
     try:
-        document = fetch_inflight_document(admin)
+        return locate(fetch_inflight(admin), request_id, answered)
     except AdminError as exc:
         return Diagnosis(UNKNOWN, str(exc))
-    diagnosis = locate(requests_of(document), request_id, answered)
-    diagnosis.span_file = span_file_of(document)
-    return diagnosis

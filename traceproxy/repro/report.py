@@ -116,7 +116,7 @@ def hung_lines(record: TurnRecord) -> list[str]:
     lines.append(f"{INDENT}proxy:  {verdict_text(record.diagnosis)}")
     if record.diagnosis is not None and record.diagnosis.kind == IN_FLIGHT:
         lines.append(f"{INDENT}        {ledger_text(record.diagnosis)}")
-        lines.append(f"{INDENT}next:   {diagnose_command(record.request_id, _span_file(record))}")
+        lines.append(f"{INDENT}next:   {diagnose_command(record.request_id, record.span_file)}")
     return lines
 
 
@@ -127,17 +127,13 @@ def diagnose_command(request_id: str, span_file: str | None) -> str:
     return f"traceproxy diagnose {request_id}{spans}"
 
 
-def _span_file(record: TurnRecord) -> str | None:
-    """Where the proxy said it writes its spans, when it was asked about this turn."""
-    return record.diagnosis.span_file if record.diagnosis is not None else None
-
 
 def failed_lines(record: TurnRecord) -> list[str]:
     lines = [f"FAIL  {turn_title(record)}", f"{INDENT}{ids_text(record)}", f"{INDENT}error: {record.error}"]
     if record.note:
         lines.append(f"{INDENT}{record.note}")
     if record.status is not None:
-        lines.append(f"{INDENT}next:  {diagnose_command(record.trace_id or record.request_id, _span_file(record))}")
+        lines.append(f"{INDENT}next:  {diagnose_command(record.trace_id or record.request_id, record.span_file)}")
     return lines
 
 
