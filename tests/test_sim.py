@@ -361,6 +361,15 @@ def test_a_deployment_behind_a_router_puts_its_workers_in_pd_mode_and_one_withou
     assert not SimDeployment(router=False).decode.pd
 
 
+def test_a_deployment_without_a_router_arms_the_prefill_faults_on_the_decode_worker_that_serves_alone():
+    # `sim --no-router --fault prefill_stall`: every request reaches the decode worker only,
+    # which does its own prefill; a fault left on the idle prefill worker would do nothing.
+    alone = SimDeployment(router=False, faults=["prefill_stall", "decode_stall:3", "idle_close:5"])
+    assert sorted(alone.decode.faults) == ["decode_stall", "idle_close", "prefill_stall"]
+    behind = SimDeployment(router=True, faults=["prefill_stall", "decode_stall:3"])
+    assert sorted(behind.decode.faults) == ["decode_stall"] and sorted(behind.prefill.faults) == ["prefill_stall"]
+
+
 @pytest.mark.parametrize("fault, home", [("bootstrap_stall", "prefill"), ("prefill_stall", "prefill"),
                                          ("pinned_request", "prefill")])
 def test_sim_worker_refuses_a_fault_its_role_never_acts_on(capsys, fault, home):
