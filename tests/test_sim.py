@@ -678,6 +678,17 @@ def test_a_router_that_cannot_run_is_a_one_line_error_before_anything_starts(cap
     assert capsys.readouterr().err == message
 
 
+@pytest.mark.parametrize("argv, installed", [(["--no-router"], True), ([], False)])
+def test_without_a_router_the_faults_of_the_pd_handshake_are_refused(capsys, monkeypatch, argv, installed):
+    # The decode worker serves alone: it never waits on a handshake or a KV transfer.
+    monkeypatch.setattr(RouterKind, "installed", property(lambda kind: installed))
+    assert _exit_status(["sim", *argv, "--fault", "decode_stall:2,kv_transfer_stall"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("traceproxy sim: fault kv_transfer_stall acts on the PD handshake or KV transfer between "
+                        "prefill and decode, which only a router pairs; without one the decode worker serves alone "
+                        "and would never act on it\n"), err
+
+
 @pytest.mark.parametrize("argv, router, level", [
     ([], True, "warning"),  # SimDeployment takes True for the first router installed
     (["--router", "smg", "--router-log-level", "info"], "smg", "info"),

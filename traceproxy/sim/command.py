@@ -16,7 +16,7 @@ import sys
 from urllib.parse import urlsplit
 
 from ..hostnames import is_hostname
-from .faults import FaultError, check_role, fault_table, parse_faults
+from .faults import FaultError, check_role, check_served_alone, fault_table, parse_faults
 from .routers import LOG_LEVELS, ROUTER_NAMES
 
 DESCRIPTION = """\
@@ -48,7 +48,9 @@ faults: --fault NAME[:ARG], repeatable or comma-separated; (role) is the worker 
 A worker refuses a fault it never acts on. A decode worker behind the router (and every
 "sim worker", which is made for one) gets every request paired with its prefill, so it
 refuses the (prefill) faults too; only with --no-router, a decode worker serving requests
-on its own, does its own prefill and acts on them (per request, or POST /admin/faults).
+on its own, does its own prefill and acts on them (per request, or POST /admin/faults), and
+--fault arms them there; the handshake and KV-transfer faults need a router and are refused
+without one.
 Per worker at runtime: POST /admin/faults {"faults": [...]} (POST /admin/release drops held
 requests). Per request: header x-sim-fault (every router drops it), or the body field sim_fault
 on /v1/completions, or metadata.sim_fault on /v1/chat/completions (both survive the routers).
@@ -219,6 +221,12 @@ def run(args: argparse.Namespace) -> int:
     router = _chosen_router(args, router_importable)
     if router is None:
         return 2
+    if router is False:
+        try:
+            check_served_alone(faults)
+        except FaultError as exc:
+            print(f"traceproxy sim: {exc}", file=sys.stderr)
+            return 2
     deployment = SimDeployment(
         router=router, faults=args.fault, faulty_proxy=args.faulty_proxy, host=args.host,
         prefill_port=args.prefill_port, decode_port=args.decode_port, router_port=args.router_port,

@@ -189,6 +189,16 @@ def check_role(faults: Mapping[str, Fault], role: str, pd: bool = False) -> None
                                    f"worker: set it on the {fault.home} worker" for fault in wrong))
 
 
+def check_served_alone(faults: Mapping[str, Fault]) -> None:
+    """A FaultError for the faults a deployment without a router would never act on: its
+    decode worker serves every request alone, so no PD handshake or KV transfer happens."""
+    pd_only = [fault.name for fault in faults.values() if fault.name in NEEDS_PD_PEER]
+    if pd_only:
+        raise FaultError(f"fault {', '.join(pd_only)} acts on the PD handshake or KV transfer between prefill and "
+                         "decode, which only a router pairs; without one the decode worker serves alone and would "
+                         "never act on it")
+
+
 def split_by_home(specs: str | Iterable[str] | None) -> dict[str, list[str]]:
     """Deployment-wide specs -> {"prefill": [...], "decode": [...]}, by each fault's home."""
     out: dict[str, list[str]] = {role: [] for role in ROLES}
