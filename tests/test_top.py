@@ -229,11 +229,19 @@ def test_once_with_the_admin_unreachable_exits_2_naming_the_url():
     assert f"http://127.0.0.1:{port}/debug/inflight" in result.stderr
 
 
-def _read_until(proc: subprocess.Popen, needle: bytes, timeout: float) -> bytes:
+def _read_until(proc: subprocess.Popen, needle: bytes, timeout: float, fd: int | None = None) -> bytes:
+    """What the process wrote (to its stdout pipe, or to the terminal ``fd``) until ``needle``."""
+    fd = proc.stdout.fileno() if fd is None else fd
     seen, deadline = b"", time.monotonic() + timeout
     while needle not in seen and time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.1)[0]:
-            seen += os.read(proc.stdout.fileno(), 65536)
+        if select.select([fd], [], [], 0.1)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # a terminal whose process ended and closed it
+                break
+            if not chunk:
+                break
+            seen += chunk
     return seen
 
 
@@ -255,18 +263,43 @@ def test_live_view_keeps_retrying_an_unreachable_admin_and_ctrl_c_exits_0(on_ent
         port = sock.getsockname()[1]
         command = _started_with_sigint(on_entry, "-m", "traceproxy", "top", "--admin", f"127.0.0.1:{port}",
                                        "--interval", "0.1")
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        screen, terminal = os.openpty()  # a terminal: the view draws on the alternate screen
+        proc = subprocess.Popen(command, stdout=terminal, stderr=subprocess.PIPE)
+        os.close(terminal)
         try:
             # A frame on screen is the readiness signal: Ctrl-C is taken before the first one.
-            first = _read_until(proc, b"retrying", timeout=30)
-            again = _read_until(proc, b"retrying", timeout=30)  # a second frame: it kept trying
+            first = _read_until(proc, b"retrying", timeout=30, fd=screen)
+            again = _read_until(proc, b"retrying", timeout=30, fd=screen)  # a second frame: it kept trying
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=10)
+            rest = _read_until(proc, top.LEAVE_ALT_SCREEN.encode(), timeout=5, fd=screen)
+            err = proc.stderr.read()
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+            os.close(screen)
+    assert f"http://127.0.0.1:{port}/debug/inflight".encode() in first and b"retrying" in again
+    assert first.startswith(top.ENTER_ALT_SCREEN.encode()) and rest.endswith(top.LEAVE_ALT_SCREEN.encode())
+    assert proc.returncode == 0 and b"Traceback" not in err
+
+
+def test_live_view_into_a_pipe_prints_frame_after_frame_without_escape_codes():
+    with _refused_port() as sock:
+        port = sock.getsockname()[1]
+        command = _started_with_sigint(signal.SIG_DFL, "-m", "traceproxy", "top", "--admin", f"127.0.0.1:{port}",
+                                       "--interval", "0.1")
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            seen = _read_until(proc, b"retrying", timeout=30)
+            seen += _read_until(proc, b"retrying", timeout=30)
             proc.send_signal(signal.SIGINT)
             rest, err = proc.communicate(timeout=10)
         finally:
             proc.kill()
             proc.wait(timeout=10)
-    assert f"http://127.0.0.1:{port}/debug/inflight".encode() in first and b"retrying" in again
-    assert first.startswith(top.ENTER_ALT_SCREEN.encode()) and rest.endswith(top.LEAVE_ALT_SCREEN.encode())
+    frames = (seen + rest).decode().split("\n\n")
+    assert b"\x1b" not in seen + rest
+    assert len([frame for frame in frames if "retrying every 0.1s" in frame]) >= 2
     assert proc.returncode == 0 and b"Traceback" not in err
 
 

@@ -21,7 +21,9 @@ says so, and how wide a terminal shows it.
 Rendering is a set of pure functions (JSON in, lines of text out) and the screen
 is a plain ANSI redraw: home the cursor, write the frame, clear what is left.
 That keeps every frame testable as strings without a terminal, and ``--once``
-is the same frame printed once with no cursor control. curses would add a
+is the same frame printed once with no cursor control. Piped or redirected (stdout
+not a terminal), the live view prints each frame after the one before, a blank line
+between them and no escape codes at all, as ``top -b`` does. curses would add a
 terminal dependency to the tests and buy nothing here, since the view takes no
 keyboard input except Ctrl-C.
 """
@@ -669,17 +671,24 @@ def _take_ctrl_c() -> object:
 
 
 def run_live(base_url: str, interval: float, use_color: bool) -> int:
+    on_screen = sys.stdout.isatty()  # else one frame after another, for a file or a pager
     previous = _take_ctrl_c()  # before the first frame: once a frame is shown, Ctrl-C works
-    sys.stdout.write(ENTER_ALT_SCREEN)
+    if on_screen:
+        sys.stdout.write(ENTER_ALT_SCREEN)
     try:
         while True:
-            _draw(_next_frame(base_url, interval, use_color))
+            lines = _next_frame(base_url, interval, use_color)
+            if on_screen:
+                _draw(lines)
+            else:
+                print("\n".join(lines) + "\n", flush=True)
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0
     finally:
-        sys.stdout.write(LEAVE_ALT_SCREEN)
-        sys.stdout.flush()
+        if on_screen:
+            sys.stdout.write(LEAVE_ALT_SCREEN)
+            sys.stdout.flush()
         if previous is not None:  # None: set outside Python, and cannot be put back from here
             signal.signal(signal.SIGINT, previous)
 
