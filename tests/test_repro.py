@@ -178,6 +178,19 @@ def test_a_hung_turns_diagnose_hint_names_the_proxys_span_file_and_works_from_an
                       timeout=5)
 
 
+def test_a_hung_turn_says_where_the_engines_have_it_when_the_proxy_knows():
+    stage = {"component": "decode", "role": "decode", "stage": "decode_forward", "state": "open",
+             "worker": {"service": "sglang", "host": "1a2b3c4d", "pid": 4242}, "since_s": 2.1, "source": "spans"}
+    hung = TurnRecord("reused", 1, 2, "rid-1", connection=1, connection_use=2, result=HUNG,
+                      diagnosis=locate([{**ENTRY, "engine_stage": stage}], "rid-1", answered=False))
+    assert f"{INDENT}engine: decode decode_forward on sglang pid 4242 for 2.1 s (from spans)" in hung_lines(hung)
+    by_gauges = {"component": "kv_transfer", "stage": "", "worker": None, "since_s": None, "source": "gauges"}
+    hung.diagnosis = locate([{**ENTRY, "engine_stage": by_gauges}], "rid-1", answered=False)
+    assert f"{INDENT}engine: kv_transfer (from gauges)" in hung_lines(hung)
+    hung.diagnosis = locate([ENTRY], "rid-1", answered=False)  # no engine spans or gauges: no line
+    assert not any("engine:" in line for line in hung_lines(hung))
+
+
 def test_a_failed_turns_hint_names_the_span_file_too_and_without_one_has_no_spans_option():
     failed = TurnRecord("fresh", 1, 1, "rid-f", result=FAILED, status=502, trace_id="ab" * 16,
                         error="HTTP 502: upstream down", span_file="/var/lib/proxy data/spans.jsonl")

@@ -358,8 +358,8 @@ def running_lines(rows: list[Row], where: Where) -> list[str]:
     if trace_id is not None:
         lines.append(f"  {diagnose_command(trace_id, str(where.spans))}")
     lines += ["make decode stall after 3 tokens; repro then says where each turn is stuck (its phase, "
-              "blame and outcome, and the diagnose command for it), and top shows the stalls live while "
-              "repro waits, its ENGINE column naming the PD component and SGLang stage; then clear the fault:",
+              "blame and outcome, the PD component, SGLang stage and worker that hold it, and the diagnose "
+              "command for it), and top shows the stalls live while repro waits; then clear the fault:",
               f"  {fault_command(where, ['decode_stall:3'])}",
               f"  {repro_command(where)} --turn-timeout 5",
               f"  {fault_command(where, [])}"]

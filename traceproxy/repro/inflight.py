@@ -48,6 +48,7 @@ class Diagnosis:
     upstream_reused: bool | None = None
     attempts: int | None = None
     trace_id: str | None = None
+    engine_stage: dict | None = None  # where the engines have it (PD component, stage, worker), when known
 
 
 class AdminError(Exception):
@@ -124,6 +125,7 @@ def from_entry(entry: dict) -> Diagnosis:
         upstream_reused=entry.get("upstream_reused"),
         attempts=entry.get("attempts"),
         trace_id=entry.get("trace_id"),
+        engine_stage=entry.get("engine_stage") if isinstance(entry.get("engine_stage"), dict) else None,
     )
 
 

@@ -63,6 +63,23 @@ def ledger_text(diagnosis: Diagnosis) -> str:
     return "; ".join(parts)
 
 
+def engine_text(stage: dict) -> str:
+    """Where the engines have the request, from the proxy's ``engine_stage``:
+    ``decode decode_forward on sglang pid 4242 for 2.1 s (from spans)``."""
+    words = " ".join(str(stage[key]) for key in ("component", "stage") if stage.get(key)) or "somewhere"
+    worker = stage.get("worker") or {}
+    if isinstance(worker, dict) and (worker.get("service") or worker.get("pid") is not None):
+        pid = worker.get("pid")
+        words += f" on {worker.get('service') or '?'}" + (f" pid {pid}" if pid is not None else "")
+    if stage.get("state") == "ended":
+        words += ", ended"
+    if stage.get("since_s") is not None:
+        words += f" for {seconds(stage['since_s'])}"
+    if stage.get("source"):
+        words += f" (from {stage['source']})"
+    return words
+
+
 # ----------------------------------------------------------------------------------
 # One turn
 # ----------------------------------------------------------------------------------
@@ -116,6 +133,8 @@ def hung_lines(record: TurnRecord) -> list[str]:
     lines.append(f"{INDENT}proxy:  {verdict_text(record.diagnosis)}")
     if record.diagnosis is not None and record.diagnosis.kind == IN_FLIGHT:
         lines.append(f"{INDENT}        {ledger_text(record.diagnosis)}")
+        if record.diagnosis.engine_stage:
+            lines.append(f"{INDENT}engine: {engine_text(record.diagnosis.engine_stage)}")
         lines.append(f"{INDENT}next:   {diagnose_command(record.request_id, record.span_file)}")
     return lines
 
