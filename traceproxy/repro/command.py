@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=MODES, default=BOTH,
                         help="reused: one keep-alive connection per conversation; fresh: one per turn; "
                         "both (default): the two side by side")
-    parser.add_argument("--model", default="traceproxy-repro", help="the model field of the requests")
+    parser.add_argument("--model", default="traceproxy-repro",
+                        help="the model field of the requests (default: traceproxy-repro)")
     parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens per turn (default: 16)")
     parser.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
                         help="idle time between turns, as an agent running tools (default: 0)")
