@@ -56,6 +56,29 @@ UPSTREAM_URL = "http://engine.test:9"  # never connected to: the loop fakes ever
 SETTLE_PASSES = 20
 
 
+class RecordingTransport:
+    """The least a protocol outside the proxy writes to (the bench's client and sinks): what
+    was written, and whether it was closed or aborted. Not a loop's, and no peer."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
 class FakeTransport(asyncio.Transport):
     """One connection as the proxy sees it; records everything the proxy does to it."""
 

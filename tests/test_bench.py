@@ -33,6 +33,8 @@ from traceproxy.bench.scenarios import BY_NAME, RequestSpec, scaled, select
 from traceproxy.bench.session import split
 from traceproxy.bench.stats import Samples, percentile
 
+from .fake_transport import RecordingTransport
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 90
 
@@ -291,26 +293,6 @@ def test_sink_counts_requests_bytes_and_spans_and_reports_them_on_stop(tmp_path)
 # --- the measuring parts -------------------------------------------------------------------
 
 
-class _FakeTransport:
-    def __init__(self) -> None:
-        self.written = b""
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def get_extra_info(self, name, default=None):
-        return default
-
-    def close(self) -> None:
-        self.closed = True
-
-    abort = close
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-
 def _sse_response(tokens: int) -> bytes:
     events = [b'data: {"choices": [], "ts": %d}\n\n' % (1_000_000 + i) for i in range(tokens)]
     events += [b'data: {"usage": {}}\n\n', b"data: [DONE]\n\n"]
@@ -324,7 +306,7 @@ def test_sse_events_are_counted_across_any_read_boundaries(detail, piece):
     async def scenario():
         rec = Recorder()
         conn = Conn(rec, detail)
-        conn.connection_made(_FakeTransport())
+        conn.connection_made(RecordingTransport())
         waiter = conn.request(b"GET / HTTP/1.1\r\n\r\n", True, 5 + 2, timeout=5)
         wire = _sse_response(5)
         for i in range(0, len(wire), piece):
@@ -342,7 +324,7 @@ def test_a_stream_cut_before_done_is_an_error():
     async def scenario():
         rec = Recorder()
         conn = Conn(rec, True)
-        conn.connection_made(_FakeTransport())
+        conn.connection_made(RecordingTransport())
         waiter = conn.request(b"GET / HTTP/1.1\r\n\r\n", True, 4, timeout=5)
         wire = _sse_response(2)
         conn.data_received(wire[: wire.index(b"data: [DONE]")])

@@ -18,6 +18,7 @@ from traceproxy.bench.discard_proc import BAD, OK, Counts, Discard
 from traceproxy.bench.proxy_proc import build_settings, minimal_overrides, receiver_overrides
 from traceproxy.bench.span_load import BATCH, Load, template
 
+from .fake_transport import RecordingTransport
 from .support import checkout_environment, run_bench
 
 
@@ -104,20 +105,8 @@ def test_the_loads_export_sglangs_spans_in_batches_of_64():
     assert load.counts["spans_sent"] == BATCH and len(load.queue) == 3 * 25 - BATCH
 
 
-class _Transport:
-    def __init__(self) -> None:
-        self.written = b""
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _discard(*chunks: bytes) -> tuple[Counts, _Transport]:
-    counts, transport = Counts(), _Transport()
+def _discard(*chunks: bytes) -> tuple[Counts, RecordingTransport]:
+    counts, transport = Counts(), RecordingTransport()
     protocol = Discard(counts)
     protocol.connection_made(transport)
     for chunk in chunks:
