@@ -344,6 +344,13 @@ def test_a_decode_worker_without_a_router_takes_the_prefill_faults_it_acts_on_wh
         200, {"faults": ["prefill_stall"]})
 
 
+def test_a_decode_worker_serving_alone_refuses_its_own_fault_of_the_pd_pair(start_worker):
+    # decode_waiting_stall is decode's, but waits on a KV transfer that a lone decode never has.
+    decode = start_worker("decode")
+    status, body = http_post_json(decode.url + "/admin/faults", {"faults": ["decode_waiting_stall"]})
+    assert status == 400 and "decode worker serves alone and would never act on it" in body["error"], body
+
+
 @pytest.mark.parametrize("fault", ["prefill_stall", "pinned_request"])
 def test_a_decode_worker_behind_a_pd_router_refuses_the_prefill_faults_it_never_acts_on(start_worker, fault):
     # Behind the router every request decode gets names its prefill: it never serves alone,

@@ -16,7 +16,7 @@ import sys
 from urllib.parse import urlsplit
 
 from ..hostnames import is_hostname
-from .faults import FaultError, check_role, check_served_alone, fault_table, parse_faults
+from .faults import FaultError, check_role, fault_table, parse_faults
 from .routers import LOG_LEVELS, ROUTER_NAMES
 
 DESCRIPTION = """\
@@ -221,19 +221,18 @@ def run(args: argparse.Namespace) -> int:
     router = _chosen_router(args, router_importable)
     if router is None:
         return 2
-    if router is False:
-        try:
-            check_served_alone(faults)
-        except FaultError as exc:
-            print(f"traceproxy sim: {exc}", file=sys.stderr)
-            return 2
-    deployment = SimDeployment(
-        router=router, faults=args.fault, faulty_proxy=args.faulty_proxy, host=args.host,
-        prefill_port=args.prefill_port, decode_port=args.decode_port, router_port=args.router_port,
-        bootstrap_port=args.bootstrap_port, hang_after=hang_after, seed=args.seed, model=args.model,
-        prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
-        otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg), router_log_level=args.router_log_level,
-        startup_timeout=args.startup_timeout, faulty_proxy_upstream=args.faulty_proxy_upstream)
+    try:
+        deployment = SimDeployment(
+            router=router, faults=args.fault, faulty_proxy=args.faulty_proxy, host=args.host,
+            prefill_port=args.prefill_port, decode_port=args.decode_port, router_port=args.router_port,
+            bootstrap_port=args.bootstrap_port, hang_after=hang_after, seed=args.seed, model=args.model,
+            prefill_tokens_per_s=args.prefill_tps, decode_tokens_per_s=args.decode_tps,
+            otlp_endpoint=args.otlp_endpoint, router_args=tuple(args.router_arg),
+            router_log_level=args.router_log_level, startup_timeout=args.startup_timeout,
+            faulty_proxy_upstream=args.faulty_proxy_upstream)
+    except FaultError as exc:  # a fault none of its workers would act on (the PD handshake's, without a router)
+        print(f"traceproxy sim: {exc}", file=sys.stderr)
+        return 2
     given = {"prefill": ("--prefill-port", args.prefill_port), "decode": ("--decode-port", args.decode_port),
              "bootstrap": ("--bootstrap-port", args.bootstrap_port), "router": ("--router-port", args.router_port)}
     return _run_until_stopped(run_deployment(deployment), {name: flag for name, (flag, port) in given.items() if port})

@@ -175,9 +175,9 @@ def can_apply(fault: Fault, role: str, pd: bool = False) -> bool:
     """Whether a worker in ``role`` would ever act on ``fault``: paired (its home), or for
     decode serving alone (every fault but those that need a PD peer). A worker behind a PD
     router (``pd``) never serves alone: every request it gets names its peer."""
-    if applies(fault, role, standalone=False):
-        return True
-    return role == "decode" and not pd and fault.name not in NEEDS_PD_PEER
+    if role == "decode" and not pd:
+        return fault.name not in NEEDS_PD_PEER
+    return applies(fault, role, standalone=False)
 
 
 def check_role(faults: Mapping[str, Fault], role: str, pd: bool = False) -> None:
@@ -185,27 +185,33 @@ def check_role(faults: Mapping[str, Fault], role: str, pd: bool = False) -> None
     (``pd``: behind a PD router): set there, it would be taken and do nothing."""
     wrong = [fault for fault in faults.values() if not can_apply(fault, role, pd)]
     if wrong:
-        raise FaultError("; ".join(f"fault {fault.name} acts on the {fault.home} worker, not on this {role} "
-                                   f"worker: set it on the {fault.home} worker" for fault in wrong))
+        raise FaultError("; ".join(_why_not(fault, role, pd) for fault in wrong))
 
 
-def check_served_alone(faults: Mapping[str, Fault]) -> None:
-    """A FaultError for the faults a deployment without a router would never act on: its
-    decode worker serves every request alone, so no PD handshake or KV transfer happens."""
-    pd_only = [fault.name for fault in faults.values() if fault.name in NEEDS_PD_PEER]
-    if pd_only:
-        raise FaultError(f"fault {', '.join(pd_only)} acts on the PD handshake or KV transfer between prefill and "
-                         "decode, which only a router pairs; without one the decode worker serves alone and would "
-                         "never act on it")
+def _why_not(fault: Fault, role: str, pd: bool) -> str:
+    if fault.home in ("any", role):  # its own worker, serving alone: the PD pair's fault has nothing to act on
+        return _served_alone(fault)
+    return f"fault {fault.name} acts on the {fault.home} worker, not on this {role} worker: set it on the {fault.home} worker"
 
 
-def split_by_home(specs: str | Iterable[str] | None) -> dict[str, list[str]]:
-    """Deployment-wide specs -> {"prefill": [...], "decode": [...]}, by each fault's home."""
+def _served_alone(fault: Fault) -> str:
+    return (f"fault {fault.name} acts on the PD handshake or KV transfer between prefill and decode, which only a "
+            "router pairs; without one the decode worker serves alone and would never act on it")
+
+
+def split_by_home(specs: str | Iterable[str] | None, pd: bool = True) -> dict[str, list[str]]:
+    """Deployment-wide specs -> {"prefill": [...], "decode": [...]}: behind a router (``pd``),
+    by each fault's home; without one, all to the decode worker, which serves every request
+    alone. Raises FaultError for a fault the worker it would go to never acts on."""
+    faults = parse_faults(specs)
+    roles = ROLES if pd else ("decode",)
     out: dict[str, list[str]] = {role: [] for role in ROLES}
-    for fault in parse_faults(specs).values():
-        for role in ROLES:
-            if fault.home in ("any", role):
-                out[role].append(str(fault))
+    for fault in faults.values():
+        homes = [role for role in roles if can_apply(fault, role, pd)]
+        if not homes:
+            raise FaultError(_served_alone(fault))
+        for role in homes:
+            out[role].append(str(fault))
     return out
 
 

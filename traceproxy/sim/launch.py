@@ -255,7 +255,8 @@ class SimDeployment:
     none; a router that is not installed is ``RouterUnavailable`` from ``start()``.
     ``faults`` (specs like ``"decode_stall:3"``) go to the worker each fault disturbs
     (its home role, see ``faults.py``), armed once the router is ready; without a router
-    the decode worker serves alone and does its own prefill, so it takes the prefill's too.
+    the decode worker serves alone and does its own prefill, so it takes them all, and
+    those of the PD handshake, which it would never act on, raise FaultError.
     ``faulty_proxy_upstream`` (a URL, implies ``faulty_proxy``) puts the faulty proxy
     in front of that URL instead of the router: e.g. a traceproxy in front of this
     router, so that the harness, not traceproxy's pool, meets the hang. Attributes
@@ -280,9 +281,7 @@ class SimDeployment:
         self.router_args, self.router_log_level = tuple(router_args), router_log_level
         self.request_timeout, self.startup_timeout = request_timeout, startup_timeout
         self.workdir = ""
-        by_home = split_by_home(faults)
-        if not router:  # the decode worker serves alone and does its own prefill: the prefill's faults are its own
-            by_home["decode"] += [spec for spec in by_home["prefill"] if spec not in by_home["decode"]]
+        by_home = split_by_home(faults, pd=bool(router))  # raises FaultError for a fault no worker acts on
         common = dict(host=host, model=model, prefill_tokens_per_s=prefill_tokens_per_s,
                       decode_tokens_per_s=decode_tokens_per_s, otlp_endpoint=otlp_endpoint, pd=bool(router))
         self.prefill = SimWorker("prefill", port=prefill_port, default_faults=by_home["prefill"],
