@@ -522,3 +522,14 @@ def test_request_ids_that_share_their_start_stay_apart_when_cut():
     assert all(len(line) <= 60 for line in narrow)
     rows = narrow[1:1 + len(ids)]
     assert rows[0] != rows[1] and rows[0].rstrip().endswith("t1") and rows[1].rstrip().endswith("t2")
+
+
+def test_piped_frames_keep_every_row_and_screen_frames_fit_the_screen(monkeypatch):
+    entries = [_entry(request_id=f"held-{n}") for n in range(40)]
+    snapshot = top.Snapshot({"pid": 1, "count": 40, "requests": entries}, None)
+    monkeypatch.setattr(top, "fetch_snapshot", lambda url, timeout: snapshot)
+    monkeypatch.setattr(top.shutil, "get_terminal_size", lambda: os.terminal_size((200, 24)))
+    piped = top._next_frame("http://a:1", 1.0, use_color=False, on_screen=False)
+    assert all(any(f"held-{n}" in line for line in piped) for n in range(40))  # as --once prints them
+    on_screen = top._next_frame("http://a:1", 1.0, use_color=False, on_screen=True)
+    assert len(on_screen) <= 24

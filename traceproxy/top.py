@@ -651,11 +651,12 @@ def _draw(lines: list[str]) -> None:
     sys.stdout.flush()
 
 
-def _next_frame(base_url: str, interval: float, use_color: bool) -> list[str]:
+def _next_frame(base_url: str, interval: float, use_color: bool, on_screen: bool = True) -> list[str]:
+    """The next frame; cut to the screen's height only on a screen (piped, whole, as --once)."""
     size = shutil.get_terminal_size()
     try:
         snapshot = fetch_snapshot(base_url, min(FETCH_TIMEOUT_S, max(interval, 1.0)))
-        return _frame(snapshot, base_url, size.columns, use_color, size.lines)
+        return _frame(snapshot, base_url, size.columns, use_color, size.lines if on_screen else None)
     except AdminUnreachable as exc:
         return render_unreachable(exc, size.columns, _clock(), interval)
 
@@ -677,7 +678,7 @@ def run_live(base_url: str, interval: float, use_color: bool) -> int:
         sys.stdout.write(ENTER_ALT_SCREEN)
     try:
         while True:
-            lines = _next_frame(base_url, interval, use_color)
+            lines = _next_frame(base_url, interval, use_color, on_screen)
             if on_screen:
                 _draw(lines)
             else:
