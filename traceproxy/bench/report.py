@@ -28,7 +28,7 @@ DEFAULT_TARGETS = ("direct", "bare", "proxy-traced", "proxy-logged", "defaults")
 BASELINE = "direct"
 BARE = ("bare", "proxy")  # the target observers are priced against: the first of these that ran
 OBSERVED = ("proxy-traced", "proxy-logged", "proxy-receiver", "proxy-receiver-grpc", "defaults")
-RECEIVERS = ("proxy-receiver", "proxy-receiver-grpc")
+RECEIVERS = {"proxy-receiver": "http", "proxy-receiver-grpc": "grpc"}  # target -> the protocol its engines send
 SHORT = {"direct": "direct", "bare": "bare", "proxy": "proxy", "proxy-traced": "traced", "proxy-logged": "logged",
          "proxy-receiver": "receiver", "proxy-receiver-grpc": "receiver-grpc", "defaults": "defaults"}
 _SUMMED = ("ok", "hangs", "skipped", "reconnects", "server_closes", "bytes_up", "bytes_down", "events", "streams")

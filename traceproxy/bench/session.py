@@ -68,7 +68,6 @@ ENGINE_LEAD_S = 1.0  # the span loads export this long before the run's window, 
 ENGINE_ROLES = ("prefill", "decode")
 ENGINE_STOP_GRACE_S = 5.0  # past an export still waiting for its answer (span_load.SEND_TIMEOUT_S) and the exit
 RECEIVER_MODULE = "traceproxy.observe.engine_receiver_main"
-RECEIVER_TARGETS = {"proxy-receiver": "http", "proxy-receiver-grpc": "grpc"}
 
 
 @dataclass
@@ -160,9 +159,9 @@ class Session:
                 keys = traced_overrides(f"http://127.0.0.1:{self.ports['sink']}")
             elif target == "proxy-logged":
                 keys = logged_overrides(str(self.access_log_path))
-            elif target in RECEIVER_TARGETS:
+            elif target in report.RECEIVERS:
                 receiver_port = free_port()
-                protocol = RECEIVER_TARGETS[target]
+                protocol = report.RECEIVERS[target]
                 keys = receiver_overrides(**{f"{protocol}_port": receiver_port})
                 engine_url = f"http://127.0.0.1:{receiver_port}/v1/traces" if protocol == "http" \
                     else f"grpc://127.0.0.1:{receiver_port}"
@@ -297,7 +296,7 @@ class Session:
         if engines:
             usage["engines"] = _sum_known(usage.pop(f"engine_{role}", None) for role in ENGINE_ROLES)
             merged["engine_loads"] = engine_parts
-            merged["engine_destination"] = RECEIVER_TARGETS[target] if receiving else "discard"
+            merged["engine_destination"] = report.RECEIVERS[target] if receiving else "discard"
         merged["cpu"] = usage
         merged["proxy_cpu_s"] = proxy_cpu_s
         merged["settle_s"] = round(settled, 3)
