@@ -485,10 +485,16 @@ def checkout_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """``traceproxy bench`` with ``args`` in a process group of its own, from the checkout;
-    past ``timeout`` it is stopped (it stops its own children on SIGTERM) and the test fails."""
-    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=CHECKOUT, stdout=subprocess.PIPE,
+# Under the suite's own per-test timeout (pyproject's 120 s): past it pytest-timeout would
+# fail the test before this could stop the bench, and the bench's processes would live on.
+BENCH_TIMEOUT_S = 90
+
+
+def run_bench(*args: str, timeout: float = BENCH_TIMEOUT_S, cwd: Path = CHECKOUT) -> subprocess.CompletedProcess:
+    """``traceproxy bench`` with ``args`` in a process group of its own, the checkout first on
+    its path, run in ``cwd``; past ``timeout`` it is stopped (it stops its own children on
+    SIGTERM) and the test fails."""
+    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, env=checkout_environment())
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -34,22 +34,8 @@ from traceproxy.bench.session import split
 from traceproxy.bench.stats import Samples, percentile
 
 from .fake_transport import RecordingTransport
+from .support import run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
-RUN_TIMEOUT = 90
-
-
-def _run_bench(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "traceproxy.bench", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the bench stops its own children on SIGTERM
-        out, err = proc.communicate(timeout=15)
-        pytest.fail(f"bench did not finish within {RUN_TIMEOUT} s:\n{err.decode()[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
 
 
 def _cells(line: str) -> list[str]:
@@ -58,8 +44,8 @@ def _cells(line: str) -> list[str]:
 
 def test_bench_smoke_run_end_to_end(tmp_path):
     report_path = tmp_path / "bench.json"
-    result = _run_bench(["--quick", "--scale", "0.05", "--scenarios", "S1,S5", "--targets", "direct,proxy",
-                         "--json", str(report_path)])
+    result = run_bench("--quick", "--scale", "0.05", "--scenarios", "S1,S5", "--targets", "direct,proxy",
+                         "--json", str(report_path))
     assert result.returncode == 0, result.stderr[-2000:]
 
     rows = [line for line in result.stdout.splitlines() if line.startswith("| S")]
@@ -86,7 +72,7 @@ def test_bench_every_target_with_spans_to_the_sink_and_lines_to_the_log(tmp_path
     report_path = tmp_path / "bench.json"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    result = _run_bench(["--quick", "--scale", "0.05", "--scenarios", "S1,S5", "--json", str(report_path)], cwd=cwd)
+    result = run_bench("--quick", "--scale", "0.05", "--scenarios", "S1,S5", "--json", str(report_path), cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
 
     lines = result.stdout.splitlines()
@@ -132,10 +118,10 @@ def test_bench_every_target_with_spans_to_the_sink_and_lines_to_the_log(tmp_path
 
 
 def test_bench_rejects_unknown_scenario_and_target():
-    result = _run_bench(["--scenarios", "S9"])
+    result = run_bench("--scenarios", "S9")
     assert result.returncode == 2
     assert "unknown scenario S9" in result.stderr
-    result = _run_bench(["--targets", "direct,nginx"])
+    result = run_bench("--targets", "direct,nginx")
     assert result.returncode == 2
     assert "unknown target nginx" in result.stderr
 
@@ -157,7 +143,7 @@ def test_bench_rejects_unknown_scenario_and_target():
 ], ids=["unknown-key", "bad-value", "no-equals", "listen", "admin", "scale-inf", "scale-nan", "no-scenario", "json-dir",
         "json-unwritable", "scale-huge", "cmd-unknown-field", "cmd-open-brace"])
 def test_bench_refuses_bad_arguments_before_starting_anything(argv, message):
-    result = _run_bench(argv)
+    result = run_bench(*argv)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
     assert "\nbench: " not in result.stderr  # nothing was started: no progress lines
@@ -470,7 +456,7 @@ def test_requests_never_started_are_hangs_in_the_log_and_noted_apart_from_errors
      "configuration error: access_log.path = '/proc/version' (from --proxy-set)"),
 ], ids=["missing-program", "unwritable-log"])
 def test_a_proxy_that_cannot_start_stops_the_bench_with_its_reason(tmp_path, argv, reason):
-    result = _run_bench(["--quick", "--targets", "direct,proxy", "--scenarios", "S5", *argv], cwd=tmp_path)
+    result = run_bench("--quick", "--targets", "direct,proxy", "--scenarios", "S5", *argv, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert reason in result.stderr and "Traceback" not in result.stderr
 

@@ -23,13 +23,9 @@ from .support import checkout_environment, run_bench
 
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    return run_bench(*args, timeout=120)
-
-
 def test_every_target_pays_the_same_engine_span_load_and_the_receivers_take_theirs(tmp_path):
     report_path = tmp_path / "bench.json"
-    result = _bench("--quick", "--scale", "0.05", "--scenarios", "S1", "--targets",
+    result = run_bench("--quick", "--scale", "0.05", "--scenarios", "S1", "--targets",
                     "bare,proxy-receiver,proxy-receiver-grpc", "--engine-span-load", "40", "--json", str(report_path))
     assert result.returncode == 0, result.stderr[-2000:]
     doc = json.loads(report_path.read_text())
@@ -70,7 +66,7 @@ def test_every_target_pays_the_same_engine_span_load_and_the_receivers_take_thei
                                                                     "proxy-receiver"),
 ])
 def test_bench_refuses_an_engine_span_load_or_receiver_setting_it_cannot_use(args, said):
-    result = _bench("--scenarios", "S1", *args)
+    result = run_bench("--scenarios", "S1", *args)
     assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "\nbench: " not in result.stderr  # nothing started
 

@@ -4,20 +4,15 @@ workers, and its /metrics is read during every measured run. No timing threshold
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from .support import run_bench
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    return run_bench(*args, timeout=90)
-
-
 def test_bench_runs_a_service_of_workers_and_scrapes_it_during_the_run(tmp_path):
     report_path = tmp_path / "bench.json"
-    result = _bench("--quick", "--scale", "0.1", "--scenarios", "S1", "--targets", "direct,proxy", "--workers", "2",
+    result = run_bench("--quick", "--scale", "0.1", "--scenarios", "S1", "--targets", "direct,proxy", "--workers", "2",
                     "--scrape-every", "0.1", "--json", str(report_path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "2 workers per proxy" in result.stdout and "/metrics read every 0.1 s" in result.stdout
@@ -33,5 +28,5 @@ def test_bench_runs_a_service_of_workers_and_scrapes_it_during_the_run(tmp_path)
 @pytest.mark.parametrize("args, said", [(["--workers", "0"], "--workers must be from 1 to 64"),
                                         (["--scrape-every", "-1"], "--scrape-every must be seconds")])
 def test_bench_refuses_a_worker_count_or_scrape_interval_it_cannot_use(args, said):
-    result = _bench("--scenarios", "S1", *args)
+    result = run_bench("--scenarios", "S1", *args)
     assert result.returncode == 2 and said in result.stderr, result.stderr[-2000:]
