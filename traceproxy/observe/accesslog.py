@@ -37,9 +37,8 @@ import orjson
 from ..lifecycle.flags import BY_CODE
 from ..lifecycle.marks import MARK
 from ..lifecycle.timeline import RequestRecord, StallEntry
-from ..lifecycle.token_progress import token_progress
+from ..lifecycle.token_progress import has_token_gap
 from .line_file import LineFile
-from .token_view import access_fields
 
 log = logging.getLogger("traceproxy.access_log")
 
@@ -145,8 +144,16 @@ def access_line(r: RequestRecord, clock_offset_ns: int, engine_stage: dict | Non
     }
     if engine_stage:
         entry["engine_stage"] = engine_stage
-    if r.stream_events is not None:  # an event stream, judged on its tokens
-        entry["tokens"] = access_fields(token_progress(r), start)
+    events = r.stream_events
+    if events is not None:  # an event stream, judged on its tokens: read off the record as the rest
+        first, output_events = r.first_token_ns, events.output_events
+        entry["tokens"] = {
+            "output_events": output_events,
+            "heartbeats": events.heartbeats,
+            "time_to_first_token": (first - start + 500) // 1000 / 1e6 if first and start else None,
+            # null until two output events came: a 0 would read as tokens back to back
+            "max_token_gap": (r.max_token_gap_ns + 500) // 1000 / 1e6 if has_token_gap(output_events) else None,
+        }
     if r.conversation_id:
         entry["conversation_id"] = r.conversation_id
     return orjson.dumps(entry)

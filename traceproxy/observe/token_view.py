@@ -1,6 +1,7 @@
 """An event stream's tokens as the views show them: /debug/inflight's ``tokens``, the
-stall line's ``tokens:`` part, the stall span's attributes and the access log's
-``tokens`` (``lifecycle.token_progress`` reads them off the record).
+stall line's ``tokens:`` part and the stall span's attributes (``lifecycle.token_progress``
+reads them off the record); the access log reads its ``tokens`` off the record itself,
+for every finished stream (``accesslog.access_line``).
 
 Only for event streams (the responses judged on their tokens); any other response
 shows none of this and is judged on its bytes. Built when asked, never per read.
@@ -57,16 +58,3 @@ def stall_attributes(progress: TokenProgress, now_ns: int) -> dict:
         waited = (now_ns - progress.waiting_since_ns) / 1e9
         attrs[sc.SINCE_LAST_TOKEN if progress.token_came else sc.SINCE_HEAD_WITHOUT_TOKEN] = waited
     return attrs
-
-
-def access_fields(progress: TokenProgress, start_ns: int) -> dict:
-    """A finished event stream's ``tokens`` in its access log line; seconds as the line's
-    other timings (``time_to_first_token`` null when no token came, ``max_token_gap`` null
-    until two output events came)."""
-    first, max_gap = progress.first_token_ns, progress.max_token_gap_ns
-    return {
-        "output_events": progress.output_events,
-        "heartbeats": progress.heartbeats,
-        "time_to_first_token": round((first - start_ns) / 1e9, 6) if first and start_ns else None,
-        "max_token_gap": None if max_gap is None else round(max_gap / 1e9, 6),
-    }
