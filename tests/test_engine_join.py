@@ -136,10 +136,10 @@ def test_a_finished_request_no_engine_opened_names_the_router_once_settled():
         return RequestRecord(connection=ClientConnectionRecord(peer="127.0.0.1:5", opened_ns=0), sequence=1,
                              idle_gap_ns=None, trace_id=7, end_ns=end_ns, attempts=[Attempt(index=0, marks=marks)])
 
-    stage = join.stage_at_end(finished(1_000_000_000, 0, 1_400_000_000), 1_000)
+    stage = join.stage_at_end(finished(1_000_000_000, 0, 1_400_000_000))
     assert (stage["component"], stage["role"], stage["source"]) == ("router", "router", "spans")
-    assert join.stage_at_end(finished(1_000_000_000, 0, 1_200_000_000), 1_000) is None  # not settled yet
-    assert join.stage_at_end(finished(1_000_000_000, 1_100_000_000, 1_400_000_000), 1_000) is None  # answered
+    assert join.stage_at_end(finished(1_000_000_000, 0, 1_200_000_000)) is None  # not settled yet
+    assert join.stage_at_end(finished(1_000_000_000, 1_100_000_000, 1_400_000_000)) is None  # answered
 
 
 def test_with_the_receiver_off_nothing_changes(start_proxy, scripted_upstream, caplog):

@@ -65,7 +65,7 @@ class EngineStageJoin:
         phase = phase_of(record)
         if phase not in UPSTREAM_PHASES:
             return None
-        found = self._from_spans(record, phase, now_ns)
+        found = self._from_spans(record, phase in _WAITING_FOR_HEAD, now_ns)
         if found is not None:
             return found
         readings = self.readings
@@ -73,22 +73,21 @@ class EngineStageJoin:
             return None
         return from_gauges(readings.by_role, readings.router_running, phase is Phase.STREAMING_RESPONSE)
 
-    def _from_spans(self, record: RequestRecord, phase: Phase, now_ns: int) -> EngineStage | None:
+    def _from_spans(self, record: RequestRecord, waiting_for_head: bool, now_ns: int) -> EngineStage | None:
+        """What the engines' spans say at monotonic ``now_ns``: the stage they have, else, for a
+        request sent and waiting for its answer's head of which no engine has exported a span
+        (while some engine does export them), not opened at the engines once ``settle_s`` has
+        passed; None before."""
         stages = self.stages
         if stages is None or not record.trace_id:
             return None
         found = stages.stage_of(record.trace_id)
-        if found is not None or not stages.seen_engine_spans or phase not in _WAITING_FOR_HEAD:
+        if found is not None or not stages.seen_engine_spans or not waiting_for_head:
             return found
         sent = record.attempt.marks.get(MARK.FIRST_UPSTREAM_TX_BYTE) if record.attempt is not None else None
-        return self._not_opened(sent, now_ns, self.clock_offset_ns)
-
-    def _not_opened(self, sent_ns: int | None, now_ns: int, clock_offset_ns: int) -> EngineStage | None:
-        """A request sent (monotonic ``sent_ns``) and not answered, of which no engine has
-        exported a span: not opened at the engines once ``settle_s`` has passed; None before."""
-        if not sent_ns or now_ns - sent_ns < self.settle_ns:
+        if not sent or now_ns - sent < self.settle_ns:
             return None
-        return not_opened(sent_ns + clock_offset_ns)
+        return not_opened(self.wall_ns(sent))
 
     def as_dict(self, record: RequestRecord, now_ns: int) -> dict | None:
         """The ``engine_stage`` of an in-flight entry."""
@@ -112,18 +111,13 @@ class EngineStageJoin:
         return self._stalls.pop((trace_id, span_id), None)
 
     # -- a finished request ---------------------------------------------------------------
-    def stage_at_end(self, record: RequestRecord, clock_offset_ns: int) -> dict | None:
+    def stage_at_end(self, record: RequestRecord) -> dict | None:
         """Where the engines had a finished request when it ended (its access log line and
         span say it); None when nothing says."""
-        stages = self.stages
-        if stages is None or not record.trace_id:
-            return None
-        found = stages.stage_of(record.trace_id)
         attempt = record.attempt
-        if found is None and stages.seen_engine_spans and attempt is not None \
-                and MARK.FIRST_UPSTREAM_RX_BYTE not in attempt.marks:
-            found = self._not_opened(attempt.marks.get(MARK.FIRST_UPSTREAM_TX_BYTE), record.end_ns, clock_offset_ns)
-        return None if found is None else found.as_dict(record.end_ns + clock_offset_ns)
+        waiting_for_head = attempt is not None and MARK.FIRST_UPSTREAM_RX_BYTE not in attempt.marks
+        found = self._from_spans(record, waiting_for_head, record.end_ns)
+        return None if found is None else found.as_dict(self.wall_ns(record.end_ns))
 
     def placed_stall_span(self, span: SpanData) -> None:
         """A stall span gets the attributes of the stage its log line said."""

@@ -93,7 +93,7 @@ class TracingObserver:
         keep = self.spans and self._keep_spans(record)
         if not keep and not self.access_log:
             return
-        stage = self.stage_join.stage_at_end(record, self.clock_offset_ns) if self.stage_join is not None else None
+        stage = self.stage_join.stage_at_end(record) if self.stage_join is not None else None
         if keep:
             summary: RequestSummary = summarize(record, self.clock_offset_ns, self.server, self.upstream,
                                                 engine_stage=stage)
