@@ -11,7 +11,11 @@ import pytest
 
 from traceproxy.allocator import tune_allocator
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies to glibc only")
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies to glibc only")
+# The idle trim reads how much of the heap is free with mallinfo2 (glibc 2.33 and later).
+mallinfo2_only = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or tuple(int(p) for p in platform.libc_ver()[1].split(".")[:2]) < (2, 33),
+    reason="the idle trim needs glibc 2.33 or later")
 
 # A few uploads in flight: four read-sized buffers live together, then all are freed.
 BURSTS = """
@@ -39,6 +43,7 @@ def _page_faults(*, tuned: bool, environ: tuple[str, ...] = ()) -> tuple[str, in
     return said, int(faults)
 
 
+@glibc_only
 def test_freed_read_buffers_are_reused_without_page_faults():
     _, untuned = _page_faults(tuned=False)
     said, tuned = _page_faults(tuned=True)
@@ -48,6 +53,7 @@ def test_freed_read_buffers_are_reused_without_page_faults():
     assert tuned < 50, tuned
 
 
+@glibc_only
 def test_the_operators_own_glibc_settings_are_kept():
     said, faults = _page_faults(tuned=True, environ=("MALLOC_TRIM_THRESHOLD_=131072",))
     assert said == "allocator left as configured by MALLOC_TRIM_THRESHOLD_"
@@ -78,6 +84,7 @@ print(kept - after_work, kept - rss_kib(), trim.trimmed)
 """
 
 
+@mallinfo2_only
 def test_a_quiet_process_gives_a_bursts_freed_heap_back():
     out = subprocess.run([sys.executable, "-c", FRAGMENTED], capture_output=True, text=True, timeout=60, check=True)
     before_quiet, once_quiet, trims = (int(word) for word in out.stdout.split())
@@ -117,6 +124,7 @@ def test_light_traffic_is_not_trimmed_after_every_request():
     assert trim.check(6, busy=False) and trims == [1]
 
 
+@mallinfo2_only
 def test_the_operators_own_glibc_settings_mean_no_idle_trim():
     from traceproxy.allocator import IdleHeapTrim
 

@@ -156,6 +156,7 @@ class ProxyServer:
         self.link = link
         self.ctx: ServerContext | None = None
         self.export_config = None  # ExportConfig when tracing or the access log is on
+        self.spans = "off"  # where the spans go, in the start-up line's words
         self.span_export = None  # SpanExportPipe when tracing is on
         self.tracing = None  # TracingObserver when tracing is on
         self.watchdog: Watchdog | None = None
@@ -207,6 +208,7 @@ class ProxyServer:
 
     async def _start_tracing(self) -> None:
         config = self.export_config = tracing_export_config(self.settings)
+        self.spans = spans_destination(config, os.environ)  # for the start-up line and /healthz
         if config is None:
             return
         from .observe.export import SpanExportPipe
@@ -303,7 +305,7 @@ class ProxyServer:
 
         admin = ServiceAdmin(LocalSource(view), self.settings, self.started_ns, self.engines,
                              stopping=lambda: self.ctx.shutting_down,
-                             spans=spans_destination(self.export_config, os.environ))
+                             spans=self.spans)
         self._admin_server, self.admin_port = await start_admin_listener(admin, self.settings.admin)
 
     @property
@@ -391,7 +393,7 @@ async def serve_until_signalled(settings: Settings, link=None) -> None:
         HostPort(settings.admin.host, server.admin_port) if settings.admin is not None else None)
     log.info("traceproxy listening on %s, upstream %s, admin %s (%spid %d)", listen, settings.upstream,
              admin_url(admin), "worker " if link is not None else "", os.getpid())
-    log.info("spans: %s; access log: %s", spans_destination(server.export_config, os.environ),
+    log.info("spans: %s; access log: %s", server.spans,
              access_log_destination(settings.access_log.path))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
