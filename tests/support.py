@@ -479,6 +479,14 @@ def start_worker(loop_thread):
 CHECKOUT = Path(__file__).resolve().parent.parent
 
 
+def refused_port() -> socket.socket:
+    """A bound socket that never listens: connecting to its port is refused while it is held
+    (closed, the port is free for anyone, a test file running beside this one included)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 def checkout_environment() -> dict[str, str]:
     """This process's environment with the checkout first on PYTHONPATH, for a child
     that must run the code under test whatever its working directory."""

@@ -19,7 +19,7 @@ from traceproxy.bench.proxy_proc import build_settings, minimal_overrides, recei
 from traceproxy.bench.span_load import BATCH, Load, template
 
 from .fake_transport import RecordingTransport
-from .support import checkout_environment, run_bench
+from .support import checkout_environment, refused_port, run_bench
 
 
 
@@ -170,11 +170,8 @@ def test_a_receiver_target_is_bare_with_one_receiver_on():
 def test_a_span_load_stops_with_its_counts_on_sigterm_or_when_its_stdin_closes(tmp_path):
     """The bench stops each load by SIGTERM to its process group and waits 3 s before SIGKILL;
     a load that missed it would leave no counts and stop the whole bench."""
-    import socket
-
-    with socket.socket() as closed:  # a port nobody listens on: every export fails at once, and is counted
-        closed.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1/traces"
+    closed = refused_port()  # held to the end: every export fails at once, and is counted
+    url = f"http://127.0.0.1:{closed.getsockname()[1]}/v1/traces"
     env = checkout_environment()
     loads = []
     for k in range(4):
@@ -204,3 +201,4 @@ def test_a_span_load_stops_with_its_counts_on_sigterm_or_when_its_stdin_closes(t
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(5)
+        closed.close()

@@ -19,7 +19,7 @@ import pytest
 
 from traceproxy import top
 
-from .support import RawClient, never_answers, wait_until
+from .support import RawClient, never_answers, refused_port, wait_until
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 RED = "\x1b[1;31m"
@@ -200,13 +200,6 @@ def _top(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "COLUMNS": "160", "LINES": "40"})
 
 
-def _refused_port():
-    """A bound socket that never listens: connecting to its port is refused while it is held."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 def test_once_shows_the_stuck_request_as_an_engine_first_byte_stall(scripted_upstream, start_proxy):
     proxy = start_proxy(scripted_upstream(never_answers).url, **{"stall.first_byte": 0.3})
     client = RawClient(proxy.port)
@@ -222,7 +215,7 @@ def test_once_shows_the_stuck_request_as_an_engine_first_byte_stall(scripted_ups
 
 
 def test_once_with_the_admin_unreachable_exits_2_naming_the_url():
-    with _refused_port() as sock:
+    with refused_port() as sock:
         port = sock.getsockname()[1]
         result = _top("--admin", f"127.0.0.1:{port}", "--once", timeout=15)
     assert result.returncode == 2 and result.stdout == ""
@@ -259,7 +252,7 @@ def _started_with_sigint(disposition, *argv: str) -> list[str]:
 
 @pytest.mark.parametrize("on_entry", [signal.SIG_DFL, signal.SIG_IGN], ids=["sigint-default", "sigint-ignored"])
 def test_live_view_keeps_retrying_an_unreachable_admin_and_ctrl_c_exits_0(on_entry):
-    with _refused_port() as sock:
+    with refused_port() as sock:
         port = sock.getsockname()[1]
         command = _started_with_sigint(on_entry, "-m", "traceproxy", "top", "--admin", f"127.0.0.1:{port}",
                                        "--interval", "0.1")
@@ -284,7 +277,7 @@ def test_live_view_keeps_retrying_an_unreachable_admin_and_ctrl_c_exits_0(on_ent
 
 
 def test_live_view_into_a_pipe_prints_frame_after_frame_without_escape_codes():
-    with _refused_port() as sock:
+    with refused_port() as sock:
         port = sock.getsockname()[1]
         command = _started_with_sigint(signal.SIG_DFL, "-m", "traceproxy", "top", "--admin", f"127.0.0.1:{port}",
                                        "--interval", "0.1")
