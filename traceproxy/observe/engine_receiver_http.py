@@ -244,9 +244,6 @@ class _Connection(asyncio.Protocol):
         not go ``IDLE_TIMEOUT_S`` without a byte (answered 408, not counted as a refusal:
         the client stopped sending, its body was not judged)."""
         self._timer = None
-        if self.discarding and self.answering is not None and not self.closed:
-            self._close_in(LINGER_S)  # the answers before the one from headers are still to be written
-            return
         request = self.request
         if self.closed or request is None or not request.method or self.discarding or self.answering is not None:
             self.close()
@@ -323,8 +320,7 @@ class _Connection(asyncio.Protocol):
             # Answered now, from its headers: its body (perhaps huge) is never kept.
             self.discarding = True
             request.keep_alive = False
-            self._queue(request)
-            self._close_in(LINGER_S)
+            self._queue(request)  # the linger starts once it is written (_answer_all)
 
     def on_body(self, chunk: bytes) -> None:
         request = self.request
@@ -394,6 +390,8 @@ class _Connection(asyncio.Protocol):
         self.answering = None
         if self.discarding and self.discarded_all:
             self.close()
+        elif self.discarding and not self.closed:
+            self._close_in(LINGER_S)  # the answer from headers is written: its client has this long to read it
         if self.paused and not self.closed and not self.unparsed:
             self.paused = False
             self.transport.resume_reading()
