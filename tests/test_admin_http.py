@@ -208,8 +208,7 @@ def test_an_endless_trailer_is_413(listener):
                 sock.settimeout(10)
             if received:
                 break
-        while chunk := sock.recv(1 << 16):
-            received += chunk
+        received += _read_to_close(sock)
     assert _statuses(received) == [413]
 
 
@@ -234,8 +233,7 @@ def test_an_http_1_0_client_asking_for_keep_alive_is_told_it_is_kept(listener):
         sock.sendall(b"GET /hello HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
         answer = sock.recv(1 << 16)
         sock.sendall(b"GET /hello HTTP/1.0\r\n\r\n")  # the same connection carries a second request
-        while chunk := sock.recv(1 << 16):
-            answer += chunk
+        answer += _read_to_close(sock)
     assert _statuses(answer) == [200, 200]
     first, second = answer.split(b"HTTP/1.1 ")[1:]
     assert b"Connection: keep-alive\r\n" in first and b"Connection: close\r\n" in second

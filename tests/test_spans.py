@@ -16,10 +16,16 @@ from traceproxy.proxy import tracecontext as tc
 from .support import ListSink, RawClient, answers_in_parts, answers_then_drops_next_request, header_value, wait_until
 
 
+def _traced(start_proxy, upstream_url, sink=None, ratio=1.0, settings=None, **options):
+    """(proxy, sink, observer): a proxy (``settings``: overrides of its own) whose tracing
+    observer (``options``: its own) hands its output to ``sink``."""
+    sink = sink if sink is not None else ListSink()
+    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), ratio, **options)
+    return start_proxy(upstream_url, observers=[observer], **(settings or {})), sink, observer
+
+
 def _traced_proxy(start_proxy, upstream_url, ratio=1.0, **overrides):
-    sink = ListSink()
-    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), ratio)
-    proxy = start_proxy(upstream_url, observers=[observer], **overrides)
+    proxy, sink, _ = _traced(start_proxy, upstream_url, ratio=ratio, settings=overrides)
     return proxy, sink
 
 
@@ -132,9 +138,7 @@ def test_healthy_requests_sampled_by_ratio_errors_always_kept(fast_upstream, sta
 
 
 def test_a_backlogged_exporter_sheds_healthy_spans_but_never_failed_ones(fast_upstream, start_proxy):
-    sink = ListSink(backlog=True)
-    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0)
-    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    proxy, sink, observer = _traced(start_proxy, fast_upstream().url, ListSink(backlog=True))
     client = RawClient(proxy.port)
     for _ in range(3):
         client.roundtrip("GET", "/v1/models")
@@ -150,9 +154,7 @@ def test_a_backlogged_exporter_sheds_healthy_spans_but_never_failed_ones(fast_up
 
 
 def test_shed_requests_still_send_their_access_log_line(fast_upstream, start_proxy):
-    sink = ListSink(backlog=True)
-    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0, access_log=True)
-    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    proxy, sink, observer = _traced(start_proxy, fast_upstream().url, ListSink(backlog=True), access_log=True)
     RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b'{"model": "m", "max_tokens": 2}')
     assert wait_until(lambda: len(sink.lines) == 1)
     assert observer.shed == {"rate": 0, "backlog": 1}
@@ -162,9 +164,7 @@ def test_shed_requests_still_send_their_access_log_line(fast_upstream, start_pro
 
 
 def test_a_kept_request_sends_its_summary_and_its_line(fast_upstream, start_proxy):
-    sink = ListSink()
-    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0, access_log=True)
-    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    proxy, sink, observer = _traced(start_proxy, fast_upstream().url, access_log=True)
     RawClient(proxy.port).roundtrip("GET", "/v1/models")
     assert wait_until(lambda: len(sink.lines) == 1 and len(sink.items) == 1)
     [summary] = sink.items
@@ -172,9 +172,7 @@ def test_a_kept_request_sends_its_summary_and_its_line(fast_upstream, start_prox
 
 
 def test_healthy_traces_past_the_rate_ceiling_are_shed_failed_ones_never(fast_upstream, start_proxy):
-    sink = ListSink()
-    observer = TracingObserver(sink, ("127.0.0.1", 8000), ("127.0.0.1", 1), 1.0, healthy_max_per_second=2)
-    proxy = start_proxy(fast_upstream().url, observers=[observer])
+    proxy, sink, observer = _traced(start_proxy, fast_upstream().url, healthy_max_per_second=2)
     client = RawClient(proxy.port)
     for _ in range(5):  # well within one second: a burst of two is kept
         client.roundtrip("GET", "/v1/models")
