@@ -138,8 +138,10 @@ class FakeTime:
         queue = list(outcomes)
 
         def attempt(seconds_left: float) -> Attempt:
+            # As the real transports do, an attempt ends within the time it is given
+            # (their request timeout): a slow collector costs at most what is left.
             self.given.append(seconds_left)
-            self.now += each_takes
+            self.now += min(each_takes, seconds_left)
             return queue.pop(0)
 
         return attempt
@@ -165,7 +167,10 @@ def test_the_collectors_retry_after_is_obeyed():
     assert fake.slept == [3.5]
 
 
-def test_no_wait_ends_past_the_timeout(caplog):
+@pytest.mark.parametrize("jitter", [1 - otlp_transport.JITTER, 1.0, 1 + otlp_transport.JITTER],
+                         ids=["shortest waits", "even waits", "longest waits"])
+def test_no_wait_ends_past_the_timeout(caplog, monkeypatch, jitter):
+    monkeypatch.setattr(otlp_transport.random, "uniform", lambda low, high: jitter)
     fake = FakeTime()
     with caplog.at_level(logging.WARNING, logger="traceproxy.export"):
         delivered = send_with_retries(fake.attempts(*[RETRYABLE] * MAX_ATTEMPTS, each_takes=0.5), 5.0,
