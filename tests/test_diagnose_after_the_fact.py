@@ -151,14 +151,17 @@ def test_from_spans_alone_workers_that_dropped_the_request_are_not_called_finish
     line = _engines_line(_client_left_before_any_stall())
     assert "every worker finished" not in line, line
     assert "every worker ended (status error)" in line, line
-    assert "prefill_transfer_kv_cache (prefill)" in line and "decode_transferred (decode)" in line, line
-    assert "never ended; the last stage that ended: " in line, line
+    # The stage each worker had it in, never claimed to have run: the decode worker may
+    # still have been waiting for the transfer to start.
+    assert "; dropped in: prefill_transfer_kv_cache (prefill), decode_transferred (decode); the last stage that " \
+        "ended: " in line, line
+    assert "never ended" not in line, line
 
 
 def test_a_worker_that_ended_before_its_last_stage_did_dropped_the_request_whatever_its_status():
     line = _engines_line(_client_left_before_any_stall(status="unset"))
     assert "every worker finished" not in line and "(status error)" not in line, line
-    assert "prefill_transfer_kv_cache (prefill)" in line and "never ended" in line, line
+    assert "; dropped in: prefill_transfer_kv_cache (prefill)" in line, line
 
 
 def test_the_server_spans_own_engine_facts_are_read_when_it_carries_them():

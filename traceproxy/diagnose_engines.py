@@ -97,9 +97,11 @@ def _threads(spans: list) -> list:
     return [s for s in spans if s.name not in STAGES]
 
 
-def stages_never_ended(spans: list) -> list[tuple[str, str]]:
+def stages_dropped_in(spans: list) -> list[tuple[str, str]]:
     """(role, stage) for each worker whose thread span ended before its last stage did:
-    the stage it was in when it dropped the request (that span is never exported)."""
+    the stage it had the request in when it dropped it, the one after the last that
+    ended (its span is never exported). The worker may have been running that stage or
+    still waiting to start it: the spans cannot tell, so the words never say it ran."""
     roles = _roles(spans)
     found = []
     for thread in _threads(spans):
@@ -113,19 +115,19 @@ def stages_never_ended(spans: list) -> list[tuple[str, str]]:
 
 
 def _how_workers_ended(spans: list) -> str:
-    """``every worker ended (status error), prefill_transfer_kv_cache (prefill) never ended``;
+    """``every worker ended (status error); dropped in: prefill_transfer_kv_cache (prefill)``;
     ``every worker finished`` when none dropped it (none ended with error status, or before
     its last stage did)."""
     threads = _threads(spans)
     errors = sum(s.status == "error" for s in threads)
-    never = stages_never_ended(spans)
-    if not errors and not never:
+    dropped = stages_dropped_in(spans)
+    if not errors and not dropped:
         return "every worker finished"
     words = "every worker ended"
     if errors:
         words += " (status error)" if errors == len(threads) else f" ({errors} of {len(threads)} with status error)"
-    if never:
-        words += ", not finished: " + ", ".join(f"{name} ({role})" for role, name in never) + " never ended"
+    if dropped:
+        words += "; dropped in: " + ", ".join(f"{name} ({role})" for role, name in dropped)
     return words
 
 
