@@ -136,6 +136,7 @@ def test_a_head_over_the_bound_is_431_and_a_body_over_it_413(listener):
     answers = _exchange(listener.port, b"GET /hello HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % len(body)
                         + body)
     assert _statuses(answers) == [413]
+    assert answers.startswith(b"HTTP/1.1 413 Content Too Large\r\n")  # RFC 9110's words, as the proxy's own
 
 
 def test_an_upgrade_request_is_answered_without_upgrading_and_the_connection_closed(listener):

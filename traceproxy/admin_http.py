@@ -47,6 +47,7 @@ from urllib.parse import unquote_to_bytes
 import httptools
 
 from .observe.listener import ConnectionListener
+from .reason_phrases import reason_phrase
 
 log = logging.getLogger("traceproxy.admin")
 
@@ -64,9 +65,6 @@ FEED_SLICE = 4096
 _HEAD_FED_BOUND = MAX_HEAD_BYTES + 2 * FEED_SLICE
 _MESSAGE_FED_BOUND = MAX_HEAD_BYTES + MAX_BODY_BYTES + 2 * FEED_SLICE
 SERVED_METHODS = (b"GET", b"HEAD")
-_REASON = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-           503: "Service Unavailable"}
 _TEXT = "text/plain; charset=utf-8"
 
 
@@ -353,8 +351,9 @@ class _Connection(asyncio.Protocol):
         return status, content_type, body, b""
 
     def _write(self, request: _Request, status: int, content_type: str, body: bytes, headers: bytes) -> None:
-        head = (f"HTTP/1.1 {status} {_REASON.get(status, 'Unknown')}\r\nDate: {formatdate(usegmt=True)}\r\n"
-                f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n").encode("latin-1") + headers
+        head = b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status)) + (
+            f"Date: {formatdate(usegmt=True)}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+        ).encode("latin-1") + headers
         if not request.keep_alive:
             head += b"Connection: close\r\n"
         elif request.http_1_0:

@@ -48,6 +48,7 @@ from collections.abc import Awaitable, Callable
 
 import httptools
 
+from ..reason_phrases import reason_phrase
 from .listener import ConnectionListener
 from .otlp_proto import length_delimited, varint
 
@@ -65,9 +66,6 @@ _INVALID_ARGUMENT, _RESOURCE_EXHAUSTED, _INTERNAL = 3, 8, 13  # google.rpc.Code
 STATUS = {"malformed": (400, _INVALID_ARGUMENT), "too_large": (413, _RESOURCE_EXHAUSTED),
           "unsupported_media_type": (415, _INVALID_ARGUMENT)}
 REASONS = tuple(STATUS)  # what a refusal is counted as
-_REASON_PHRASE = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
-                  408: b"Request Timeout", 413: b"Payload Too Large", 415: b"Unsupported Media Type",
-                  500: b"Internal Server Error"}
 _WBITS = {b"gzip": 31, b"x-gzip": 31, b"deflate": 15}  # deflate: zlib-wrapped, as RFC 9110 says
 
 
@@ -449,7 +447,7 @@ class _Connection(asyncio.Protocol):
     def _write(self, status: int, body: bytes, keep_alive: bool) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        head = [b"HTTP/1.1 %d %s" % (status, _REASON_PHRASE.get(status, b"Error")),
+        head = [b"HTTP/1.1 %d %s" % (status, reason_phrase(status)),
                 b"Content-Type: " + PROTOBUF.encode(), b"Content-Length: %d" % len(body)]
         if status == 405:
             head.append(b"Allow: POST")

@@ -5,22 +5,9 @@ from __future__ import annotations
 import json
 
 from ..lifecycle.flags import Outcome
+from ..reason_phrases import reason_phrase
 
 OUTCOME_HEADER = b"X-Traceproxy-Outcome"
-
-_REASONS = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    413: b"Content Too Large",
-    417: b"Expectation Failed",
-    414: b"URI Too Long",
-    431: b"Request Header Fields Too Large",
-    501: b"Not Implemented",
-    502: b"Bad Gateway",
-    503: b"Service Unavailable",
-    504: b"Gateway Timeout",
-    505: b"HTTP Version Not Supported",
-}
 
 
 def error_body(outcome: Outcome, message: str) -> bytes:
@@ -44,7 +31,7 @@ def error_response(
     body = error_body(outcome, message)
     version = b"HTTP/1.1" if client_http11 else b"HTTP/1.0"
     lines = [
-        b"%s %d %s\r\n" % (version, status, _REASONS.get(status, b"Error")),
+        b"%s %d %s\r\n" % (version, status, reason_phrase(status)),
         b"Content-Type: application/json\r\n",
         b"Content-Length: %d\r\n" % len(body),
         b"%s: %s\r\n" % (OUTCOME_HEADER, outcome.code.encode()),
