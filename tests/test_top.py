@@ -517,6 +517,21 @@ def test_request_ids_that_share_their_start_stay_apart_when_cut():
     assert rows[0] != rows[1] and rows[0].rstrip().endswith("t1") and rows[1].rstrip().endswith("t2")
 
 
+def test_cut_request_ids_lose_the_start_they_share_first():
+    # repro's reused and fresh connections' turns, on a terminal too narrow for them whole:
+    # the run's "repro-5db791-" says nothing that tells the rows apart, the rest does.
+    ids = ["repro-5db791-reused-c1-t1", "repro-5db791-fresh-c2-t1", "repro-5db791-reused-c1-t2"]
+    entries = [_entry(request_id=request_id, phase="streaming", age_s=2.9) for request_id in ids]
+    rows = top.render_table(entries, 62, use_color=False)[1:1 + len(ids)]
+    assert all(len(row) <= 62 for row in rows) and "repro-5db791-reused-c1-t1" not in rows[0]
+    for row, own in zip(rows, ("..reused-c1-t1", "..fresh-c2-t1", "..reused-c1-t2")):
+        assert row.rstrip().endswith(own), rows
+    # Too narrow for even the rows' own parts: their middle goes too, the ".." says where.
+    assert [top.clip_shared_start(i, 10, 13) for i in ids[:2]] == ["..reu..-t1", "..fre..-t1"]
+    # Ids that share nothing (32 hex digits each) are cut in their middle.
+    assert top.clip_shared_start("4bf92f3577b34da6a3ce929d0e0e4736", 12, 0) == "4bf92..e4736"
+
+
 def test_piped_frames_keep_every_row_and_screen_frames_fit_the_screen(monkeypatch):
     entries = [_entry(request_id=f"held-{n}") for n in range(40)]
     snapshot = top.Snapshot({"pid": 1, "count": 40, "requests": entries}, None)

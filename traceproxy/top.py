@@ -318,7 +318,7 @@ COLUMNS: tuple[Column, ...] = (
     # always stays, squeezed to a prefix to grep for.
     Column("METHOD PATH", _request_cell, FLEX_MAX_WIDTH, flexible=True, drop_rank=3),
     # Whole where there is room (a 32-hex id, repro's "repro-5db791-fresh-c1-t1"): one run's
-    # ids share their start, so a cut one keeps its end too ("repro..c1-t1").
+    # ids share their start, so a cut one loses that first ("re..fresh-c1-t1"), else its middle.
     Column("REQUEST ID", lambda e: e.get("request_id") or "-", 32, squeeze_width=8, keep_end=True),
     Column("CONN/SEQ", _connection_cell, 10, right=True, drop_rank=4),
     Column("UPSTREAM", _upstream_cell, 12, drop_rank=5),
@@ -350,6 +350,36 @@ def clip_middle(text: str, width: int) -> str:
         return text[-width:]
     head = (width - 2) // 2
     return text[:head] + ".." + text[len(text) - (width - 2 - head):]
+
+
+def clip_shared_start(text: str, width: int, shared: int) -> str:
+    """text cut to width where it says least: in the start it shares with every other row
+    (one repro run's "repro-5db791-"), so what tells the rows apart stays whole
+    ("r..reused-c1-t1" beside "re..fresh-c2-t1"); cut in its middle as well when even that
+    does not fit. Without a shared start, as ``clip_middle``."""
+    if len(text) <= width:
+        return text
+    own = text[shared:]
+    if not shared or width <= 6:
+        return clip_middle(text, width)
+    kept = width - 2 - len(own)
+    if kept >= 0:
+        return text[:kept] + ".." + own
+    return ".." + clip_middle(own, width - 2)
+
+
+def _shared_start(cells: list[str]) -> int:
+    """How many leading characters every one of several distinct cells shares, up to a
+    separator ("repro-5db791-fresh-c1-" of "...-t1" and "...-t2"), so that the rest is
+    whole words."""
+    distinct = set(cells)
+    if len(distinct) < 2:
+        return 0
+    start = os.path.commonprefix(sorted(distinct))
+    return max(start.rfind(separator) for separator in _ID_SEPARATORS) + 1
+
+
+_ID_SEPARATORS = "-_.:/"
 
 
 def _natural_width(column: Column, cells: list[str]) -> int:
@@ -420,10 +450,15 @@ def fit_columns(columns: tuple[Column, ...], rows: list[list[str]], width: int) 
     return [(i, widths[i]) for i in shown]
 
 
-def _join(cells: list[str], layout: list[tuple[int, int]], columns: tuple[Column, ...]) -> str:
+def _join(cells: list[str], layout: list[tuple[int, int]], columns: tuple[Column, ...],
+          shared: dict[int, int] | None = None) -> str:
+    """One line of cells; ``shared``: the start the rows share, by keep_end column index."""
     parts = []
     for (index, width), text in zip(layout, cells):
-        text = clip_middle(text, width) if columns[index].keep_end else clip(text, width)
+        if columns[index].keep_end:
+            text = clip_shared_start(text, width, shared.get(index, 0) if shared else 0)
+        else:
+            text = clip(text, width)
         parts.append(text.rjust(width) if columns[index].right else text.ljust(width))
     return GAP.join(parts).rstrip()
 
@@ -441,6 +476,7 @@ def render_table(entries: list[dict], width: int, use_color: bool = True,
     rows = [[c.cell(e) for c in columns] for e in entries]
     layout = fit_columns(columns, rows, width)
     title = _join([columns[i].title for i, _ in layout], layout, columns)
+    shared = {i: _shared_start([row[i] for row in rows]) for i, _ in layout if columns[i].keep_end}
     lines = [_paint(clip(title, width), BOLD, use_color)]
     note = hidden_note(columns, rows, layout, width)
     if max_rows is not None and note:
@@ -448,7 +484,7 @@ def render_table(entries: list[dict], width: int, use_color: bool = True,
     fits = max_rows is None or len(entries) <= max_rows
     shown = len(entries) if fits else max(max_rows - 1, 0)  # keep a line to say how many are hidden
     for entry, row in zip(entries[:shown], rows):
-        line = clip(_join([row[i] for i, _ in layout], layout, columns), width)
+        line = clip(_join([row[i] for i, _ in layout], layout, columns, shared), width)
         lines.append(_paint(line, ROW_COLORS.get(row_state(entry)), use_color))
     if not fits:
         lines.append(clip(f"... {len(entries) - shown} more not shown (a taller terminal shows them)", width))
