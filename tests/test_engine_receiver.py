@@ -242,6 +242,18 @@ def test_a_receiver_port_that_is_taken_is_an_error_naming_its_key(start_proxy, f
         taken.close()
 
 
+@pytest.mark.parametrize("key, port_of", [("engines.otlp_receiver", "http_port"),
+                                           ("engines.otlp_receiver_grpc", "grpc_port")])
+def test_a_receiver_port_another_proxy_listens_on_is_an_error_naming_its_key(start_proxy, fast_upstream, key,
+                                                                               port_of):
+    # gRPC would share the port (SO_REUSEPORT) unless told not to: the engines' spans
+    # would then be split between the two proxies without a word.
+    first = start_proxy(fast_upstream().url, **{key: "127.0.0.1:0"})
+    port = getattr(receiver(first), port_of)
+    with pytest.raises(OSError, match=rf"{key} 127.0.0.1:{port}: "):
+        start_proxy(fast_upstream().url, **{key: f"127.0.0.1:{port}"})
+
+
 def test_serve_check_names_the_receivers_and_nothing_when_they_are_off():
     from traceproxy.app import check_settings
 

@@ -96,7 +96,10 @@ class EngineSpans:
             raise OSError(exc.errno, f"engines.otlp_receiver {address}: {exc.strerror or exc}") from None
 
     async def _start_grpc(self, address) -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * MAX_BODY_BYTES)])
+        # gRPC sets SO_REUSEPORT by default on Linux: a second proxy given the same address
+        # would then listen beside the first and take half of the engines' spans, silently.
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * MAX_BODY_BYTES),
+                                          ("grpc.so_reuseport", 0)])
         handler = grpc.method_handlers_generic_handler(
             SERVICE, {"Export": grpc.unary_unary_rpc_method_handler(self._grpc_export)})  # bytes in, bytes out
         server.add_generic_rpc_handlers((handler,))
