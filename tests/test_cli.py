@@ -46,3 +46,19 @@ def test_each_command_still_has_its_own_arguments(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert flag in capsys.readouterr().out, command
+
+
+def test_the_fast_upstream_on_a_taken_port_says_so_in_one_line():
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        result = subprocess.run([sys.executable, "-m", "traceproxy", "upstream", "--listen",
+                                 f"127.0.0.1:{taken.getsockname()[1]}"], capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("traceproxy: stopped: ") and "address already in use" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1

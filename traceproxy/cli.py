@@ -161,6 +161,9 @@ def _upstream(args: argparse.Namespace) -> int:
         uvloop.run(serve())
     except KeyboardInterrupt:
         pass
+    except OSError as exc:  # the listen address taken, or not this machine's: as serve says it
+        print(f"traceproxy: stopped: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
