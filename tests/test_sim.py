@@ -227,6 +227,10 @@ def test_fault_table_parses_every_fault_and_rejects_bad_specs(capsys):
                 "slow_first_token:inf", "slow_first_token:nan", "idle_close:nan"):  # inf: a hang nothing ends
         with pytest.raises(FaultError):
             parse_fault(bad)
+    with pytest.raises(FaultError, match=r"^fault decode_stall:N needs a whole number, got 'x'$"):
+        parse_fault("decode_stall:x")
+    with pytest.raises(FaultError, match=r"needs a number, got 'soon'$"):
+        parse_fault("slow_first_token:soon")
     assert split_by_home(["prefill_stall", "decode_stall:3", "idle_close:1"]) == {
         "prefill": ["prefill_stall", "idle_close:1"], "decode": ["decode_stall:3", "idle_close:1"]}
     # The CLI help is generated from the same table.

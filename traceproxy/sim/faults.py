@@ -61,6 +61,8 @@ class FaultKind:
     meaning: str
 
 
+_ARGUMENT_WORDS = {int: "a whole number", float: "a number", str: "a word"}  # by FaultKind.convert
+
 FAULTS: dict[str, FaultKind] = {kind.name: kind for kind in (
     FaultKind("bootstrap_stall", None, None, None, "prefill",
               "the PD handshake never completes: prefill holds in prefill_bootstrap, decode waits in "
@@ -135,7 +137,8 @@ def parse_fault(spec: str) -> Fault:
     try:
         arg = kind.convert(raw.strip())
     except ValueError:
-        raise FaultError(f"fault {kind.name}:{kind.metavar} needs a {kind.convert.__name__}, got {raw!r}") from None
+        raise FaultError(f"fault {kind.name}:{kind.metavar} needs {_ARGUMENT_WORDS[kind.convert]}, got {raw!r}") \
+            from None
     if isinstance(arg, float) and not math.isfinite(arg):
         # An infinite delay would be a hang nothing ends (not even /admin/release).
         raise FaultError(f"fault {kind.name}: {kind.metavar} must be a finite number, got {raw!r}")
