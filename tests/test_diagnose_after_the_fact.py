@@ -8,6 +8,7 @@ import io
 import json
 
 from traceproxy.diagnose import Event, Span, _timeline_lines, find_requests, request_lines, run
+from traceproxy.observe import semconv as sc
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SERVER, ATTEMPT, STALL, THREAD = "00f067aa0ba902b7", "1111111111111111", "2222222222222222", "3333333333333333"
@@ -56,6 +57,18 @@ def test_after_the_client_left_the_stall_line_names_the_pd_stage_the_proxy_named
     assert "blame engine (kv_transfer: prefill prefill_transfer_kv_cache, sglang pid 20283; from spans)" \
         in stall_line, text
     assert stall_line.endswith("not resolved (the request ended stalled)"), stall_line
+
+
+def test_a_client_that_left_a_stalled_request_is_not_the_last_word():
+    # The outcome is DC, blame client, as it ended; the next line says what hung, before
+    # the error that explains the DC.
+    spans = _hung_in_kv_transfer_then_the_client_left()
+    spans[0].attributes[sc.ERROR_MESSAGE] = "client closed the connection"
+    lines = _report(spans).splitlines()
+    assert "outcome DC (client disconnected), blame client" in lines[1], lines
+    assert lines[2] == ("  the client left while the request was stalled: FBS in awaiting_upstream_headers, "
+                        "blame engine: that is the hang"), lines
+    assert lines[3] == "  error: client closed the connection", lines
 
 
 def test_a_request_that_ended_stalled_in_a_stage_whose_span_never_ended_is_not_called_finished():

@@ -606,15 +606,16 @@ def _outcome_lines(server: Span) -> list[str]:
     status = a.get(sc.HTTP_RESPONSE_STATUS_CODE)
     lines = [f"  {_request_line(server)} -> {'HTTP ' + str(status) if status else 'no response status'}   "
              f"outcome {a.get(sc.OUTCOME, '-')} ({a.get(sc.OUTCOME_NAME, '-')}), blame {a.get(sc.BLAME, '-')}"]
-    error = a.get(sc.ERROR_MESSAGE) or (server.status_message if server.status == "error" else "")
-    if error:
-        lines.append(f"  error: {error}")
     cause = _open_stall(server) if a.get(sc.BLAME) == "client" else None
     if cause is not None:
         # A harness that gives up on a hung request ends it DC (blame client); the
-        # hang it gave up on is the stall still open when it left.
+        # hang it gave up on is the stall still open when it left. Said straight under
+        # the outcome, which alone would send the reader to the client.
         lines.append(f"  the client left while the request was stalled: {cause.get(sc.STALL_OUTCOME, '-')} in "
                      f"{cause.get(sc.STALL_PHASE, '-')}, blame {cause.get(sc.BLAME, '-')}: that is the hang")
+    error = a.get(sc.ERROR_MESSAGE) or (server.status_message if server.status == "error" else "")
+    if error:
+        lines.append(f"  error: {error}")
     return lines
 
 
