@@ -267,6 +267,10 @@ def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, 
     assert main(["repro", "--url", url, "--conversations", "0"]) == 2
     assert main(["repro", "--url", url, "--header", "no colon"]) == 2
     capsys.readouterr()
+    # A run that never starts prints no plan: the error is all there is.
+    assert main(["repro", "--url", url, "--turn-timeout", "-1"]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and "turn timeout must be above 0" in refused.err
     # What h11 cannot send is refused before any turn, not a traceback inside one.
     assert main(["repro", "--url", url, "--path", "/a b"]) == 2
     assert "Illegal target characters: '/a b'" in capsys.readouterr().err

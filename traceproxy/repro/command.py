@@ -76,17 +76,20 @@ class LivePrinter:
             print("\n".join(turn_lines(record)), file=self.out, flush=True)
 
 
+def _print_plan(args: argparse.Namespace, out) -> None:
+    modes = ("reused", "fresh") if args.mode == BOTH else (args.mode,)
+    print(plan_line(args.url, args.admin, args.conversations, args.turns, modes, args.turn_timeout), file=out,
+          flush=True)
+
+
 def run(args: argparse.Namespace, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     try:
         headers = [parse_header(h) for h in args.header]
-        if not args.json:
-            modes = ("reused", "fresh") if args.mode == BOTH else (args.mode,)
-            print(plan_line(args.url, args.admin, args.conversations, args.turns, modes, args.turn_timeout),
-                  file=out, flush=True)
         result = run_repro(args.url, args.admin, args.conversations, args.turns, args.turn_timeout, args.mode,
                            headers, path=args.path, model=args.model, max_tokens=args.max_tokens,
-                           think=args.think, on_turn=None if args.json else LivePrinter(args.verbose, out))
+                           think=args.think, on_turn=None if args.json else LivePrinter(args.verbose, out),
+                           on_start=None if args.json else lambda: _print_plan(args, out))
     except (UsageError, TargetUnreachable) as exc:
         print(f"traceproxy repro: {exc}", file=err)
         return USAGE_EXIT

@@ -365,10 +365,13 @@ def _check_sendable(path: str, headers: tuple) -> None:
 def run_repro(url: str, admin: str | None = None, conversations: int = 2, turns: int = 3,
               turn_timeout: float = 30.0, mode: str = BOTH, extra_headers=None, *,
               path: str = DEFAULT_PATH, model: str = "traceproxy-repro", max_tokens: int = 16,
-              think: float = 0.0, on_turn: Callable[[TurnRecord], None] | None = None) -> ReproResult:
+              think: float = 0.0, on_turn: Callable[[TurnRecord], None] | None = None,
+              on_start: Callable[[], None] | None = None) -> ReproResult:
     """Run the harness; raises UsageError or TargetUnreachable before any turn runs.
 
     ``extra_headers``: (name, value) pairs or a dict, sent on every turn (auth, pacing).
+    ``on_start`` is called once the arguments are checked and the target answered, just
+    before the first turn (a plan printed earlier would announce a run that never starts).
     ``on_turn`` is called from the conversation threads as each turn ends.
     """
     modes = modes_for(mode)
@@ -390,6 +393,8 @@ def run_repro(url: str, admin: str | None = None, conversations: int = 2, turns:
     plan = Plan(host, port, path, admin_address, turns, turn_timeout, model, max_tokens, think, headers,
                 secrets.token_hex(3), Numbering(), on_turn, threading.Event(), span_file)
     result = ReproResult(url, admin, modes, conversations, turns, turn_timeout)
+    if on_start is not None:
+        on_start()
     started = time.monotonic()
     result.records = _run_conversations(plan, modes, conversations)
     result.elapsed_s = time.monotonic() - started
