@@ -22,7 +22,7 @@ import pytest
 
 from traceproxy.cli import main
 from traceproxy.repro import ReproResult, TargetUnreachable, TurnRecord, UsageError, run_repro
-from traceproxy.repro.harness import FAILED, HUNG, OK, parse_stream, trace_id_of
+from traceproxy.repro.harness import FAILED, HUNG, OK, Conversation, Numbering, Plan, parse_stream, trace_id_of
 from traceproxy.repro.inflight import IN_FLIGHT, LEFT_PROXY, NOT_REACHED, UNKNOWN, Diagnosis, locate
 from traceproxy.repro.report import (INDENT, NOT_REACHED_TEXT, failed_lines, hung_lines, result_document,
                                      summary_lines, verdict_key, verdict_text)
@@ -283,6 +283,24 @@ def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, 
         run_repro(url + "/v1", None)
     with pytest.raises(TargetUnreachable):
         run_repro(f"http://127.0.0.1:{free_port()}", None)
+
+
+@pytest.mark.parametrize("header", ["Content-Length: 5", "Transfer-Encoding: chunked", "connection: close",
+                                    "X-Request-Id: mine"])
+def test_a_header_repro_sets_itself_is_a_usage_error_before_any_turn(header, capsys):
+    # A second Content-Length made h11 raise inside every turn's thread; a Connection
+    # header would undo --mode.
+    assert main(["repro", "--url", f"http://127.0.0.1:{free_port()}", "--header", header]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.startswith(f"traceproxy repro: cannot send a {header.split(':')[0]} header: ")
+    assert "Traceback" not in said.err
+
+
+def test_a_given_host_replaces_repros_own():
+    plan = Plan("127.0.0.1", 9, "/v1/chat/completions", None, 1, 1.0, "m", 4, 0.0, (("Host", "api.example"),),
+                "abc123", Numbering(), None, threading.Event())
+    request = Conversation(plan, "fresh", 1)._request("rid", 10)
+    assert [value for name, value in request.headers if name == b"host"] == [b"api.example"]
 
 
 # ----------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
                         help="idle time between turns, as an agent running tools (default: 0)")
     parser.add_argument("--header", "-H", action="append", default=[], metavar="'NAME: VALUE'",
-                        help="an extra request header (repeatable)")
+                        help="an extra request header (repeatable); a Host replaces repro's own, while "
+                        "Content-Length, Transfer-Encoding, Connection and x-request-id are repro's to set")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every turn, not only hung and failed ones")
     parser.add_argument("--json", action="store_true", help="print one JSON document with every turn instead")
     return parser

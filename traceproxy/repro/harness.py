@@ -310,9 +310,10 @@ class Conversation:
             self.conn = None
 
     def _request(self, request_id: str, length: int) -> h11.Request:
-        headers = [("Host", f"{self.plan.host}:{self.plan.port}"), ("Content-Type", "application/json"),
-                   ("Accept", "text/event-stream"), ("User-Agent", USER_AGENT), ("x-request-id", request_id),
-                   *self.plan.extra_headers, ("Content-Length", str(length))]
+        given_host = any(name.lower() == "host" for name, _ in self.plan.extra_headers)
+        headers = [*([] if given_host else [("Host", f"{self.plan.host}:{self.plan.port}")]),
+                   ("Content-Type", "application/json"), ("Accept", "text/event-stream"), ("User-Agent", USER_AGENT),
+                   ("x-request-id", request_id), *self.plan.extra_headers, ("Content-Length", str(length))]
         return h11.Request(method="POST", target=self.plan.path, headers=headers)
 
     def _body(self) -> bytes:
@@ -353,8 +354,22 @@ def _judge(answer: Exchange, record: TurnRecord) -> str:
 # ----------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------
+# Headers repro sets itself, each for a reason a second copy would undo.
+_OWN_HEADERS = {
+    "content-length": "repro frames each request body itself",
+    "transfer-encoding": "repro frames each request body itself",
+    "connection": "--mode decides whether a connection is reused",
+    "x-request-id": "repro gives every turn an id of its own, to find it in the proxy",
+}
+
+
 def _check_sendable(path: str, headers: tuple) -> None:
-    """A path or header h11 would refuse to send is a usage error, found before any turn runs."""
+    """A path or header h11 would refuse to send, or one repro sets itself, is a usage
+    error, found before any turn runs (a Host given replaces repro's own)."""
+    for name, _ in headers:
+        why = _OWN_HEADERS.get(name.lower())
+        if why is not None:
+            raise UsageError(f"cannot send a {name} header: {why}")
     try:
         h11.Request(method="POST", target=path, headers=[("Host", "localhost"), *headers])
     except h11.LocalProtocolError as exc:
