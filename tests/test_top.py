@@ -408,6 +408,21 @@ def test_once_reports_an_answer_of_the_wrong_shape_instead_of_a_traceback(docume
     assert code == 2 and out == "" and "is this the admin port?" in err, err
 
 
+def test_once_against_another_http_server_says_it_answered_but_is_not_the_admin_listener(capsys):
+    # Such as python's http.server on the port given: reached, so "cannot reach" would mislead.
+    def answer(conn, server):
+        conn.sendall(b"HTTP/1.1 404 File not found\r\nContent-Type: text/html\r\nContent-Length: 9\r\n\r\nnot found")
+
+    server = _OddAdmin(answer)
+    try:
+        code, out, err = _top_in_process(capsys, "--admin", f"127.0.0.1:{server.port}", "--once", "--no-color")
+    finally:
+        server.close()
+    assert code == 2 and out == "", err
+    assert err.strip() == (f"traceproxy top: http://127.0.0.1:{server.port}/debug/inflight answered, but not as the "
+                           "traceproxy admin listener does: HTTP 404 (is this the admin port?)"), err
+
+
 @pytest.mark.parametrize("interval", ["inf", "1e300", "nan", "0"])
 def test_an_interval_that_cannot_be_slept_is_a_usage_error(interval, capsys):
     code, _, err = _top_in_process(capsys, "--admin", "127.0.0.1:1", "--interval", interval, "--once")

@@ -123,12 +123,24 @@ def positive_seconds(text: str) -> float:
 
 
 class AdminUnreachable(Exception):
-    """The admin listener did not answer with the JSON expected; ``str()`` names the URL."""
+    """The admin listener did not answer with the JSON expected; ``str()`` names the URL.
+    ``reached``: something answered there, only not as traceproxy's admin listener does
+    (another server, or the proxy's own port), which is told apart from no answer."""
 
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"cannot reach the traceproxy admin listener at {url}: {reason}")
+    def __init__(self, url: str, reason: str, reached: bool = False) -> None:
+        super().__init__(self.headline_of(url, reached) + f": {reason}" + (NOT_ADMIN_HINT if reached else ""))
         self.url = url
         self.reason = reason
+        self.reached = reached
+
+    @staticmethod
+    def headline_of(url: str, reached: bool) -> str:
+        if reached:
+            return f"{url} answered, but not as the traceproxy admin listener does"
+        return f"cannot reach the traceproxy admin listener at {url}"
+
+
+NOT_ADMIN_HINT = " (is this the admin port?)"
 
 
 @dataclass(frozen=True)
@@ -162,15 +174,15 @@ def fetch_json(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict:
     found = _json_object(bytes(answer.body))
     if found is None:
         if answer.status is not None and answer.status >= 400:
-            raise AdminUnreachable(url, f"HTTP {answer.status}")
-        raise AdminUnreachable(url, "the answer is not a JSON object (is this the admin port?)")
+            raise AdminUnreachable(url, f"HTTP {answer.status}", reached=True)
+        raise AdminUnreachable(url, "the answer is not a JSON object", reached=True)
     return found
 
 
 def fetch_snapshot(base_url: str, timeout: float = FETCH_TIMEOUT_S) -> Snapshot:
     inflight = fetch_json(f"{base_url}/debug/inflight", timeout)
     if not isinstance(inflight.get("requests"), list):
-        raise AdminUnreachable(f"{base_url}/debug/inflight", "the answer has no list of requests")
+        raise AdminUnreachable(f"{base_url}/debug/inflight", "the answer has no list of requests", reached=True)
     if isinstance(inflight.get("health"), dict):  # the same moment as the entries, from every worker
         return Snapshot(inflight, inflight["health"])
     try:
@@ -641,7 +653,8 @@ def render_frame(snapshot: Snapshot, base_url: str, width: int, clock: str, use_
 
 def render_unreachable(error: AdminUnreachable, width: int, clock: str, interval: float) -> list[str]:
     """The retry screen, wrapped rather than cut so the URL is always there in full."""
-    text = [f"cannot reach the traceproxy admin listener at {error.url}", f"({error.reason})",
+    text = [AdminUnreachable.headline_of(error.url, error.reached),
+            f"({error.reason}{NOT_ADMIN_HINT if error.reached else ''})",
             f"retrying every {interval:g}s ({clock}); Ctrl-C to quit"]
     return [piece for line in text for piece in textwrap.wrap(line, max(width, 20))]
 
@@ -665,9 +678,8 @@ def _frame(snapshot: Snapshot, base_url: str, width: int, use_color: bool, heigh
     try:
         return render_frame(snapshot, base_url, width, _clock(), use_color, height)
     except (AttributeError, TypeError, ValueError, KeyError):
-        raise AdminUnreachable(f"{base_url}/debug/inflight",
-                               "the answer is not what traceproxy's admin listener sends (is this the admin port?)"
-                               ) from None
+        raise AdminUnreachable(f"{base_url}/debug/inflight", "its fields are not of the kinds expected",
+                               reached=True) from None
 
 
 def run_once(base_url: str, use_color: bool) -> int:
