@@ -139,8 +139,14 @@ def test_bench_rejects_unknown_scenario_and_target():
     (["--scale", "1e308"], "--scale must be a number > 0 and at most 100"),
     (["--proxy-cmd", "{foo}"], "only {port} and {upstream_port} are filled in"),
     (["--proxy-cmd", "nginx -g {port"], "only {port} and {upstream_port} are filled in"),
+    (["--scenarios", ""], "no scenario named in ''"),  # not every scenario
+    (["--targets", ""], "no target named in ''"),  # not the default targets
+    (["--reps", "0"], "--reps must be from 1 to 100, got 0"),
+    (["--reps", "99999999999"], "--reps must be from 1 to 100, got 99999999999"),
+    (["--load-procs", "0"], "--load-procs must be from 1 to 64, got 0"),
 ], ids=["unknown-key", "bad-value", "no-equals", "listen", "admin", "scale-inf", "scale-nan", "no-scenario", "json-dir",
-        "json-unwritable", "scale-huge", "cmd-unknown-field", "cmd-open-brace"])
+        "json-unwritable", "scale-huge", "cmd-unknown-field", "cmd-open-brace", "empty-scenarios", "empty-targets",
+        "no-reps", "endless-reps", "no-load-procs"])
 def test_bench_refuses_bad_arguments_before_starting_anything(argv, message):
     result = run_bench(*argv)
     assert result.returncode == 2

@@ -39,6 +39,8 @@ from .session import Session
 
 QUICK_SCALE = 0.25
 MAX_SCALE = 100.0  # connection counts, rounds and durations times this must stay countable
+MAX_REPS = 100  # a hundred interleaved reps of every scenario is hours already
+MAX_LOAD_PROCS = 64
 MAX_ENGINE_SPAN_LOAD = 5000.0  # requests a second per emulated worker; far past what one Python process sends
 
 
@@ -91,8 +93,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
     parser = build_parser()
     args = parser.parse_args(argv)
     factor = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
-    if not (math.isfinite(factor) and 0 < factor <= MAX_SCALE) or args.reps < 1 or args.load_procs < 1:
-        parser.error(f"--scale must be a number > 0 and at most {MAX_SCALE:g}, --reps and --load-procs >= 1")
+    if not (math.isfinite(factor) and 0 < factor <= MAX_SCALE):
+        parser.error(f"--scale must be a number > 0 and at most {MAX_SCALE:g}, got {factor:g}")
+    if not 1 <= args.reps <= MAX_REPS:
+        parser.error(f"--reps must be from 1 to {MAX_REPS}, got {args.reps}")
+    if not 1 <= args.load_procs <= MAX_LOAD_PROCS:
+        parser.error(f"--load-procs must be from 1 to {MAX_LOAD_PROCS}, got {args.load_procs}")
     if not 1 <= args.workers <= 64:
         parser.error(f"--workers must be from 1 to 64, got {args.workers}")
     if not (math.isfinite(args.scrape_every) and 0 <= args.scrape_every <= 3600):
@@ -102,7 +108,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
                      f"got {args.engine_span_load:g}")
     args.factor = factor
     try:
-        args.targets = parse_targets(args.targets or default_targets(args.proxy_cmd))
+        # Given empty ('--targets ""'), a list names nothing: an error, never the defaults.
+        args.targets = parse_targets(default_targets(args.proxy_cmd) if args.targets is None else args.targets)
         check_proxy_settings(args.proxy_set)
         check_proxy_cmd(args.proxy_cmd)
         check_json_path(args.json)
@@ -173,8 +180,10 @@ def parse_targets(text: str) -> tuple[str, ...]:
     """Comma-separated target names, in the table's canonical order."""
     wanted = {t.strip().lower() for t in text.split(",") if t.strip()}
     unknown = sorted(wanted - set(report.TARGETS))
-    if unknown or not wanted:
-        raise ValueError(f"unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(report.TARGETS)}")
+    if not wanted:
+        raise ValueError(f"no target named in {text!r}; choose from {', '.join(report.TARGETS)}")
+    if unknown:
+        raise ValueError(f"unknown target {', '.join(unknown)}; choose from {', '.join(report.TARGETS)}")
     return tuple(t for t in report.TARGETS if t in wanted)
 
 

@@ -125,8 +125,9 @@ def scaled(scenario: Scenario, factor: float) -> Scenario:
 
 
 def select(names: str | None, factor: float) -> list[Scenario]:
-    """Scenarios by comma-separated names (case-insensitive), all by default, scaled."""
-    if not names:
+    """Scenarios by comma-separated names (case-insensitive), all when None, scaled. Names
+    given empty ('--scenarios ""') name nothing: an error, never all of them."""
+    if names is None:
         chosen = list(SCENARIOS)
     else:
         wanted = [n.strip().upper() for n in names.split(",") if n.strip()]
