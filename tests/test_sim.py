@@ -682,11 +682,26 @@ def test_the_default_router_is_the_first_installed(monkeypatch):
     (["--router", "vllm-router"], "traceproxy sim: --router vllm-router: vllm-router is not installed"
                                   " (pip install vllm-router)\n"),
     (["--router", "smg", "--no-router"], "traceproxy sim: --router and --no-router contradict each other\n"),
+    (["--no-router", "--router-arg=--policy=random"],
+     "traceproxy sim: --router-arg and --no-router contradict each other\n"),
 ])
 def test_a_router_that_cannot_run_is_a_one_line_error_before_anything_starts(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(RouterKind, "installed", property(lambda kind: kind.name != "vllm-router"))
     assert _exit_status(["sim", *argv]) == 2
     assert capsys.readouterr().err == message
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["worker", "--role", "decode", "--prefill-url", "ftp://prefill:1"], "expected http://HOST:PORT (no path)"),
+    (["worker", "--role", "decode", "--prefill-url", "http://[::1"], "expected http://HOST:PORT (no path)"),
+    (["worker", "--role", "prefill", "--prefill-url", "http://prefill:1"], "--prefill-url is for a decode worker"),
+    (["--model", ""], "expected a model name"),
+])
+def test_a_worker_argument_that_could_never_work_is_refused_at_once(capsys, argv, said):
+    # Before, a bad --prefill-url showed only once a request polled the prefill.
+    assert _exit_status(["sim", *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("argv, installed", [(["--no-router"], True), ([], False)])

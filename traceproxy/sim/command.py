@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="(default: 127.0.0.1:0)")
     worker.add_argument("--bootstrap-port", type=port_argument, default=0,
                         help="prefill only: KV bootstrap port (0: free)")
-    worker.add_argument("--prefill-url", default=None, metavar="URL",
+    worker.add_argument("--prefill-url", type=upstream_url_argument, default=None, metavar="URL",
                         help="decode only: poll this prefill worker's GET /bootstrap/{room} instead of the "
                         "bootstrap address the router puts in the body (e.g. http://prefill:30001)")
     _add_worker_arguments(worker)
@@ -109,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault", action="append", default=[], metavar="NAME[:ARG]",
                         help="a worker-wide fault (see below); repeatable")
-    parser.add_argument("--model", default="sim-llama", help="served model name (default: sim-llama)")
+    parser.add_argument("--model", type=model_argument, default="sim-llama",
+                        help="served model name (default: sim-llama)")
     parser.add_argument("--prefill-tps", type=float, default=8000.0, help="prefill tokens/s (default 8000)")
     parser.add_argument("--decode-tps", type=float, default=100.0, help="decode tokens/s per request (default 100)")
     parser.add_argument("--otlp-endpoint", default=None, metavar="ENDPOINT",
@@ -180,6 +181,13 @@ def seconds_argument(text: str) -> float:
     return value
 
 
+def model_argument(text: str) -> str:
+    """A served model name: the routers route by it, and requests name it."""
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError(f"expected a model name without surrounding spaces, got {text!r}")
+    return text
+
+
 def upstream_url_argument(text: str) -> str:
     """http://HOST[:PORT], the only kind of URL the faulty proxy forwards to."""
     try:
@@ -206,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
         faults = parse_faults(args.fault)
         if args.sim_command == "worker":
             check_role(faults, args.role, pd=True)  # the deployment sends each fault to its home itself
+            if args.prefill_url is not None and args.role != "decode":
+                raise ValueError("--prefill-url is for a decode worker (--role decode): it says where to poll the "
+                                 "prefill's bootstrap")
         _check_rates(args)
         # Checked whether or not --faulty-proxy is given: a bad value is a mistake either way.
         hang_after = _hang_after(args.hang_after) if args.sim_command is None else 1
@@ -241,8 +252,9 @@ def run(args: argparse.Namespace) -> int:
 def _chosen_router(args: argparse.Namespace, installed) -> bool | str | None:
     """What to pass SimDeployment as ``router``; None (after saying why) when it cannot run."""
     if args.no_router:
-        if args.router is not None:
-            print("traceproxy sim: --router and --no-router contradict each other", file=sys.stderr)
+        if args.router is not None or args.router_arg:
+            given = "--router" if args.router is not None else "--router-arg"
+            print(f"traceproxy sim: {given} and --no-router contradict each other", file=sys.stderr)
             return None
         return False
     if args.router is not None:
