@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import tomllib
 from typing import Any, Mapping
 
@@ -13,16 +14,48 @@ from .flags import given_flags
 from .sections import BY_DOTTED, BY_ENV, CONFIG_ENV, ENV_PREFIX, SECTIONS, Raw, Settings, build, defaults, parse
 
 
+# Far above any real config file (the shipped one, every key with its meaning, is some
+# tens of KiB): past it the path names something else, such as /dev/zero or a log.
+MAX_CONFIG_BYTES = 1024 * 1024
+
+_NOT_A_FILE = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
 def _read_toml(path: str, source: str) -> dict[str, Any]:
+    named = f"config file {path} (from {source})"
+    if not path.strip():
+        raise ConfigError(f"the config file's path (from {source}) is empty: expected the path of a TOML file")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        data = _read_regular_file(path, named)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} (from {source}) does not exist") from None
+        raise ConfigError(f"{named} does not exist") from None
     except OSError as e:
-        raise ConfigError(f"config file {path} (from {source}) cannot be read: {e.strerror}") from None
+        raise ConfigError(f"{named} cannot be read: {e.strerror or e}") from None
+    try:
+        # utf-8-sig: editors on Windows may begin the file with a byte-order mark.
+        return tomllib.loads(data.decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _read_regular_file(path: str, named: str) -> bytes:
+    """The file's bytes, if it is a regular file within MAX_CONFIG_BYTES. Opened without
+    blocking and judged by what was opened: a FIFO with no writer would block open()
+    itself, and a device such as /dev/zero would be read forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = next((name for is_it, name in _NOT_A_FILE if is_it(mode)), "not a regular file")
+            raise ConfigError(f"{named} is {what}, not a file: expected the path of a TOML file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{named} is over {MAX_CONFIG_BYTES // (1024 * 1024)} MiB: is it the config file?")
+    return data
 
 
 def _file_values(doc: Mapping[str, Any], where: str) -> Raw:
