@@ -117,6 +117,24 @@ def http_urls() -> Kind:
 _GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
 
 
+def _collector_url(value: str) -> str:
+    """``value`` if it is a URL the OTLP exporters can send to: what urlsplit refuses here,
+    they refuse at every export (requests says "Failed to parse")."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+    except ValueError as exc:  # an unclosed [ or a bracketed host that is not IPv6
+        raise Rejected(f"not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        port = 0
+    if port == 0:
+        raise Rejected("its port is not a number from 1 to 65535")
+    return value
+
+
 def collector_endpoint() -> Kind:
     """An OTLP collector's URL (http:// or https://, a host, a port if any), or for
     gRPC HOST:PORT or one of gRPC's own targets; empty for the OTEL_* variables."""
@@ -132,10 +150,7 @@ def collector_endpoint() -> Kind:
         if "://" not in value:
             _split_host_port(value, default_port=None, min_port=1)
             return value
-        parts = urllib.parse.urlsplit(value)  # ValueError for an unclosed IPv6 bracket
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.port == 0:
-            raise ValueError  # (parts.port itself raises ValueError for a port out of range)
-        return value
+        return _collector_url(value)
 
     return Kind(parse, "an http(s):// URL such as http://127.0.0.1:4318; for gRPC also HOST:PORT or a gRPC "
                 "target such as unix:///run/otel.sock; or empty", "URL")

@@ -8,7 +8,8 @@ import errno
 import os
 from pathlib import Path
 
-from .errors import ConfigError
+from .addresses import collector_endpoint
+from .errors import ConfigError, Rejected
 from .sections import Settings
 
 
@@ -17,20 +18,37 @@ def named_setting(settings: Settings, dotted: str, value: str) -> str:
     return f"{dotted} = {value!r} (from {settings.source(dotted)})"
 
 
-def check_http_endpoint(settings: Settings, environ) -> None:
-    """http/protobuf posts to a URL: a HOST:PORT or gRPC target (valid for gRPC) would
-    fail every export later, each time with the HTTP client's own words."""
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def check_otlp_endpoint(settings: Settings, environ, protocol: str) -> None:
+    """The collector endpoint the exporter will use, tracing.otlp_endpoint or else the
+    OTEL_* variable that gives it, judged by the one rule the key is loaded with: a
+    variable the key would refuse fails every export later, in the client's own words."""
     endpoint = settings.tracing.otlp_endpoint
     if endpoint:
         named = named_setting(settings, "tracing.otlp_endpoint", endpoint)
     else:
-        variable = next((name for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-                         if environ.get(name)), None)
-        endpoint = environ[variable] if variable else ""
+        variable = next((name for name in _ENDPOINT_VARIABLES if environ.get(name)), None)
+        if variable is None:
+            return
+        endpoint = environ[variable]
         named = f"{variable} = {endpoint!r} (from env)"
-    if endpoint and not endpoint.strip().lower().startswith(("http://", "https://")):
+    if protocol == "http/protobuf" and not endpoint.strip().lower().startswith(("http://", "https://")):
+        # http/protobuf posts to a URL: HOST:PORT and gRPC targets are gRPC's forms.
         raise ConfigError(f"{named}: OTLP over http/protobuf needs an http:// or https:// URL such as "
                           f"http://127.0.0.1:4318; HOST:PORT and gRPC targets are for tracing.otlp_protocol = grpc")
+    rule = collector_endpoint()
+    try:
+        rule.parse(endpoint)
+    except ValueError as exc:
+        reason = f"{exc}; " if isinstance(exc, Rejected) else ""
+        raise ConfigError(f"{named}: {reason}expected {rule.expected}") from None
+
+
+def check_http_endpoint(settings: Settings, environ) -> None:
+    """``check_otlp_endpoint`` for OTLP over http/protobuf."""
+    check_otlp_endpoint(settings, environ, "http/protobuf")
 
 
 def check_appendable(settings: Settings, dotted: str, path: str, create: bool = True) -> None:

@@ -1,0 +1,84 @@
+"""The collector endpoint: tracing.otlp_endpoint and the OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT
+variables that stand in for it are judged by one rule, so that an endpoint every export
+would fail on is refused at startup naming where it came from."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from traceproxy.config import (ConfigError, check_http_endpoint, check_otlp_endpoint, collector_endpoint,
+                               default_settings, load_settings)
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIABLES = ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"]
+# URLs the OTLP exporters cannot send to: every export would fail ("Failed to parse").
+UNUSABLE_URLS = ["http://[::1", "http://collector:99999", "http://collector:abc", "http://[::zz]:4318",
+                 "http://collector:0"]
+
+
+@pytest.mark.parametrize("variable", VARIABLES)
+@pytest.mark.parametrize("url", UNUSABLE_URLS)
+def test_an_unusable_url_in_the_variable_is_refused_naming_the_variable(variable, url):
+    with pytest.raises(ConfigError) as error:
+        check_http_endpoint(default_settings(), {variable: url})
+    assert str(error.value).startswith(f"{variable} = {url!r} (from env): ")
+    assert "expected an http(s):// URL" in str(error.value)
+
+
+@pytest.mark.parametrize("url", UNUSABLE_URLS + ["http://collector:4318", "https://[::1]:4318/v1/traces",
+                                                  "http://collector", "collector:4318", "not a url"])
+def test_the_key_and_the_variable_accept_the_same_urls(url):
+    def accepted(check) -> bool:
+        try:
+            check()
+        except (ConfigError, ValueError):
+            return False
+        return True
+
+    by_key = accepted(lambda: check_http_endpoint(load_settings({"tracing.otlp_endpoint": url}, environ={}), {}))
+    by_variable = accepted(lambda: check_http_endpoint(default_settings(), {VARIABLES[0]: url}))
+    assert by_key == by_variable
+
+
+def test_the_traces_variable_is_the_one_judged_when_both_are_set():
+    environ = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://[::1", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://ok:4318"}
+    with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = 'http://\[::1'"):
+        check_http_endpoint(default_settings(), environ)
+
+
+def test_the_key_wins_over_the_variables_and_is_named():
+    settings = load_settings({"tracing.otlp_endpoint": "http://collector:4318"}, environ={})
+    check_http_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"})  # not the one used
+
+
+def test_over_grpc_a_variable_is_judged_by_the_same_rule():
+    settings = default_settings()
+    for target in ("collector:4317", "unix:///run/otel.sock", "https://collector:4317"):
+        check_otlp_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": target}, "grpc")
+    with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_ENDPOINT = 'http://\[::1' \(from env\): not a URL"):
+        check_otlp_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "grpc")
+    with pytest.raises(ConfigError, match="OTLP over http/protobuf needs an http:// or https:// URL"):
+        check_otlp_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4317"}, "http/protobuf")
+
+
+def test_the_reason_says_what_is_wrong_with_the_url():
+    kind = collector_endpoint()
+    for url, reason in (("http://[::1", "not a URL"), ("http://collector:99999", "its port is not a number from 1 "
+                                                                               "to 65535")):
+        with pytest.raises(ValueError, match=reason):
+            kind.parse(url)
+
+
+@pytest.mark.parametrize("variable", VARIABLES)
+def test_serve_check_exits_2_naming_the_variable(tmp_path, variable):
+    clean = {name: value for name, value in os.environ.items() if not name.startswith(("TRACEPROXY_", "OTEL_"))}
+    checked = subprocess.run([sys.executable, "-m", "traceproxy", "serve", "--check", "--admin", "off",
+                              "--tracing-exporter", "otlp"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env={**clean, "PYTHONPATH": str(ROOT), variable: "http://[::1"})
+    assert checked.returncode == 2 and checked.stdout == ""
+    assert checked.stderr.startswith(f"traceproxy: configuration error: {variable} = 'http://[::1' (from env): ")
