@@ -213,6 +213,25 @@ def test_boolean_words_from_env(word, expected):
     assert forwarding == Forwarding(preserve_host=expected, x_forwarded=expected)
 
 
+SECONDS_KEYS = [s.dotted for s in SCHEMA if s.kind.metavar == "SECONDS"]
+
+
+@pytest.mark.parametrize("dotted", SECONDS_KEYS)
+def test_every_duration_refuses_a_value_under_a_millisecond_naming_the_key(dotted):
+    with pytest.raises(ConfigError) as error:
+        load_settings({dotted: "1e-300"}, environ={})
+    assert str(error.value).startswith(f"{dotted} = '1e-300' (from flag ") and "1e-300 s is under" in str(error.value)
+
+
+def test_a_duration_argument_of_another_command_has_the_same_floor():
+    from traceproxy.config import seconds_argument
+
+    never = seconds_argument(zero="never")
+    assert (never("0"), never("0.001")) == (0.0, 0.001)
+    with pytest.raises(argparse.ArgumentTypeError, match="under 0.001 s.*at least 0.001 s, or 0 for never"):
+        never("1e-300")
+
+
 def test_native_toml_values(tmp_path):
     toml = "workers = 4\nadmin_public = true\n[timeouts]\nconnect = 2\n[forwarding]\npreserve_host = false\n"
     settings = load(tmp_path, toml=toml)
@@ -235,6 +254,11 @@ BOUNDARY_VALUES = [
     ("tracing.otlp_endpoint", "http://collector:4318/v1/traces", "http://collector:4318/v1/traces"),
     ("tracing.otlp_endpoint", "collector:4317", "collector:4317"),
     ("tracing.otlp_endpoint", "unix:///run/otel.sock", "unix:///run/otel.sock"),
+    ("timeouts.connect", "0.001", 0.001),  # the shortest duration
+    ("stall.first_byte", "0.001", 0.001),
+    ("stall.first_byte", "0", 0.0),  # off
+    ("engines.scrape_interval", "0.05", 0.05),  # the scraper's floor
+    ("access_log.path", "", ""),  # off
 ]
 
 
@@ -274,16 +298,16 @@ def test_admin_addresses_accepted(tmp_path, argv, expected):
 
 ERROR_CASES = [
     ("bad-float", {"env": {"TRACEPROXY_TIMEOUTS_CONNECT": "abc"}},
-     ["timeouts.connect", "env TRACEPROXY_TIMEOUTS_CONNECT", "'abc'", "a number of seconds > 0"]),
+     ["timeouts.connect", "env TRACEPROXY_TIMEOUTS_CONNECT", "'abc'", "a number of seconds, at least 0.001 s,"]),
     ("infinite-float", {"argv": ["--timeouts-upstream-read", "inf"]},
-     ["timeouts.upstream_read", "flag --timeouts-upstream-read", "'inf'", "seconds >= 0 (0 = off)"]),
+     ["timeouts.upstream_read", "flag --timeouts-upstream-read", "'inf'", "at least 0.001 s, or 0 for off"]),
     ("negative-timeout", {"argv": ["--timeouts-client-body", "-1"]},
-     ["timeouts.client_body", "flag --timeouts-client-body", "'-1'", "seconds >= 0 (0 = off)"]),
+     ["timeouts.client_body", "flag --timeouts-client-body", "'-1'", "at least 0.001 s, or 0 for off"]),
     ("zero-connect-timeout", {"toml": "[timeouts]\nconnect = 0\n"},
-     ["timeouts.connect", "file {path}", "= 0 ", "seconds > 0"]),
+     ["timeouts.connect", "file {path}", "= 0 ", "seconds, at least 0.001 s, at most"]),
     ("zero-keepalive", {"env": {"TRACEPROXY_TIMEOUTS_CLIENT_KEEPALIVE": "0"}},
-     ["timeouts.client_keepalive", "env TRACEPROXY_TIMEOUTS_CLIENT_KEEPALIVE", "seconds > 0"]),
-    ("zero-pool-idle", {"toml": "[pool]\nidle_timeout = 0.0\n"}, ["pool.idle_timeout", "seconds > 0"]),
+     ["timeouts.client_keepalive", "env TRACEPROXY_TIMEOUTS_CLIENT_KEEPALIVE", "seconds, at least 0.001 s, at most"]),
+    ("zero-pool-idle", {"toml": "[pool]\nidle_timeout = 0.0\n"}, ["pool.idle_timeout", "at least 0.001 s, at most"]),
     # Finite, but past what nanosecond deadlines and timers hold: refused, not a crash later.
     ("huge-seconds", {"argv": ["--pool-idle-timeout", "1e300"]},
      ["pool.idle_timeout", "flag --pool-idle-timeout", "'1e300'", "at most 31536000 (a year)"]),
@@ -297,7 +321,7 @@ ERROR_CASES = [
     ("collector-endpoint-bad-port", {"env": {"TRACEPROXY_TRACING_OTLP_ENDPOINT": "http://collector:99999"}},
      ["tracing.otlp_endpoint", "env TRACEPROXY_TRACING_OTLP_ENDPOINT", "an http(s):// URL"]),
     ("bad-file-value-under-a-flag", {"toml": '[timeouts]\nconnect = "abc"\n', "argv": ["--timeouts-connect", "1"]},
-     ["timeouts.connect", "file {path}", "'abc'", "a number of seconds > 0"]),
+     ["timeouts.connect", "file {path}", "'abc'", "a number of seconds, at least 0.001 s"]),
     ("bad-env-value-under-a-flag", {"env": {"TRACEPROXY_TIMEOUTS_CONNECT": "bogus"}, "argv": ["--timeouts-connect", "1"]},
      ["timeouts.connect", "env TRACEPROXY_TIMEOUTS_CONNECT", "'bogus'"]),
     ("host-port-missing-port", {"argv": ["--listen", "localhost"]},
@@ -348,7 +372,7 @@ ERROR_CASES = [
     ("workers-too-many", {"env": {"TRACEPROXY_WORKERS": "65"}}, ["workers", "'65'", "an integer from 1 to 64"]),
     ("workers-float", {"toml": "workers = 2.0\n"}, ["workers", "2.0", "an integer from 1 to 64"]),
     ("bool-where-int", {"toml": "workers = true\n"}, ["workers = True", "an integer from 1 to 64"]),
-    ("bool-where-float", {"toml": "[timeouts]\nconnect = true\n"}, ["timeouts.connect = True", "seconds > 0"]),
+    ("bool-where-float", {"toml": "[timeouts]\nconnect = true\n"}, ["timeouts.connect = True", "at least 0.001 s"]),
     ("bad-bool", {"env": {"TRACEPROXY_FORWARDING_X_FORWARDED": "maybe"}},
      ["forwarding.x_forwarded", "'maybe'", "true or false"]),
     ("int-where-bool", {"toml": "[forwarding]\npreserve_host = 1\n"},
@@ -364,6 +388,21 @@ ERROR_CASES = [
      ["engines.probe_path", "in printable ASCII (percent-encode the rest)"]),
     ("probe-path-control-char", {"argv": ["--engines-probe-path", "/health\x00"]},
      ["engines.probe_path", "in printable ASCII"]),
+    # Under a millisecond a timeout fires before any answer can come: a unit slip, not a setting.
+    ("connect-timeout-under-a-millisecond", {"argv": ["--timeouts-connect", "1e-300"]},
+     ["timeouts.connect", "flag --timeouts-connect", "'1e-300'", "1e-300 s is under 0.001 s",
+      "at least 0.001 s, at most"]),
+    ("off-able-timeout-under-a-millisecond", {"env": {"TRACEPROXY_TIMEOUTS_CLIENT_BODY": "0.0005"}},
+     ["timeouts.client_body", "env TRACEPROXY_TIMEOUTS_CLIENT_BODY", "at least 0.001 s, or 0 for off"]),
+    ("stall-threshold-under-a-millisecond", {"toml": "[stall]\nfirst_byte = 1e-9\n"},
+     ["stall.first_byte", "file {path}", "at least 0.001 s, or 0 for off"]),
+    ("shutdown-grace-under-a-millisecond", {"argv": ["--timeouts-shutdown-grace", "0.0001"]},
+     ["timeouts.shutdown_grace", "or 0 for stopping at once"]),
+    # Each scrape fetches and parses every URL's answer: a tiny interval is a busy loop.
+    ("scrape-interval-under-its-floor", {"argv": ["--engines-scrape-interval", "1e-300"]},
+     ["engines.scrape_interval", "flag --engines-scrape-interval", "under 0.05 s", "at least 0.05 s"]),
+    ("scrape-interval-just-under-its-floor", {"env": {"TRACEPROXY_ENGINES_SCRAPE_INTERVAL": "0.04"}},
+     ["engines.scrape_interval", "env TRACEPROXY_ENGINES_SCRAPE_INTERVAL", "at least 0.05 s"]),
 ]
 
 
@@ -420,7 +459,7 @@ def test_replace_accepts_typed_addresses():
     "start, overrides, fragments",
     [
         ({}, {"workers": 0}, ["workers", "replace()", "from 1 to 64"]),
-        ({}, {"timeouts.connect": -1.0}, ["timeouts.connect", "replace()", "seconds > 0"]),
+        ({}, {"timeouts.connect": -1.0}, ["timeouts.connect", "replace()", "at least 0.001 s"]),
         ({}, {"timeouts.conect": 1.0}, ["unknown key timeouts.conect", "did you mean timeouts.connect"]),
         ({}, {"admin": "0.0.0.0:9464"}, ["admin", "not a loopback address"]),
         ({"admin": "0.0.0.0:9464", "admin_public": True}, {"admin_public": False}, ["admin", "not a loopback"]),

@@ -1214,8 +1214,8 @@ def test_bad_sim_arguments_are_one_line_errors_with_exit_2(capsys, argv, message
     (["--listen", "127.0.0.1"], "missing port"),
     (["--listen", "127.0.0.1:abc"], "expected HOST:PORT"),
     (["--listen", "a b:0"], "expected HOST:PORT"),
-    (["--idle-close-after", "nan"], "expected a number of seconds >= 0 (0 = never)"),
-    (["--idle-close-after", "-1"], "expected a number of seconds >= 0 (0 = never)"),
+    (["--idle-close-after", "nan"], "expected a number of seconds, at least 0.001 s, or 0 for never"),
+    (["--idle-close-after", "-1"], "expected a number of seconds, at least 0.001 s, or 0 for never"),
 ])
 def test_bad_test_upstream_arguments_are_usage_errors(capsys, argv, message):
     assert _exit_status(["upstream", *argv]) == 2

@@ -59,6 +59,6 @@ def listen_argument(text: str) -> HostPort:
 
 
 def seconds_argument(zero: str) -> Any:
-    """Seconds >= 0 (0 = ``zero``), at most a year, as the config's durations."""
+    """Seconds from a millisecond to a year, or 0 for ``zero``, as the config's durations."""
     kind = seconds(zero=zero)
     return lambda text: _argument(kind, text)

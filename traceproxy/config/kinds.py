@@ -40,19 +40,28 @@ def require_str(raw: Any) -> str:
 # Durations are turned into integer nanoseconds and timer delays: past this, a finite
 # value would overflow them, and no timeout or window of a proxy needs more.
 MAX_SECONDS = 365 * 24 * 3600
+# Below a millisecond a timeout fires before any network answer can come (every connect
+# would time out) and an interval turns its loop into a busy one: such a value is a typo
+# (a unit slip, an exponent), never a setting.
+MIN_SECONDS = 0.001
 
 
-def seconds(*, zero: str | None = None) -> Kind:
-    """Finite seconds, at most a year: > 0, or >= 0 when `zero` says what 0 means."""
+def seconds(*, zero: str | None = None, minimum: float = MIN_SECONDS, why: str = "") -> Kind:
+    """Finite seconds from ``minimum`` to a year, or 0 when ``zero`` says what 0 means.
+    ``why`` says, in the error for a value below the minimum, why the key has a higher one."""
 
     def parse(raw: Any) -> float:
         value = _number(raw, float)
-        if value < 0 or (value == 0 and zero is None) or value > MAX_SECONDS:
+        if value == 0 and zero is not None:
+            return 0.0
+        if value < 0 or value > MAX_SECONDS:
             raise ValueError
+        if value < minimum:
+            raise Rejected(f"{value:g} s is under {minimum:g} s" + (f" ({why})" if why else ""))
         return value
 
-    lower = f">= 0 (0 = {zero})" if zero else "> 0"
-    return Kind(parse, f"a number of seconds {lower}, at most {MAX_SECONDS} (a year)", "SECONDS")
+    off = f", or 0 for {zero}" if zero else ""
+    return Kind(parse, f"a number of seconds, at least {minimum:g} s{off}, at most {MAX_SECONDS} (a year)", "SECONDS")
 
 
 def integer(minimum: int, maximum: int | None = None, *, zero: str | None = None) -> Kind:

@@ -85,7 +85,7 @@ class Timeouts:
         "request is cut (DNR), freeing its upstream connection, as nginx's send_timeout.")
     client_keepalive: float = setting(seconds(), 75.0, "An idle client keep-alive connection is closed after this.")
     shutdown_grace: float = setting(
-        seconds(zero="stop at once"), 30.0,
+        seconds(zero="stopping at once"), 30.0,
         "On SIGTERM or SIGINT, in-flight streams get this long to finish, and slow clients to "
         "take what was written to them; what is left then is cut with a reset.")
     admin_worker_answer: float = setting(
@@ -284,6 +284,13 @@ class Metrics:
         "model=\"other\", and one whose body names no model (or is not JSON) as model=\"unknown\".")
 
 
+# The scraper's shortest interval. Each scrape fetches and parses every URL's whole answer
+# (up to 4 MiB each) and hands the readings to every worker: twenty a second already reads
+# the engines' gauges far more often than they move (Prometheus scrapes every few seconds),
+# and much faster the scraper would take a core for itself.
+SCRAPE_INTERVAL_FLOOR = 0.05
+
+
 @_settings_class
 class Engines:
     # empty: the scraper does not start
@@ -291,7 +298,11 @@ class Engines:
         http_urls(), [],
         "Prometheus /metrics URLs of the router and the prefill and decode workers, whatever their role; "
         "when these and the role-labelled keys below are empty nothing is scraped and nothing is correlated.")
-    scrape_interval: float = setting(seconds(), 5.0, "Seconds between scrapes of every metrics URL.")
+    scrape_interval: float = setting(
+        seconds(minimum=SCRAPE_INTERVAL_FLOOR, why="each scrape fetches and parses every metrics URL's whole answer"),
+        5.0,
+        "Seconds between scrapes of every metrics URL. Each scrape fetches and parses every URL's whole "
+        "answer, hence a floor above the other durations' (Prometheus itself scrapes every few seconds).")
     scrape_timeout: float = setting(
         seconds(), 2.0,
         "A scrape that takes longer fails (counted and shown); so does an answer over 4 MiB or "
