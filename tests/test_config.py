@@ -213,6 +213,13 @@ def test_boolean_words_from_env(word, expected):
     assert forwarding == Forwarding(preserve_host=expected, x_forwarded=expected)
 
 
+def test_toml_integers_1_and_0_are_booleans_as_the_words_1_and_0_are(tmp_path):
+    settings = load(tmp_path, toml="admin_public = 1\n[forwarding]\npreserve_host = 0\nx_forwarded = 1\n")
+    assert (settings.admin_public, settings.forwarding.preserve_host, settings.forwarding.x_forwarded) == (
+        True, False, True)
+    assert settings.admin_public is True and settings.forwarding.preserve_host is False
+
+
 SECONDS_KEYS = [s.dotted for s in SCHEMA if s.kind.metavar == "SECONDS"]
 
 
@@ -375,8 +382,9 @@ ERROR_CASES = [
     ("bool-where-float", {"toml": "[timeouts]\nconnect = true\n"}, ["timeouts.connect = True", "at least 0.001 s"]),
     ("bad-bool", {"env": {"TRACEPROXY_FORWARDING_X_FORWARDED": "maybe"}},
      ["forwarding.x_forwarded", "'maybe'", "true or false"]),
-    ("int-where-bool", {"toml": "[forwarding]\npreserve_host = 1\n"},
-     ["forwarding.preserve_host", "true or false"]),
+    ("int-where-bool", {"toml": "[forwarding]\npreserve_host = 2\n"},
+     ["forwarding.preserve_host = 2", "true or false (also 1/0"]),
+    ("float-where-bool", {"toml": "[forwarding]\npreserve_host = 1.0\n"}, ["forwarding.preserve_host = 1.0"]),
     ("header-limit-too-small", {"argv": ["--limits-max-header-bytes", "512"]},
      ["limits.max_header_bytes", "flag --limits-max-header-bytes", "an integer >= 1024"]),
     ("negative-pool-size", {"argv": ["--pool-max-connections", "-1"]},
@@ -403,6 +411,11 @@ ERROR_CASES = [
      ["engines.scrape_interval", "flag --engines-scrape-interval", "under 0.05 s", "at least 0.05 s"]),
     ("scrape-interval-just-under-its-floor", {"env": {"TRACEPROXY_ENGINES_SCRAPE_INTERVAL": "0.04"}},
      ["engines.scrape_interval", "env TRACEPROXY_ENGINES_SCRAPE_INTERVAL", "at least 0.05 s"]),
+    # An empty path would be ".", the working folder: refused as empty, not as a folder.
+    ("span-file-path-empty", {"argv": ["--tracing-file-path", ""]},
+     ["tracing.file_path = ''", "flag --tracing-file-path", "the path is empty", "expected a file path"]),
+    ("span-file-path-blank", {"toml": '[tracing]\nfile_path = "  "\n'},
+     ["tracing.file_path", "file {path}", "the path is empty"]),
 ]
 
 

@@ -86,6 +86,9 @@ def boolean() -> Kind:
     def parse(raw: Any) -> bool:
         if isinstance(raw, bool):
             return raw
+        # A TOML integer 1 or 0, as the word "1" or "0" from a flag or a variable.
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)
         word = require_str(raw).lower()
         if word not in _BOOL_WORDS:
             raise ValueError
@@ -121,17 +124,21 @@ def text() -> Kind:
     return Kind(lambda raw: require_str(raw).strip(), "a string", "TEXT")
 
 
-def file_path() -> Kind:
-    """A path the proxy opens (the keys' own help says what - or empty means). A NUL
-    cannot be in a path: open() would refuse it at startup, as a traceback."""
+def file_path(*, empty: str | None = None) -> Kind:
+    """A path the proxy opens (the keys' own help says what - means). Empty only where
+    ``empty`` says what it means: otherwise it would become ".", the working folder, and
+    fail later as a folder that cannot be appended to. A NUL cannot be in a path: open()
+    would refuse it at startup, as a traceback."""
 
     def parse(raw: Any) -> str:
         value = require_str(raw).strip()
+        if not value and empty is None:
+            raise Rejected("the path is empty")
         if "\0" in value:
             raise ValueError
         return value
 
-    return Kind(parse, "a file path", "PATH")
+    return Kind(parse, "a file path" + (f", or empty for {empty}" if empty else ""), "PATH")
 
 
 def ratio(*, empty: str) -> Kind:

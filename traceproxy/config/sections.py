@@ -271,7 +271,7 @@ class Stall(StallThresholds):
 class AccessLog:
     # "" off, "-" stdout, else a file
     path: str = setting(
-        file_path(), "-",
+        file_path(empty="off"), "-",
         "One JSON line per finished request: - for stdout, a file path, or empty to turn it off.")
 
 
