@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from traceproxy.config import (ConfigError, check_http_endpoint, check_otlp_endpoint, collector_endpoint,
+from traceproxy.config import (ConfigError, check_otlp_endpoint, collector_endpoint,
                                default_settings, load_settings)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ UNUSABLE_URLS = ["http://[::1", "http://collector:99999", "http://collector:abc"
 @pytest.mark.parametrize("url", UNUSABLE_URLS)
 def test_an_unusable_url_in_the_variable_is_refused_naming_the_variable(variable, url):
     with pytest.raises(ConfigError) as error:
-        check_http_endpoint(default_settings(), {variable: url})
+        check_otlp_endpoint(default_settings(), {variable: url}, "http/protobuf")
     assert str(error.value).startswith(f"{variable} = {url!r} (from env): ")
     assert "expected an http(s):// URL" in str(error.value)
 
@@ -40,20 +40,21 @@ def test_the_key_and_the_variable_accept_the_same_urls(url):
             return False
         return True
 
-    by_key = accepted(lambda: check_http_endpoint(load_settings({"tracing.otlp_endpoint": url}, environ={}), {}))
-    by_variable = accepted(lambda: check_http_endpoint(default_settings(), {VARIABLES[0]: url}))
+    by_key = accepted(lambda: check_otlp_endpoint(load_settings({"tracing.otlp_endpoint": url}, environ={}), {},
+                                                  "http/protobuf"))
+    by_variable = accepted(lambda: check_otlp_endpoint(default_settings(), {VARIABLES[0]: url}, "http/protobuf"))
     assert by_key == by_variable
 
 
 def test_the_traces_variable_is_the_one_judged_when_both_are_set():
     environ = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://[::1", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://ok:4318"}
     with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = 'http://\[::1'"):
-        check_http_endpoint(default_settings(), environ)
+        check_otlp_endpoint(default_settings(), environ, "http/protobuf")
 
 
 def test_the_key_wins_over_the_variables_and_is_named():
     settings = load_settings({"tracing.otlp_endpoint": "http://collector:4318"}, environ={})
-    check_http_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"})  # not the one used
+    check_otlp_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "http/protobuf")  # not the one used
 
 
 def test_over_grpc_a_variable_is_judged_by_the_same_rule():
@@ -74,11 +75,13 @@ def test_the_reason_says_what_is_wrong_with_the_url():
             kind.parse(url)
 
 
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
 @pytest.mark.parametrize("variable", VARIABLES)
-def test_serve_check_exits_2_naming_the_variable(tmp_path, variable):
+def test_serve_check_exits_2_naming_the_variable(tmp_path, variable, protocol):
     clean = {name: value for name, value in os.environ.items() if not name.startswith(("TRACEPROXY_", "OTEL_"))}
     checked = subprocess.run([sys.executable, "-m", "traceproxy", "serve", "--check", "--admin", "off",
-                              "--tracing-exporter", "otlp"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              "--tracing-exporter", "otlp", "--tracing-otlp-protocol", protocol], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60,
                              env={**clean, "PYTHONPATH": str(ROOT), variable: "http://[::1"})
     assert checked.returncode == 2 and checked.stdout == ""
     assert checked.stderr.startswith(f"traceproxy: configuration error: {variable} = 'http://[::1' (from env): ")

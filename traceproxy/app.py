@@ -22,7 +22,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from .allocator import IdleHeapTrim, tune_allocator
-from .config import ConfigError, HostPort, Settings, check_appendable, check_http_endpoint, named_setting
+from .config import ConfigError, HostPort, Settings, check_appendable, check_otlp_endpoint, named_setting
 from .destinations import access_log_destination, admin_url, spans_destination
 from .engine_wiring import check_receiver_exposure, engine_receivers
 from .lifecycle.hooks import Fanout
@@ -84,8 +84,8 @@ def tracing_export_config(settings: Settings, environ=os.environ, *, create_file
     if exporter == "otlp" and protocol not in ("grpc", "http/protobuf"):
         raise ConfigError(f"OTLP protocol {protocol!r} (from tracing.otlp_protocol or OTEL_EXPORTER_OTLP_"
                           f"[TRACES_]PROTOCOL): expected grpc or http/protobuf")
-    if exporter == "otlp" and protocol == "http/protobuf":
-        check_http_endpoint(settings, environ)
+    if exporter == "otlp":
+        check_otlp_endpoint(settings, environ, protocol)
     if exporter == "file":
         check_appendable(settings, "tracing.file_path", tracing.file_path, create_files)
     if access_log and access_log != "-":

@@ -23,13 +23,13 @@ from .render import render_default_toml, render_reference_markdown
 from .sections import (CONFIG_ENV, ENV_PREFIX, SCHEMA, AccessLog, Engines, Forwarding, Limits, Pool, RequestIds,
                        Setting, Settings, Stall, Timeouts, Tracing, default_settings, setting)
 from .sources import load_settings, unknown_environment
-from .startup_checks import check_appendable, check_http_endpoint, check_otlp_endpoint, named_setting
+from .startup_checks import check_appendable, check_otlp_endpoint, named_setting
 
 __all__ = [
     "CONFIG_ENV", "ENV_PREFIX", "FLAG_ALIASES", "MAX_SECONDS", "MIN_SECONDS", "SCHEMA", "STALL_KINDS",
     "AccessLog", "ConfigError", "Engines", "Forwarding", "HostPort", "Kind", "Limits", "Pool", "RequestIds",
     "Setting", "Settings", "Stall", "Timeouts", "Tracing", "UpstreamURL",
-    "add_flags", "address", "boolean", "check_appendable", "check_http_endpoint", "check_otlp_endpoint", "choice",
+    "add_flags", "address", "boolean", "check_appendable", "check_otlp_endpoint", "choice",
     "collector_endpoint", "default_settings", "file_path",
     "header_names", "http_url", "http_urls", "integer", "listen_argument", "load_settings", "named_setting", "ratio",
     "render_default_toml", "render_reference_markdown", "seconds", "seconds_argument", "setting",

@@ -46,11 +46,6 @@ def check_otlp_endpoint(settings: Settings, environ, protocol: str) -> None:
         raise ConfigError(f"{named}: {reason}expected {rule.expected}") from None
 
 
-def check_http_endpoint(settings: Settings, environ) -> None:
-    """``check_otlp_endpoint`` for OTLP over http/protobuf."""
-    check_otlp_endpoint(settings, environ, "http/protobuf")
-
-
 def check_appendable(settings: Settings, dotted: str, path: str, create: bool = True) -> None:
     """Open the file as the exporter process will (its folder made), so that a path it
     cannot write is a startup error naming the key, not an exporter that dies later and
