@@ -63,8 +63,10 @@ def config(protocol: str = "http/protobuf", endpoint: str = "", export_timeout: 
     ("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://b:2/"}, "http://b:2/v1/traces"),
     ("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://b/otlp"}, "https://b/otlp/v1/traces"),
     ("", {}, "http://localhost:4318/v1/traces"),
+    ("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://b:2/otlp/?tenant=a"}, "http://b:2/otlp/v1/traces?tenant=a"),
+    ("http://c:4318?tenant=a#top", {}, "http://c:4318/v1/traces?tenant=a"),
 ], ids=["config-base", "config-full", "config-wins", "traces-variable-as-is", "base-variable", "base-with-path",
-        "default"])
+        "default", "base-variable-with-query", "config-with-query"])
 def test_http_endpoint(configured, environ, url):
     assert otlp_settings(config(endpoint=configured), environ).endpoint == url
 

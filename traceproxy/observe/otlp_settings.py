@@ -30,7 +30,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .export_wire import ExportConfig
 
@@ -83,16 +83,23 @@ def http_endpoint(configured: str, environ: Mapping[str, str]) -> str:
         return http_traces_url(configured)
     if full := environ.get(TRACES_PREFIX + "ENDPOINT"):
         return full
-    base = environ.get(PREFIX + "ENDPOINT") or DEFAULT_HTTP_ENDPOINT
-    return base.removesuffix("/") + HTTP_TRACES_PATH
+    return _with_traces_path(environ.get(PREFIX + "ENDPOINT") or DEFAULT_HTTP_ENDPOINT)
 
 
 def http_traces_url(base: str) -> str:
-    """A base endpoint (like OTEL_EXPORTER_OTLP_ENDPOINT) -> the traces URL."""
-    path = urlsplit(base).path.rstrip("/")
-    if path.endswith(HTTP_TRACES_PATH):
+    """A base endpoint, or already the traces URL (tracing.otlp_endpoint takes either) ->
+    the traces URL."""
+    if urlsplit(base).path.rstrip("/").endswith(HTTP_TRACES_PATH):
         return base
-    return base.rstrip("/") + HTTP_TRACES_PATH
+    return _with_traces_path(base)
+
+
+def _with_traces_path(base: str) -> str:
+    """The signal path appended to the base URL's path, as the specification says for
+    OTEL_EXPORTER_OTLP_ENDPOINT: a query string stays after it, and a fragment, never
+    sent, goes."""
+    parts = urlsplit(base)
+    return urlunsplit(parts._replace(path=parts.path.rstrip("/") + HTTP_TRACES_PATH, fragment=""))
 
 
 def grpc_target(configured: str, environ: Mapping[str, str]) -> tuple[str, bool]:
