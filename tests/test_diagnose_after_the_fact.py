@@ -188,7 +188,11 @@ def _otlp_document(spans: list[Span]) -> dict:
     kinds = {"internal": 1, "server": 2, "client": 3}
 
     def value(v):
-        return {"intValue": str(v)} if isinstance(v, int) else {"stringValue": str(v)}
+        if isinstance(v, bool):  # before int: a bool is an int in Python
+            return {"boolValue": v}
+        if isinstance(v, int):
+            return {"intValue": str(v)}
+        return {"doubleValue": v} if isinstance(v, float) else {"stringValue": str(v)}
 
     return {"resourceSpans": [{
         "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
