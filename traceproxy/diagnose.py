@@ -42,6 +42,14 @@ access log is read too when it is a file: ``--access-log PATH``, else
 ``TRACEPROXY_ACCESS_LOG_PATH`` (``[access_log] path``), else serve's default (stdout: not
 read), found as the span file is.
 
+Anything can be appended to a span file, so no line of it is trusted: a line that is not
+an OTLP traces document (torn, foreign, nested past the parser) is skipped, and so is a
+span that cannot be read (a time outside fixed64 nanoseconds, an id that is not a
+string), the other spans of its line kept; an event that cannot be read is dropped from
+its span; an attribute of another type than the proxy writes is shown as it is written.
+A miss says how many lines naming the id could not be read whole, or, when no line of
+the file is a span document (an access log, a binary), asks whether it is the span file.
+
 Exit status: 0 found, 1 not found, 2 usage or I/O error.
 """
 
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import re
 import sys
@@ -80,6 +89,10 @@ JAEGER_TIMEOUT_S = 10.0
 JAEGER_LIMIT = 20
 JAEGER_LOOKBACK_S = 2 * 24 * 3600
 FOUND, NOT_FOUND, ERROR = 0, 1, 2
+# OTLP times are fixed64 nanoseconds since the epoch; a span whose times are outside that
+# range is not a span anyone recorded (its line was mangled), and no date can be made of it.
+MAX_TIME_NS = 2**64 - 1
+MAX_SECONDS = MAX_TIME_NS / 1e9  # a request older than every time a span can carry was never measured
 
 _HEX32 = re.compile(r"^[0-9a-fA-F]{32}$")
 _OTLP_KINDS = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
@@ -213,22 +226,36 @@ def is_trace_id(ident: str) -> bool:
 
 
 def _is_seconds(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    """A duration attribute that can be counted with: a finite number of seconds, not negative."""
+    return _number(value) is not None and not isinstance(value, str) and 0 <= value < MAX_SECONDS
+
+
+def _number(value) -> float | None:
+    """An attribute's value as a finite number, or None when it is not one: the span file is
+    written by whatever wrote it, and an attribute can hold any type (a bool is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 # ----------------------------------------------------------------------------------
 # OTLP/JSON (the local span file)
 # ----------------------------------------------------------------------------------
 def otlp_value(value: dict):
-    """One OTLP/JSON ``AnyValue`` -> a Python value."""
+    """One OTLP/JSON ``AnyValue`` -> a Python value. An int or double that does not read as
+    one is kept as it is written: the report shows it, and no count is made of it."""
     if not isinstance(value, dict):
         return None
     if "stringValue" in value:
         return value["stringValue"]
     if "intValue" in value:
-        return int(value["intValue"])
+        return _as_written(int, value["intValue"])
     if "doubleValue" in value:
-        return float(value["doubleValue"])
+        return _as_written(float, value["doubleValue"])
     if "boolValue" in value:
         return bool(value["boolValue"])
     if "arrayValue" in value:
@@ -238,72 +265,138 @@ def otlp_value(value: dict):
     return value.get("bytesValue")
 
 
+def _as_written(kind, written):
+    try:
+        return kind(written) if isinstance(written, (str, int, float)) and not isinstance(written, bool) else written
+    except (ValueError, OverflowError):  # "x"; a double's "Infinity" as an int
+        return written
+
+
 def otlp_attributes(items: Iterable[dict]) -> dict:
     return {item["key"]: otlp_value(item.get("value", {})) for item in items if "key" in item}
 
 
 def otlp_spans(document: dict) -> Iterator[Span]:
-    """Every span of one ``ExportTraceServiceRequest``."""
+    """Every span of one ``ExportTraceServiceRequest`` that can be read (see ``_readable_span``).
+    A document not of that shape raises ValueError, TypeError or AttributeError."""
+    for raw, service in _raw_spans(document):
+        span = _readable_span(raw, service)
+        if span is not None:
+            yield span
+
+
+def _raw_spans(document: dict) -> Iterator[tuple[object, str]]:
+    """(the span as written, its service) for each span of the document."""
     for resource_spans in document.get("resourceSpans", ()):
         resource = otlp_attributes(resource_spans.get("resource", {}).get("attributes", ()))
         service = str(resource.get("service.name", ""))
         for scope_spans in resource_spans.get("scopeSpans", ()):
             for raw in scope_spans.get("spans", ()):
-                yield _otlp_span(raw, service)
+                yield raw, service
+
+
+def _readable_span(raw, service: str) -> Span | None:
+    """The span, or None when it cannot be read (an id that is not a string, a time that is
+    not one): it alone is skipped, the line's other spans kept, as a line is a batch of many
+    requests' spans."""
+    try:
+        return _otlp_span(raw, service)
+    except (ValueError, TypeError, AttributeError, RecursionError):  # values nested past the stack
+        return None
+
+
+def otlp_time(written) -> int:
+    """A fixed64 time in nanoseconds since the epoch, as OTLP/JSON writes it (a decimal
+    string, or a number); ValueError when it is not one, or outside what fixed64 holds."""
+    if isinstance(written, bool) or not isinstance(written, (str, int)):
+        raise ValueError(f"not an OTLP time: {written!r}")
+    ns = int(written)
+    if not 0 <= ns <= MAX_TIME_NS:
+        raise ValueError(f"an OTLP time out of range: {written!r}")
+    return ns
 
 
 def _otlp_span(raw: dict, service: str) -> Span:
     status = raw.get("status", {})
+    name = raw.get("name", "")
+    if not isinstance(name, str):  # names are looked up in tables of stages and marks
+        raise TypeError(f"a span name that is not a string: {name!r}")
     return Span(
         trace_id=raw.get("traceId", "").lower(),
         span_id=raw.get("spanId", "").lower(),
         parent_id=raw.get("parentSpanId", "").lower(),
-        name=raw.get("name", ""),
+        name=name,
         kind=_OTLP_KINDS.get(raw.get("kind", 0), "unspecified"),
-        start_ns=int(raw.get("startTimeUnixNano", 0)),
-        end_ns=int(raw.get("endTimeUnixNano", 0)),
+        start_ns=otlp_time(raw.get("startTimeUnixNano", 0)),
+        end_ns=otlp_time(raw.get("endTimeUnixNano", 0)),
         attributes=otlp_attributes(raw.get("attributes", ())),
-        events=[Event(e.get("name", ""), int(e.get("timeUnixNano", 0)), otlp_attributes(e.get("attributes", ())))
-                for e in raw.get("events", ())],
+        events=[event for event in map(_readable_event, raw.get("events", ())) if event is not None],
         status=_OTLP_STATUS.get(status.get("code", 0), "unset"),
         status_message=status.get("message", ""),
         service=service,
     )
 
 
+def _readable_event(raw) -> Event | None:
+    """The event, or None when it cannot be read (a time out of range, a name that is not a
+    string): it alone is dropped, its span and the span's other marks kept."""
+    try:
+        name = raw.get("name", "")
+        if not isinstance(name, str):  # event names are looked up in the table of marks
+            return None
+        return Event(name, otlp_time(raw.get("timeUnixNano", 0)), otlp_attributes(raw.get("attributes", ())))
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        return None
+
+
 def _json_lines_with(path: Path, needles) -> Iterator[object]:
-    """The JSON documents of the lines of ``path`` that contain any needle; a torn or
-    foreign line is skipped (the file is the proxy's, but anything can be appended to it).
+    """The JSON documents of the lines of ``path`` that contain any needle, None for a torn
+    or foreign line (the file is the proxy's, but anything can be appended to it).
     Only those lines are parsed: the files are large and the wanted lines few."""
     with open(path, encoding="utf-8", errors="replace") as lines:
         for line in lines:
             if not any(needle in line for needle in needles):
                 continue
             try:
-                yield json.loads(line)
-            except ValueError:
-                continue
+                document = json.loads(line)
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+                document = None
+            yield document
 
 
-def _scan_file(path: Path, needles: set[str]) -> Iterator[Span]:
+@dataclass
+class ScanTally:
+    """Of the lines a scan of the span file parsed (those holding what it looked for), how
+    many could not be read whole: not an OTLP traces document (torn, foreign), or with a
+    span in it that was skipped."""
+
+    unreadable: int = 0
+
+
+def _scan_file(path: Path, needles: set[str], tally: ScanTally | None = None) -> Iterator[Span]:
     """Spans of the lines that contain any needle."""
+    tally = ScanTally() if tally is None else tally
     for document in _json_lines_with(path, needles):
         try:
             # A line that is JSON but not an OTLP traces document is skipped like a torn one.
-            spans = list(otlp_spans(document)) if isinstance(document, dict) else []
-        except (ValueError, TypeError, AttributeError):
-            continue
+            raws = list(_raw_spans(document)) if isinstance(document, dict) else None
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            raws = None
+        spans = [span for span in (_readable_span(raw, service) for raw, service in raws or ()) if span is not None]
+        if raws is None or len(spans) < len(raws):
+            tally.unreadable += 1
         yield from spans
 
 
-def file_spans(path: str | Path, ident: str) -> list[Span]:
-    """The spans of every trace that holds the request ``ident`` (trace id or request id)."""
+def file_spans(path: str | Path, ident: str, tally: ScanTally | None = None) -> list[Span]:
+    """The spans of every trace that holds the request ``ident`` (trace id or request id).
+    ``tally``: counts the lines naming ``ident`` that could not be read whole."""
     path = Path(path)
     if not path.is_file():
         raise DiagnoseError(f"no span file at {path} (the proxy writes it with [tracing] exporter = \"file\")")
     try:
         wanted = json.dumps(ident)[1:-1]  # as the id appears inside a JSON string
-        traces = {s.trace_id for s in _scan_file(path, {wanted, ident.lower()}) if _mentions(s, ident)}
+        traces = {s.trace_id for s in _scan_file(path, {wanted, ident.lower()}, tally) if _mentions(s, ident)}
         if not traces:
             return []
         return [s for s in _scan_file(path, traces) if s.trace_id in traces]
@@ -320,7 +413,7 @@ def access_log_lines(path: str | Path, trace_ids: set[str]) -> dict[str, dict]:
     found: dict[str, dict] = {}
     try:
         for entry in _json_lines_with(path, trace_ids):
-            if isinstance(entry, dict) and entry.get("trace_id") in trace_ids:
+            if isinstance(entry, dict) and isinstance(entry.get("trace_id"), str) and entry["trace_id"] in trace_ids:
                 found[entry["trace_id"]] = entry
     except OSError as exc:
         raise DiagnoseError(f"cannot read {path}: {exc}") from None
@@ -522,8 +615,16 @@ def _descendants(roots: list[Span], spans: list[Span]) -> tuple[list[Span], dict
     return found, depth
 
 
+def _resend_count(attempt: Span) -> int | None:
+    """How many sends came before this attempt (0: the first); None when the attribute is
+    there but not a whole number."""
+    count = attempt.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def _attempt_order(span: Span) -> tuple[int, int]:
-    return int(span.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0)), span.start_ns
+    count = _resend_count(span)
+    return (0 if count is None else count), span.start_ns
 
 
 # ----------------------------------------------------------------------------------
@@ -538,11 +639,20 @@ def duration(ns: float | None) -> str:
 
 
 def _seconds(value) -> str:
-    return "-" if value is None else duration(float(value) * 1e9)
+    """A duration attribute (seconds) as a duration; one that is not a number as it is written."""
+    if value is None:
+        return "-"
+    number = _number(value)
+    return str(value) if number is None else duration(number * 1e9)
 
 
 def wall_clock(ns: int) -> str:
-    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    """The UTC date of a time in nanoseconds since the epoch; the bare number when no date can
+    be made of it (a Jaeger answer's time, or a start worked back from a request's age)."""
+    try:
+        return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
+    except (OverflowError, ValueError, OSError):
+        return f"{ns} ns since the epoch (not a date)"
 
 
 def request_lines(found: RequestSpans) -> list[str]:
@@ -633,7 +743,7 @@ def _paired_stalls(server: Span) -> tuple[list[tuple[dict, object]], set[int]]:
     stalls: list[tuple[dict, object]] = []
     open_by_code: dict[object, int] = {}
     for event in sorted(server.events, key=lambda e: e.time_ns):
-        code = event.attributes.get(sc.STALL_OUTCOME)
+        code = _hashable(event.attributes.get(sc.STALL_OUTCOME))
         if event.name == STALL_EVENT:
             open_by_code[code] = len(stalls)
             stalls.append((event.attributes, None))
@@ -641,6 +751,12 @@ def _paired_stalls(server: Span) -> tuple[list[tuple[dict, object]], set[int]]:
             index = open_by_code.pop(code)
             stalls[index] = (stalls[index][0], event.attributes.get(sc.STALL_DURATION))
     return stalls, set(open_by_code.values())
+
+
+def _hashable(value):
+    """An attribute's value as a key: an array or map attribute (written where a string was
+    expected) by its text."""
+    return repr(value) if isinstance(value, (list, dict)) else value
 
 
 def _ledger_lines(server: Span) -> list[str]:
@@ -688,7 +804,9 @@ def _string_list(value) -> str:
 
 
 def _attempt_label(attempt: Span) -> str:
-    resend = int(attempt.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0))
+    resend = _resend_count(attempt)
+    if resend is None:
+        return f"attempt (resend {attempt.attributes[sc.HTTP_REQUEST_RESEND_COUNT]})"
     return f"attempt {resend + 1}" + (f" (resend {resend})" if resend else "")
 
 
@@ -867,6 +985,39 @@ def report_lines(requests: list[RequestSpans], ident: str, source: str) -> list[
 # ----------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------
+def _not_in_span_file_lines(ident: str, where: SpanFile, unreadable: int) -> list[str]:
+    """No such request in the file: why a request can be missing from a span file, or, when
+    the file holds no span at all (an access log, a binary, the wrong path), that first;
+    and the lines naming it that could not be read, which may have held it."""
+    [miss] = report_lines([], ident, str(where))
+    if not _is_empty(where.path) and not holds_spans(where.path):
+        return [f"{miss}; no line of it is an OTLP span document: is it the span file?"] + pointing_lines()
+    lines = [miss]
+    if unreadable:
+        lines.append(f"  {unreadable} line{'s' if unreadable > 1 else ''} naming it could not be read whole (torn, "
+                     "or a span of the wrong shape, such as a time out of range): skipped")
+    return lines + ["  A request is written there when it ends, and its stall span at once when it stalls; a healthy "
+                    "one may be sampled out ([tracing] healthy_sample_ratio)."] + pointing_lines()
+
+
+def _is_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
+
+
+def holds_spans(path: str | Path) -> bool:
+    """Whether any line of the file is an OTLP/JSON traces document with a span in it:
+    whether it is a span file at all. Stops at the first such line (a span file's first);
+    only lines naming ``resourceSpans`` are parsed. True when the file cannot be read:
+    nothing is known against it."""
+    try:
+        return next(_scan_file(Path(path), {'"resourceSpans"'}), None) is not None
+    except OSError:
+        return True
+
+
 def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
         service: str = DEFAULT_SERVICE, out=None, err=None, environ=None, access_log: str | None = None) -> int:
     """Print the timeline of the request(s) ``ident`` names; the exit status.
@@ -881,8 +1032,9 @@ def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
             print(f"traceproxy diagnose: {flag} takes the {what}'s path, not an empty string", file=err)
             return ERROR
     where = None if jaeger else span_file(spans_path, environ)
+    tally = ScanTally()
     try:
-        spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(where.path, ident)
+        spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(where.path, ident, tally)
     except DiagnoseError as exc:
         if where is not None and not where.path.is_file():
             lines = [f"traceproxy diagnose: no span file at {where}"] + pointing_lines()
@@ -901,12 +1053,11 @@ def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
             return ERROR
         for found in requests:
             found.access_log = entries.get(found.trace_id)
-    source = f"Jaeger at {jaeger} (service {service})" if jaeger else str(where)
-    lines = report_lines(requests, ident, source)
     if not requests and where is not None:
-        lines += ["  A request is written there when it ends, and its stall span at once when it stalls; a healthy "
-                  "one may be sampled out ([tracing] healthy_sample_ratio)."] + pointing_lines()
-    print("\n".join(lines), file=out if requests else err)
+        print("\n".join(_not_in_span_file_lines(ident, where, tally.unreadable)), file=err)
+        return NOT_FOUND
+    source = f"Jaeger at {jaeger} (service {service})" if jaeger else str(where)
+    print("\n".join(report_lines(requests, ident, source)), file=out if requests else err)
     return FOUND if requests else NOT_FOUND
 
 

@@ -1,0 +1,244 @@
+"""``traceproxy diagnose`` on span files it did not expect: a time out of range, an
+attribute of another type than the proxy writes, a line nested past the JSON parser, a
+file that is not a span file at all. Each is handled or said in a line, never a
+traceback; and a miss in a file with no span in it says so."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import traceproxy
+from traceproxy.diagnose import Event, Span, find_requests, request_lines, run
+from traceproxy.observe import semconv as sc
+
+from .test_diagnose_after_the_fact import (AT_STALL, ATTEMPT, MS, SERVER, STALL, STALL_FACTS, T0, TRACE,
+                                           _client_left_before_any_stall, _otlp_document)
+
+NOT_A_SPAN_FILE = "no line of it is an OTLP span document: is it the span file?"
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(traceproxy.__file__)))
+
+
+def _diagnose(ident: str, spans) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = run(ident, str(spans), out=out, err=err, environ={})
+    return status, out.getvalue(), err.getvalue()
+
+
+def _write(path, *documents) -> str:
+    path.write_text("".join((d if isinstance(d, str) else json.dumps(d)) + "\n" for d in documents))
+    return str(path)
+
+
+def _span_of(document: dict, name: str, service: str = "traceproxy") -> dict:
+    [resource] = [r for r in document["resourceSpans"]
+                  if r["resource"]["attributes"][0]["value"]["stringValue"] == service]
+    return next(s for s in resource["scopeSpans"][0]["spans"] if s["name"].startswith(name) and s["kind"] == 2)
+
+
+def _left() -> dict:
+    """A valid document: request hang-1, which its client left (DC)."""
+    return _otlp_document(_client_left_before_any_stall())
+
+
+# ----------------------------------------------------------------------------------
+# Times: fixed64 nanoseconds since the epoch
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["startTimeUnixNano", "endTimeUnixNano"])
+@pytest.mark.parametrize("written", ["9" * 30, "-99999999999999999999", str(2**64)])
+def test_a_span_whose_time_is_out_of_range_is_skipped_and_the_miss_says_a_line_was(tmp_path, field, written):
+    document = _left()
+    _span_of(document, "POST")[field] = written
+    status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 1 and out == "", out
+    assert "no request with trace id or request id 'hang-1'" in err, err
+    assert "1 line naming it could not be read whole" in err, err
+    assert NOT_A_SPAN_FILE not in err, err  # its other spans are spans
+
+
+def test_the_largest_time_fixed64_holds_is_still_a_time(tmp_path):
+    document = _left()
+    _span_of(document, "POST")["endTimeUnixNano"] = str(2**64 - 1)
+    status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 0 and "outcome DC" in out, err
+
+
+def test_one_span_that_cannot_be_read_leaves_the_other_spans_of_its_line(tmp_path):
+    # A line is a batch of many requests' spans: a second request's SERVER span in the same
+    # line, with a time that is no number, costs that span alone.
+    document = _left()
+    broken = dict(_span_of(document, "POST"), spanId="9" * 16, startTimeUnixNano="soon",
+                  attributes=[{"key": sc.REQUEST_ID, "value": {"stringValue": "broken-1"}}])
+    document["resourceSpans"][0]["scopeSpans"][0]["spans"].append(broken)
+    spans = _write(tmp_path / "spans.jsonl", document)
+    status, out, err = _diagnose("hang-1", spans)
+    assert status == 0 and "request hang-1" in out and "outcome DC" in out, err
+    assert _diagnose("broken-1", spans)[0] == 1
+
+
+@pytest.mark.parametrize("written", ["9" * 30, "-1", "later"])
+def test_an_event_whose_time_is_out_of_range_is_dropped_and_its_span_kept(tmp_path, written):
+    document = _left()
+    server = _span_of(document, "POST")
+    server["events"].insert(1, {"name": "last_downstream_rx_byte", "timeUnixNano": written})
+    status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 0 and "outcome DC" in out and "took 10.002 s" in out, err
+    assert "last_downstream_rx_byte" not in out and "downstream_closed" in out, out
+
+
+def test_a_time_no_date_can_be_made_of_is_shown_as_its_number():
+    # Jaeger's answers are not range-checked as the span file's times are (microseconds, any size).
+    huge = 10**30
+    server = Span(TRACE, SERVER, "", "POST /generate", "server", huge, huge + 5 * MS,
+                  {sc.REQUEST_ID: "far-1", sc.OUTCOME: "OK"}, [Event("first_downstream_rx_byte", huge)])
+    [found] = find_requests([server], "far-1")
+    text = "\n".join(request_lines(found))
+    assert f"start {huge} ns since the epoch (not a date), took 5.000 ms" in text, text
+
+
+def test_the_command_says_a_miss_in_a_line_not_a_traceback(tmp_path):
+    document = _left()
+    _span_of(document, "POST")["startTimeUnixNano"] = "9" * 30
+    spans = _write(tmp_path / "spans.jsonl", document)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "traceproxy", "diagnose", "hang-1", "--spans", spans],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("traceproxy diagnose: no request with trace id or request id 'hang-1'"), done.stderr
+
+
+# ----------------------------------------------------------------------------------
+# Attributes of another type than the proxy writes
+# ----------------------------------------------------------------------------------
+def _full() -> list[Span]:
+    """A request with every attribute the report formats as a number: resent once, with a
+    stall that resolved and one still open when it ended, and its stall span."""
+    stalled = {sc.STALL_OUTCOME: "SU", sc.STALL_PHASE: "streaming_response", sc.STALL_WAITED: 1.0, sc.BLAME: "engine"}
+    server = Span(TRACE, SERVER, "", "POST /v1/chat/completions", "server", T0, T0 + 5_000 * MS,
+                  {sc.REQUEST_ID: "full-1", sc.OUTCOME: "SU", sc.BLAME: "engine", sc.CLIENT_IDLE_GAP: 0.5,
+                   sc.CHUNK_MAX_GAP: 1.5, sc.GEN_AI_REQUEST_STREAM: True, sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK: 0.2},
+                  [Event("first_downstream_rx_byte", T0), Event("stall", T0 + 100 * MS, dict(stalled)),
+                   Event("stall_resolved", T0 + 200 * MS, {sc.STALL_OUTCOME: "SU", sc.STALL_DURATION: 0.1}),
+                   Event("stall", T0 + 300 * MS, dict(stalled))])
+    attempts = [Span(TRACE, f"{ATTEMPT[:-1]}{resend}", SERVER, "POST", "client", T0 + MS, T0 + 4_000 * MS,
+                     {sc.HTTP_REQUEST_RESEND_COUNT: resend, sc.UPSTREAM_CONNECTION_ID: 3,
+                      sc.UPSTREAM_CONNECTION_REUSED: True, sc.UPSTREAM_CONNECTION_IDLE_AGE: 0.3,
+                      sc.UPSTREAM_CONNECTION_REQUEST_NUMBER: 2}, [Event("first_upstream_tx_byte", T0 + 2 * MS)])
+                for resend in (0, 1)]
+    stall = Span(TRACE, STALL, SERVER, "stall SU", "internal", T0 + 2 * MS, T0 + 300 * MS,
+                 {sc.REQUEST_ID: "full-1", **stalled, **AT_STALL})
+    return [server, *attempts, stall]
+
+
+def _with(spans: list[Span], key: str, value: dict, where: str) -> dict:
+    """The document of ``spans`` with ``key`` written as the OTLP/JSON ``value`` on the spans
+    or events ``where`` names: server, attempt, stall (span), event (the server's events
+    that carry the key)."""
+    document = _otlp_document(spans)
+    for span in document["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+        kind = {2: "server", 3: "attempt", 1: "stall"}[span["kind"]]
+        holders = ([e["attributes"] for e in span["events"] if any(a["key"] == key for a in e["attributes"])]
+                   if where == "event" and kind == "server" else [span["attributes"]] if kind == where else [])
+        for attributes in holders:
+            attributes[:] = [a for a in attributes if a["key"] != key] + [{"key": key, "value": value}]
+    return document
+
+
+# Every attribute the report counts with; the stall span's wait is shown for a request
+# still in flight (no SERVER span), so that one is read from the stall span alone.
+NUMBERS = [(sc.CLIENT_IDLE_GAP, "server"), (sc.CHUNK_MAX_GAP, "server"),
+           (sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, "server"), (sc.UPSTREAM_CONNECTION_IDLE_AGE, "attempt"),
+           (sc.HTTP_REQUEST_RESEND_COUNT, "attempt"), (sc.STALL_WAITED, "event"), (sc.STALL_DURATION, "event"),
+           (sc.STALL_WAITED, "stall")]
+NOT_SCALARS = {"array": {"arrayValue": {"values": [{"stringValue": "x"}]}},
+               "map": {"kvlistValue": {"values": [{"key": "x", "value": {"intValue": "1"}}]}}}
+NOT_NUMBERS = {"string": {"stringValue": "x"}, "int not an int": {"intValue": "x"}, **NOT_SCALARS}
+
+
+def _report_with(tmp_path, key: str, value: dict, where: str) -> str:
+    spans = _full() if where != "stall" else _full()[-1:]
+    status, out, err = _diagnose("full-1", _write(tmp_path / "spans.jsonl", _with(spans, key, value, where)))
+    assert status == 0 and "request full-1" in out, err
+    return out
+
+
+@pytest.mark.parametrize("key,where", NUMBERS, ids=[f"{k}@{w}" for k, w in NUMBERS])
+@pytest.mark.parametrize("kind", list(NOT_NUMBERS))
+def test_an_attribute_of_another_type_is_shown_as_written_not_a_traceback(tmp_path, key, where, kind):
+    out = _report_with(tmp_path, key, NOT_NUMBERS[kind], where)
+    assert "SU" in out and "stall" in out, out
+
+
+@pytest.mark.parametrize("kind", list(NOT_SCALARS))
+def test_a_stall_code_that_is_not_a_string_is_shown_as_written(tmp_path, kind):
+    # Stall events are paired with their resolutions by their code.
+    out = _report_with(tmp_path, sc.STALL_OUTCOME, NOT_SCALARS[kind], "event")
+    assert "outcome SU" in out and "stalls:" in out, out
+
+
+def test_a_duration_that_is_not_a_number_is_printed_as_it_is_written(tmp_path):
+    document = _with(_full(), sc.CHUNK_MAX_GAP, {"stringValue": "x"}, "server")
+    status, out, err = _diagnose("full-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 0 and "upstream chunks, largest gap x" in out, err
+    document = _with(_full(), sc.UPSTREAM_CONNECTION_IDLE_AGE, {"doubleValue": "Infinity"}, "attempt")
+    status, out, err = _diagnose("full-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 0 and "connection 3 reused, idle inf, request 2 on it" in out, out
+
+
+def test_a_resend_count_that_is_not_a_whole_number_is_named_as_written(tmp_path):
+    document = _with(_full(), sc.HTTP_REQUEST_RESEND_COUNT, {"stringValue": "x"}, "attempt")
+    status, out, err = _diagnose("full-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 0 and "upstream attempt (resend x): connection 3" in out, out
+
+
+def test_a_request_age_that_is_no_finite_number_leaves_the_start_unknown(tmp_path):
+    # Still in flight: only the stall span, whose age would date the request's first byte.
+    stall = Span(TRACE, STALL, SERVER, "stall FBS", "internal", T0 + 2 * MS, T0 + 2_001 * MS,
+                 {sc.REQUEST_ID: "fly-1", **STALL_FACTS})
+    for written in ({"doubleValue": "Infinity"}, {"doubleValue": 1e300}, {"stringValue": "2.5"}):
+        document = _with([stall], sc.STALL_REQUEST_AGE, written, "stall")
+        status, out, err = _diagnose("fly-1", _write(tmp_path / "spans.jsonl", document))
+        assert status == 0 and "its stall spans do not say when the request began" in out, (written, out)
+
+
+# ----------------------------------------------------------------------------------
+# Lines that are not span documents, and files that are not span files
+# ----------------------------------------------------------------------------------
+def test_a_line_nested_past_the_parser_is_skipped(tmp_path):
+    deep = "[" * 200_000 + '"hang-1"'
+    status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", deep, _left()))
+    assert status == 0 and "request hang-1" in out, err
+    status, _, err = _diagnose("hang-1", _write(tmp_path / "deep.jsonl", deep))
+    assert status == 1 and NOT_A_SPAN_FILE in err, err
+
+
+@pytest.mark.parametrize("content", [
+    b'127.0.0.1 - - [01/Jan/2025:00:00:00 +0000] "POST /v1/chat/completions?rid=hang-1 HTTP/1.1" 200 12\n',
+    b'{"trace_id": "4bf92f3577b34da6a3ce929d0e0e4736", "request_id": "hang-1", "outcome": "DC"}\n',
+    bytes(range(256)) * 4 + b"hang-1" + bytes(range(256)),
+    b"\n\n",
+], ids=["access log", "traceproxy access log", "binary", "blank lines"])
+def test_a_miss_in_a_file_with_no_span_in_it_asks_whether_it_is_the_span_file(tmp_path, content):
+    spans = tmp_path / "spans.jsonl"
+    spans.write_bytes(content)
+    status, out, err = _diagnose("hang-1", spans)
+    assert status == 1 and out == "", out
+    first = err.splitlines()[0]
+    assert first == (f"traceproxy diagnose: no request with trace id or request id 'hang-1' in {spans} (--spans); "
+                     + NOT_A_SPAN_FILE), err
+    assert "--spans PATH" in err and "sampled out" not in err, err
+
+
+def test_a_miss_in_a_span_file_or_an_empty_one_does_not_ask(tmp_path):
+    for name, content in (("spans.jsonl", json.dumps(_left()) + "\n"), ("empty.jsonl", "")):
+        spans = tmp_path / name
+        spans.write_text(content)
+        status, _, err = _diagnose("no-such-request", spans)
+        assert status == 1 and "no request with trace id or request id 'no-such-request'" in err, err
+        assert NOT_A_SPAN_FILE not in err and "could not be read" not in err, err
+        assert "sampled out ([tracing] healthy_sample_ratio)" in err, err
