@@ -1,13 +1,20 @@
-"""The config file named by --config or TRACEPROXY_CONFIG: only a regular file of a
-config's size is read; anything else is an error naming the flag or variable that
-named it, never a read that blocks or never ends."""
+"""The config file named by --config or TRACEPROXY_CONFIG: a regular file, a pipe or a
+character device is read up to a config's size (--config <(envsubst < tpl) and
+--config /dev/stdin are Unix habits); a directory, a FIFO no one writes to, or too
+much is an error naming the flag or variable that named it, never a read that blocks
+or never ends."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import resource
 import subprocess
+import struct
 import sys
+import termios
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,12 +40,29 @@ def _bounded_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
 
-def _check(config: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``traceproxy serve --check --config config`` in a clean environment, bounded in time and memory."""
+def _clean_environment() -> dict[str, str]:
     clean = {name: value for name, value in os.environ.items() if not name.startswith(("TRACEPROXY_", "OTEL_"))}
-    return subprocess.run([sys.executable, "-m", "traceproxy", "serve", "--check", "--admin", "off",
-                           "--config", config], cwd=cwd, capture_output=True, text=True, timeout=30,
-                          env={**clean, "PYTHONPATH": str(ROOT)}, preexec_fn=_bounded_memory)
+    return {**clean, "PYTHONPATH": str(ROOT)}
+
+
+def _run(command: list[str], cwd: Path, **options) -> subprocess.CompletedProcess:
+    """``command`` in a clean environment, bounded in time and memory."""
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=30,
+                          env=_clean_environment(), preexec_fn=_bounded_memory, **options)
+
+
+CHECK = [sys.executable, "-m", "traceproxy", "serve", "--check", "--admin", "off"]
+
+
+def _check(config: str, cwd: Path, **options) -> subprocess.CompletedProcess:
+    """``traceproxy serve --check --config config``."""
+    return _run([*CHECK, "--config", config], cwd, **options)
+
+
+def _spans_setting(cwd: Path) -> tuple[str, str]:
+    """A config that sets a key serve --check shows, and the line that shows it."""
+    spans = cwd / "from-the-pipe.jsonl"
+    return f'[tracing]\nfile_path = "{spans}"\n', f"spans       {spans}\n"
 
 
 @pytest.mark.parametrize("via", ["flag", "env"])
@@ -57,19 +81,106 @@ def test_a_directory_is_not_a_config_file(tmp_path, via):
     assert str(error.value).startswith(f"config file {tmp_path} (from {SOURCE[via]}) is a directory, not a file")
 
 
-def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+def test_a_fifo_no_one_writes_to_is_refused_without_waiting_for_a_writer(tmp_path):
     fifo = tmp_path / "config.toml"
     os.mkfifo(fifo)
     checked = _check(str(fifo), tmp_path)
     assert checked.returncode == 2, checked.stderr[-2000:]
-    assert checked.stderr == f"traceproxy: configuration error: config file {fifo} (from flag --config) is a FIFO, " \
-                             "not a file: expected the path of a TOML file\n"
+    assert checked.stderr == f"traceproxy: configuration error: config file {fifo} (from flag --config) is a FIFO " \
+                             "that gave nothing: is anything writing to it?\n"
 
 
-def test_a_device_is_refused_without_reading_it(tmp_path):
+def test_a_process_substitution_is_read_as_the_config_file(tmp_path):
+    config, shown = _spans_setting(tmp_path)
+    (tmp_path / "template.toml").write_text(config)
+    command = " ".join([*CHECK, "--config", "<(cat template.toml)"])
+    checked = _run(["bash", "-c", command], tmp_path)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert shown in checked.stdout
+
+
+def test_a_pipe_is_read_to_its_end_when_its_writer_pauses(tmp_path):
+    # A template tool may write its output in parts: one read gives only what is there,
+    # and a read before the next part must wait for it, not fail or stop.
+    config, shown = _spans_setting(tmp_path)
+    first, rest = config.split("\n", 1)
+    read_end, write_end = os.pipe()
+    check = subprocess.Popen([*CHECK, "--config", f"/dev/fd/{read_end}"], cwd=tmp_path, pass_fds=(read_end,),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=_clean_environment(), preexec_fn=_bounded_memory)
+    os.close(read_end)
+    try:
+        os.write(write_end, (first + "\n").encode())
+        for _ in range(400):  # until the check has read the first part (at most 20 s)
+            if check.poll() is not None or _unread(write_end) == 0:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # and is waiting for the rest
+        os.write(write_end, rest.encode())
+    except BrokenPipeError:  # the check stopped reading: its output says why
+        pass
+    finally:
+        os.close(write_end)
+    stdout, stderr = check.communicate(timeout=30)
+    assert check.returncode == 0, stderr[-2000:]
+    assert shown in stdout
+
+
+def _unread(pipe_end: int) -> int:
+    """How many bytes are in the pipe, not yet read."""
+    return struct.unpack("i", fcntl.ioctl(pipe_end, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_standard_input_from_a_pipe_is_read_as_the_config_file(tmp_path):
+    config, shown = _spans_setting(tmp_path)
+    checked = _check("/dev/stdin", tmp_path, input=config)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert shown in checked.stdout
+
+
+def test_a_pipe_that_gives_nothing_is_refused_not_taken_for_an_empty_config(tmp_path):
+    checked = _check("/dev/stdin", tmp_path, input="")
+    assert checked.returncode == 2, checked.stderr[-2000:]
+    assert "config file /dev/stdin (from flag --config) is a FIFO that gave nothing: " \
+           "is anything writing to it?" in checked.stderr
+
+
+def test_a_named_fifo_is_read_from_its_writer(tmp_path):
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    config, shown = _spans_setting(tmp_path)
+
+    def write() -> None:
+        # open() for writing waits for the reader: the check, started just after.
+        with open(fifo, "w") as writer:
+            writer.write(config)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        checked = _check(str(fifo), tmp_path)
+    finally:
+        if writer.is_alive():  # the check never opened it: let the writer's open() return
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(timeout=10)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert shown in checked.stdout
+
+
+def test_dev_null_is_an_empty_config_as_an_empty_file_is(tmp_path):
+    empty = tmp_path / "empty.toml"
+    empty.write_bytes(b"")
+    for config in ("/dev/null", str(empty)):
+        checked = _check(config, tmp_path)
+        assert checked.returncode == 0, (config, checked.stderr[-2000:])
+        assert checked.stdout.endswith("traceproxy: configuration OK\n")
+
+
+def test_a_device_that_never_ends_is_refused_at_the_size_cap(tmp_path):
     checked = _check("/dev/zero", tmp_path)
     assert checked.returncode == 2, checked.stderr[-2000:]
-    assert "config file /dev/zero (from flag --config) is a character device, not a file" in checked.stderr
+    assert checked.stderr == "traceproxy: configuration error: config file /dev/zero (from flag --config) " \
+                             "is over 1 MiB: is it the config file?\n"
 
 
 def test_a_file_over_a_mebibyte_is_not_taken_for_a_config_file(tmp_path):

@@ -18,8 +18,10 @@ from .sections import BY_DOTTED, BY_ENV, CONFIG_ENV, ENV_PREFIX, SECTIONS, Raw, 
 # tens of KiB): past it the path names something else, such as /dev/zero or a log.
 MAX_CONFIG_BYTES = 1024 * 1024
 
-_NOT_A_FILE = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+# What cannot hold a config: a block device is a disk. A FIFO or a character device can
+# (--config <(envsubst < tpl), --config /dev/stdin from a pipe, /dev/null for none),
+# read to its end or to the size cap, which also stops /dev/zero.
+_NOT_A_FILE = ((stat.S_ISDIR, "a directory"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def _read_toml(path: str, source: str) -> dict[str, Any]:
@@ -27,7 +29,7 @@ def _read_toml(path: str, source: str) -> dict[str, Any]:
     if not path.strip():
         raise ConfigError(f"the config file's path (from {source}) is empty: expected the path of a TOML file")
     try:
-        data = _read_regular_file(path, named)
+        data = _read_config_bytes(path, named)
     except FileNotFoundError:
         raise ConfigError(f"{named} does not exist") from None
     except OSError as e:
@@ -39,23 +41,42 @@ def _read_toml(path: str, source: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
 
 
-def _read_regular_file(path: str, named: str) -> bytes:
-    """The file's bytes, if it is a regular file within MAX_CONFIG_BYTES. Opened without
-    blocking and judged by what was opened: a FIFO with no writer would block open()
-    itself, and a device such as /dev/zero would be read forever."""
+def _read_config_bytes(path: str, named: str) -> bytes:
+    """The bytes of the file, FIFO or character device at ``path``, up to MAX_CONFIG_BYTES.
+    Opened without blocking, as open() of a named FIFO waits for a writer, and judged by
+    what was opened; read blocking, as a pipe's writer may be slower than we are."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            what = next((name for is_it, name in _NOT_A_FILE if is_it(mode)), "not a regular file")
+        what = next((name for is_it, name in _NOT_A_FILE if is_it(mode)), None)
+        if what:
             raise ConfigError(f"{named} is {what}, not a file: expected the path of a TOML file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        # Left non-blocking, a read may come back short or empty before the end: from a
+        # pipe whose writer has not written yet, or a FUSE file system that honours the flag.
+        os.set_blocking(fd, True)
+        data = _read_to_end(fd, MAX_CONFIG_BYTES + 1)
     finally:
         os.close(fd)
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{named} is over {MAX_CONFIG_BYTES // (1024 * 1024)} MiB: is it the config file?")
+    if not data and stat.S_ISFIFO(mode):
+        # A FIFO that no process holds open for writing reads as ended at once (a named
+        # FIFO with no writer, a pipe whose writer failed): not an empty config.
+        raise ConfigError(f"{named} is a FIFO that gave nothing: is anything writing to it?")
     return data
+
+
+def _read_to_end(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes, read until the end: one read of a pipe gives what is in it so far."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _file_values(doc: Mapping[str, Any], where: str) -> Raw:
