@@ -5,6 +5,7 @@ would fail on is refused at startup naming where it came from."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,10 +70,30 @@ def test_over_grpc_a_variable_is_judged_by_the_same_rule():
 
 def test_the_reason_says_what_is_wrong_with_the_url():
     kind = collector_endpoint()
-    for url, reason in (("http://[::1", "not a URL"), ("http://collector:99999", "its port is not a number from 1 "
-                                                                               "to 65535")):
-        with pytest.raises(ValueError, match=reason):
+    for url, reason in (("http://[::1", "not a URL"), ("http://collector:99999", "port 99999 is out of range 1..65535"),
+                        ("http://collector:0", "port 0 is out of range 1..65535")):
+        with pytest.raises(ValueError, match=re.escape(reason)):
             kind.parse(url)
+
+
+@pytest.mark.parametrize("endpoint", ["http://collector:99999", "collector:99999", "http://[::1", "http://collector:abc",
+                                      "ftp://collector:21"])
+def test_the_variable_is_refused_in_the_words_the_key_is(endpoint):
+    with pytest.raises(ConfigError) as by_key:
+        load_settings({"tracing.otlp_endpoint": endpoint}, environ={})
+    with pytest.raises(ConfigError) as by_variable:
+        check_otlp_endpoint(default_settings(), {VARIABLES[1]: endpoint}, "grpc")
+    assert str(by_key.value).partition("): ")[2] == str(by_variable.value).partition("): ")[2]
+
+
+def test_a_port_out_of_range_is_said_alike_in_a_url_and_in_host_port():
+    reasons = set()
+    for key, value in (("tracing.otlp_endpoint", "http://collector:70000"), ("tracing.otlp_endpoint", "collector:70000"),
+                       ("upstream", "http://router:70000")):
+        with pytest.raises(ConfigError) as error:
+            load_settings({key: value}, environ={})
+        reasons.add(str(error.value).partition("): ")[2].partition(";")[0])
+    assert reasons == {"port 70000 is out of range 1..65535"}
 
 
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])

@@ -40,6 +40,8 @@ class UpstreamURL:
 
 
 def _port(text: str, minimum: int) -> int:
+    """A port as every address and URL setting takes it (``minimum`` is 0 only where the
+    OS may pick one): digits, in range."""
     if not (text.isascii() and text.isdigit()):
         raise ValueError
     port = int(text)
@@ -126,13 +128,19 @@ def _collector_url(value: str) -> str:
         raise Rejected(f"not a URL ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError
-    try:
-        port = parts.port
-    except ValueError:  # not a number, or out of range
-        port = 0
-    if port == 0:
-        raise Rejected("its port is not a number from 1 to 65535")
+    port = _url_port(parts.netloc)
+    if port is not None:  # judged here as the exporters' parts.port would refuse it
+        _port(port, 1)
     return value
+
+
+def _url_port(netloc: str) -> str | None:
+    """The port's text in a URL's netloc, None when there is none: as urlsplit finds it
+    (after a user's @, after an IPv6 address's ])."""
+    host_and_port = netloc.rpartition("@")[2]
+    if host_and_port.startswith("["):
+        host_and_port = host_and_port.partition("]")[2]
+    return host_and_port.partition(":")[2] or None
 
 
 def collector_endpoint() -> Kind:

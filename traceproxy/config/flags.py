@@ -7,7 +7,7 @@ import argparse
 from typing import Any, Mapping
 
 from .addresses import HostPort, address
-from .errors import Rejected, unknown
+from .errors import refusal, unknown
 from .kinds import Kind, seconds
 from .render import toml_value
 from .sections import BY_DOTTED, CONFIG_ENV, SCHEMA
@@ -49,8 +49,7 @@ def _argument(kind: Kind, text: str) -> Any:
     try:
         return kind.parse(text.strip())
     except ValueError as exc:
-        reason = f"{exc}; " if isinstance(exc, Rejected) else ""
-        raise argparse.ArgumentTypeError(f"{reason}expected {kind.expected}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{refusal(exc, kind.expected)}, got {text!r}") from None
 
 
 def listen_argument(text: str) -> HostPort:

@@ -20,7 +20,7 @@ from ..lifecycle.stall import MEANING as STALL_MEANING
 from ..lifecycle.stall import StallThresholds
 from .addresses import HostPort, UpstreamURL, address, collector_endpoint, http_url, http_urls
 from .cross_checks import check_between_keys
-from .errors import ConfigError, Rejected, unknown
+from .errors import ConfigError, Rejected, refusal, unknown
 from .kinds import (Kind, boolean, choice, file_path, header_names, integer, ratio, require_str, seconds, stall_kinds,
                     text, url_path)
 
@@ -484,9 +484,7 @@ def parse(s: Setting, raw: Any, source: str) -> Any:
     try:
         return s.kind.parse(raw.strip() if isinstance(raw, str) else raw)
     except ValueError as e:
-        reason = f"{e}; " if isinstance(e, Rejected) else ""
-        message = f"{s.dotted} = {raw!r} (from {source}): {reason}expected {s.kind.expected}"
-        raise ConfigError(message) from None
+        raise ConfigError(f"{s.dotted} = {raw!r} (from {source}): {refusal(e, s.kind.expected)}") from None
 
 
 def build(raw: Raw) -> Settings:

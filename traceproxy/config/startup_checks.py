@@ -8,9 +8,8 @@ import errno
 import os
 from pathlib import Path
 
-from .addresses import collector_endpoint
-from .errors import ConfigError, Rejected
-from .sections import Settings
+from .errors import ConfigError, refusal
+from .sections import BY_DOTTED, Settings
 
 
 def named_setting(settings: Settings, dotted: str, value: str) -> str:
@@ -38,12 +37,11 @@ def check_otlp_endpoint(settings: Settings, environ, protocol: str) -> None:
         # http/protobuf posts to a URL: HOST:PORT and gRPC targets are gRPC's forms.
         raise ConfigError(f"{named}: OTLP over http/protobuf needs an http:// or https:// URL such as "
                           f"http://127.0.0.1:4318; HOST:PORT and gRPC targets are for tracing.otlp_protocol = grpc")
-    rule = collector_endpoint()
+    rule = BY_DOTTED["tracing.otlp_endpoint"].kind
     try:
         rule.parse(endpoint)
     except ValueError as exc:
-        reason = f"{exc}; " if isinstance(exc, Rejected) else ""
-        raise ConfigError(f"{named}: {reason}expected {rule.expected}") from None
+        raise ConfigError(f"{named}: {refusal(exc, rule.expected)}") from None
 
 
 def check_appendable(settings: Settings, dotted: str, path: str, create: bool = True) -> None:
