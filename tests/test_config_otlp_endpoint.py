@@ -56,6 +56,13 @@ def test_the_traces_variable_is_the_one_judged_when_both_are_set():
 def test_the_key_wins_over_the_variables_and_is_named():
     settings = load_settings({"tracing.otlp_endpoint": "http://collector:4318"}, environ={})
     check_otlp_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "http/protobuf")  # not the one used
+    # A key the protocol cannot use is the one named, not the usable variable beside it.
+    settings = load_settings({"tracing.otlp_endpoint": "collector:4318"}, environ={})
+    with pytest.raises(ConfigError) as error:
+        check_otlp_endpoint(settings, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://ok:4318"}, "http/protobuf")
+    message = str(error.value)
+    assert message.startswith("tracing.otlp_endpoint = 'collector:4318' (from flag --tracing-otlp-endpoint): ")
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in message
 
 
 def test_over_grpc_a_variable_is_judged_by_the_same_rule():
