@@ -13,6 +13,7 @@ import pytest
 
 from traceproxy.lifecycle.flags import Flag
 from traceproxy.lifecycle.marks import Mark
+from traceproxy.proxy.forward import UPSTREAM_TAIL_SECONDS
 from traceproxy.sim.launch import free_port
 
 from .support import (RawClient, answers_done_then_waits, answers_partly_then_resets, raw_exchange, recv_until,
@@ -149,15 +150,15 @@ def _streams_in_writes(*writes: bytes, requests: int = 2) -> Callable:
     return stream
 
 
-def _sse_events(*events: bytes, then: bytes = b"") -> Callable:
-    """An upstream streaming ``events``, then ``then`` half a second later, then nothing."""
+def _sse_events(*events: bytes, then: bytes = b"", then_after: float = 0.5) -> Callable:
+    """An upstream streaming ``events``, then ``then`` ``then_after`` seconds later, then nothing."""
     async def stream(reader, writer, upstream):
         await reader.read_request()
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         for event in events:
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
         await writer.drain()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(then_after)
         writer.write(then)
         await writer.drain()
         await reader.read(1)  # until the proxy closes this connection
@@ -174,13 +175,17 @@ def test_a_client_that_leaves_before_the_streams_end_is_dc_whatever_the_text(scr
                                                                              events, leave_after):
     rec = Recorder()
     more = b'data: {"choices": [{"index": 1, "delta": {"content": "more"}}]}\n\n'
-    up = scripted_upstream(_sse_events(*events, then=b"%x\r\n%s\r\n" % (len(more), more)))
+    up = scripted_upstream(_sse_events(*events, then=b"%x\r\n%s\r\n" % (len(more), more), then_after=5.0))
     proxy = start_proxy(up.url, observers=[rec])
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
         recv_until(sock, leave_after)
-    # Ended (and the engine let go) at once, not after the next event or the tail wait.
-    assert wait_until(lambda: len(rec.done) == 1, timeout=0.4) and rec.done[0].outcome is Flag.DC
+    # Ended (and the engine let go) when the client left, not at the next event 5 s on,
+    # nor after the tail wait: read off the proxy's own marks, not this thread's clock.
+    assert wait_until(lambda: len(rec.done) == 1, timeout=3) and rec.done[0].outcome is Flag.DC
+    [record] = rec.done
+    let_go_ns = record.attempts[-1].marks[Mark.UPSTREAM_CLOSED] - record.marks[Mark.DOWNSTREAM_CLOSED]
+    assert 0 <= let_go_ns < UPSTREAM_TAIL_SECONDS * 1e9, let_go_ns
 
 
 def test_a_client_that_leaves_with_done_still_unread_is_dc(scripted_upstream, start_proxy):

@@ -299,15 +299,18 @@ async def _burst(pool, count: int) -> list:
 def test_a_connection_idle_past_the_timeout_is_never_handed_out_even_between_sweeps():
     async def main():
         async with _pool_on_server(idle_timeout=0.4) as pool:
+            # No sweep comes during the test (a window between two sweeps a few ms wide
+            # failed on a slow moment): only the hand-out's own age check stands between.
+            pool.sweep_interval_ns = 60 * 10**9
             first, second = _User(), _User()
             pool.acquire(first)
             pool.acquire(second)
             assert await _until(lambda: first.ready and second.ready)
-            started = time.monotonic()
-            pool.release(first.ready[0][0])  # arms the sweeper, which runs every 0.1 s from here
-            await asyncio.sleep(0.05)
-            pool.release(second.ready[0][0])  # half a sweep later: a sweep finds it young
-            await asyncio.sleep(0.47 - (time.monotonic() - started))  # past 0.4 s idle, before the next sweep
+            pool.release(first.ready[0][0])
+            pool.release(second.ready[0][0])
+            released = time.monotonic()
+            await asyncio.sleep(0.45 - (time.monotonic() - released))  # past 0.4 s idle, long before a sweep
+            assert len(pool.idle) == 2  # still pooled: no sweep took them
             late = _User()
             pool.acquire(late)
             assert await _until(lambda: late.ready)

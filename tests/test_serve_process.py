@@ -155,9 +155,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits(upstream_process):
                        body=b'{"stream": true, "max_tokens": 30}')
         assert wait_until(lambda: _healthz(admin)["requests_in_flight"] == 1)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        with pytest.raises(OSError):  # no longer accepting
-            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert wait_until(lambda: _refused(port), timeout=10)  # no longer accepting
         rest = client.response()
         assert rest.complete, "an in-flight stream within grace must not be cut"
         assert rest.body.count(b"data: ") == 32  # 30 tokens, usage, [DONE]
@@ -179,7 +177,9 @@ def test_sigterm_to_the_whole_group_still_logs_the_stream_that_finishes_in_grace
         env={**os.environ, "TRACEPROXY_TRACING_EXPORTER": "off", "TRACEPROXY_ACCESS_LOG_PATH": str(access_log)})
     try:
         assert wait_until(lambda: _healthz(admin) is not None or proc.poll() is not None, timeout=15, interval=0.05)
-        time.sleep(1.0)  # the exporter child past its interpreter's startup, where signals still kill it
+        # The exporter child past its interpreter's start-up, where a SIGTERM still kills it.
+        assert wait_until(lambda: len(_children(proc.pid)) == 1 and _ignores_sigterm(_children(proc.pid)[0]),
+                          timeout=30, interval=0.05)
         client = RawClient(port, timeout=20)
         client.request("POST", "/v1/chat/completions", headers=[("x-fake-tps", "20"), ("x-request-id", "in-grace")],
                        body=b'{"stream": true, "max_tokens": 20}')
@@ -280,6 +280,24 @@ def test_a_port_already_served_is_a_clear_startup_error(upstream_process, key, w
     assert proc.returncode == 1
     assert "address already in use" in stderr.lower() and "Traceback" not in stderr, stderr
     assert f"{key} {ports[key]}" in stderr, stderr  # which address (with workers, before any started)
+
+
+def _refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether the process has set SIGTERM to be ignored (its SigIgn mask, bit 15 - 1)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            mask = next(line.split()[1] for line in status if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) & (1 << (signal.SIGTERM - 1)))
 
 
 def _children(pid: int) -> list[int]:

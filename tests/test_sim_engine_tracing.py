@@ -370,6 +370,8 @@ def test_a_hung_request_shows_the_stages_that_ended_and_the_one_it_is_in(deploym
                       timeout=SPAN_TIMEOUT), {role: engine.ended(role) for role in stuck_in}
     for worker, name in hang.gauges.items():  # the gauges agree
         assert wait_until(lambda: gauge(getattr(harness, worker), name) == 1, timeout=5), (worker, name)
+    if stall.fault.startswith("decode_stall"):  # its two decode steps' spans come after the stages'
+        assert wait_until(lambda: sum(s.name == "decode_loop" for s in engine.all()) == 2, timeout=SPAN_TIMEOUT)
     time.sleep(QUIET)  # while it hangs, nothing more comes
 
     for role, stage in stuck_in.items():
