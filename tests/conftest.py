@@ -7,7 +7,7 @@ from traceproxy.config import default_settings
 from traceproxy.lifecycle.hooks import Fanout
 from traceproxy.sim.fast import FastUpstream
 
-from .support import LoopThread, ScriptedUpstream, started_for_the_test
+from .support import LoopThread, ScriptedUpstream, refused_port, started_for_the_test
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +41,12 @@ def fast_upstream(loop_thread):
 def scripted_upstream(loop_thread):
     """``scripted_upstream(handler)`` -> a running ScriptedUpstream, stopped at the test's end."""
     yield from started_for_the_test(loop_thread, ScriptedUpstream)
+
+
+@pytest.fixture
+def dead_upstream() -> str:
+    """``http://127.0.0.1:PORT`` where every connection is refused for the whole test: the
+    port is held (bound, never listening), so a test file running beside this one cannot
+    take it and answer, as it could a port found free and let go."""
+    with refused_port() as sock:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"

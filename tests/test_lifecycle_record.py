@@ -14,7 +14,6 @@ import pytest
 from traceproxy.lifecycle.flags import Flag
 from traceproxy.lifecycle.marks import Mark
 from traceproxy.proxy.forward import UPSTREAM_TAIL_SECONDS
-from traceproxy.sim.launch import free_port
 
 from .support import (RawClient, answers_done_then_waits, answers_partly_then_resets, raw_exchange, recv_until,
                       wait_until)
@@ -82,11 +81,11 @@ def test_pipelined_requests_report_no_idle_gap(fast_upstream, start_proxy):
     assert third.idle_gap_ns == 0
 
 
-def test_the_idle_gap_after_a_refused_request_starts_once_its_body_was_read(start_proxy):
+def test_the_idle_gap_after_a_refused_request_starts_once_its_body_was_read(start_proxy, dead_upstream):
     # The upstream is down: the first request's 502 goes out at once, and the proxy
     # reads the rest of its body (1.2 s of it) before the connection carries on.
     rec = Recorder()
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}", observers=[rec])
+    proxy = start_proxy(dead_upstream, observers=[rec])
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"POST /a HTTP/1.1\r\nHost: a\r\nContent-Length: 7\r\n\r\nx")
         assert recv_until(sock, b"}").startswith(b"HTTP/1.1 502 ")
@@ -239,7 +238,7 @@ def test_a_shutdown_while_waiting_for_the_upstreams_last_bytes_still_ends_the_re
     assert [r.outcome for r in rec.done] == [Flag.OK]
 
 
-def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):
+def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy, dead_upstream):
     rec = Recorder()
     proxy = start_proxy(fast_upstream().url, observers=[rec])
     RawClient(proxy.port).roundtrip("GET", "/health")  # OK
@@ -248,7 +247,7 @@ def test_every_started_request_ends_exactly_once(fast_upstream, start_proxy):
     half.sendall(b"POST /echo HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nab")
     assert wait_until(lambda: len(rec.started) == 3)
     half.close()  # DC while the body is incomplete
-    dead = start_proxy(f"http://127.0.0.1:{free_port()}", observers=[rec])
+    dead = start_proxy(dead_upstream, observers=[rec])
     RawClient(dead.port).roundtrip("GET", "/")  # UF
     assert wait_until(lambda: len(rec.done) == 4)
     assert sorted(r.outcome.code for r in rec.done) == ["DC", "DPE", "OK", "UF"]

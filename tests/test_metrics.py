@@ -10,7 +10,6 @@ import urllib.request
 
 from traceproxy.lifecycle.machine import Phase
 from traceproxy.observe.metrics import Histogram, format_labels, prometheus_totals
-from traceproxy.sim.launch import free_port
 
 from .support import RawClient, admin_get, answers_in_parts, answers_then_drops_next_request, never_answers, wait_until
 
@@ -204,8 +203,8 @@ def test_time_to_first_byte_is_the_head_and_first_chunk_the_body(scripted_upstre
     client.close()
 
 
-def test_upstream_connect_failure_counts_as_uf_502_blamed_on_the_engine(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
+def test_upstream_connect_failure_counts_as_uf_502_blamed_on_the_engine(start_proxy, dead_upstream):
+    proxy = start_proxy(dead_upstream)
     client = RawClient(proxy.port)
     for _ in range(2):
         assert client.roundtrip("GET", "/v1/models").status == 502

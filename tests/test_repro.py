@@ -242,8 +242,8 @@ def test_json_output(start_proxy, fast_upstream, capsys):
     assert [r["turn"] for r in document["records"]] == [1, 2]
 
 
-def test_an_error_response_is_a_failed_turn(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")  # the upstream is down: 502 UF
+def test_an_error_response_is_a_failed_turn(start_proxy, dead_upstream):
+    proxy = start_proxy(dead_upstream)  # the upstream is down: 502 UF
     result = run_repro(f"http://127.0.0.1:{proxy.port}", None, conversations=1, turns=2, turn_timeout=5.0,
                        mode="reused")
     [record] = result.records
@@ -252,13 +252,13 @@ def test_an_error_response_is_a_failed_turn(start_proxy):
     assert result.exit_code == 1
 
 
-def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, capsys):
-    assert main(["repro", "--url", f"http://127.0.0.1:{free_port()}"]) == 2
+def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, capsys, dead_upstream):
+    assert main(["repro", "--url", dead_upstream]) == 2
     assert "cannot connect" in capsys.readouterr().err
 
     proxy = start_proxy(fast_upstream().url)
     url = f"http://127.0.0.1:{proxy.port}"
-    assert main(["repro", "--url", url, "--admin", f"127.0.0.1:{free_port()}"]) == 2
+    assert main(["repro", "--url", url, "--admin", dead_upstream.removeprefix("http://")]) == 2
     assert "admin listener" in capsys.readouterr().err
     assert main(["repro", "--url", url, "--admin", f"127.0.0.1:{proxy.port}"]) == 2  # not the admin port
     assert main(["repro", "--url", "https://127.0.0.1:1"]) == 2
@@ -282,7 +282,7 @@ def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, 
     with pytest.raises(UsageError):
         run_repro(url + "/v1", None)
     with pytest.raises(TargetUnreachable):
-        run_repro(f"http://127.0.0.1:{free_port()}", None)
+        run_repro(dead_upstream, None)
 
 
 @pytest.mark.parametrize("header", ["Content-Length: 5", "Transfer-Encoding: chunked", "connection: close",

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from traceproxy.sim.launch import free_port
 
 from .support import (RawClient, answers_in_parts, answers_partly_then_resets, header_value, never_answers, recv_until,
                       wait_until)
@@ -24,8 +23,8 @@ def _error(resp) -> dict:
     return json.loads(resp.body)["error"]
 
 
-def test_connect_refused_is_502_uf(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
+def test_connect_refused_is_502_uf(start_proxy, dead_upstream):
+    proxy = start_proxy(dead_upstream)
     resp = RawClient(proxy.port).roundtrip("POST", "/v1/chat/completions", body=b"{}")
     assert resp.status == 502
     assert resp.headers["x-traceproxy-outcome"] == "UF"
@@ -34,10 +33,10 @@ def test_connect_refused_is_502_uf(start_proxy):
     assert "refused" in error["message"]
 
 
-def test_the_proxys_own_error_for_a_head_request_has_no_body(scripted_upstream, start_proxy):
+def test_the_proxys_own_error_for_a_head_request_has_no_body(scripted_upstream, start_proxy, dead_upstream):
     # RFC 9110 section 9.3.2: a body after the head would be read (by a strict client
     # such as h11) as the start of the next response on the keep-alive connection.
-    for upstream, overrides, status in ((f"http://127.0.0.1:{free_port()}", {}, 502),
+    for upstream, overrides, status in ((dead_upstream, {}, 502),
                                         (scripted_upstream(never_answers).url, {"timeouts.upstream_headers": 0.3}, 504)):
         proxy = start_proxy(upstream, **overrides)
         client = RawClient(proxy.port)
@@ -500,8 +499,8 @@ def test_a_client_leaving_with_the_last_bytes_untaken_is_a_disconnect(scripted_u
     assert done == ["DC"]
 
 
-def test_error_before_the_body_arrived_drains_it_and_keeps_the_connection(start_proxy):
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
+def test_error_before_the_body_arrived_drains_it_and_keeps_the_connection(start_proxy, dead_upstream):
+    proxy = start_proxy(dead_upstream)
     with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 20\r\n\r\n")
         reply = sock.recv(65536)  # the 502 comes before the body was sent
