@@ -227,7 +227,18 @@ SECONDS_KEYS = [s.dotted for s in SCHEMA if s.kind.metavar == "SECONDS"]
 def test_every_duration_refuses_a_value_under_a_millisecond_naming_the_key(dotted):
     with pytest.raises(ConfigError) as error:
         load_settings({dotted: "1e-300"}, environ={})
-    assert str(error.value).startswith(f"{dotted} = '1e-300' (from flag ") and "1e-300 s is under" in str(error.value)
+    setting = next(s for s in SCHEMA if s.dotted == dotted)
+    # The value as given, then the exact floor: a reason ("1e-300 s is under 0.001 s") would repeat both.
+    assert str(error.value) == f"{dotted} = '1e-300' (from flag {setting.flag}): expected {setting.kind.expected}"
+
+
+@pytest.mark.parametrize("value", ["0.0009999999999", "0.0005"])
+def test_a_duration_just_under_its_floor_is_shown_as_given_beside_the_exact_floor(value):
+    # Said as "N s is under 0.001 s", a value rounded by %g read "0.001 s is under 0.001 s".
+    with pytest.raises(ConfigError) as error:
+        load_settings({"timeouts.client_body": value}, environ={})
+    assert str(error.value) == (f"timeouts.client_body = {value!r} (from flag --timeouts-client-body): expected a "
+                                "number of seconds, at least 0.001 s, or 0 for off, at most 31536000 (a year)")
 
 
 def test_a_duration_argument_of_another_command_has_the_same_floor():
@@ -235,8 +246,10 @@ def test_a_duration_argument_of_another_command_has_the_same_floor():
 
     never = seconds_argument(zero="never")
     assert (never("0"), never("0.001")) == (0.0, 0.001)
-    with pytest.raises(argparse.ArgumentTypeError, match="under 0.001 s.*at least 0.001 s, or 0 for never"):
+    with pytest.raises(argparse.ArgumentTypeError) as error:
         never("1e-300")
+    assert str(error.value) == ("expected a number of seconds, at least 0.001 s, or 0 for never, "
+                                "at most 31536000 (a year), got '1e-300'")
 
 
 def test_native_toml_values(tmp_path):
@@ -398,8 +411,8 @@ ERROR_CASES = [
      ["engines.probe_path", "in printable ASCII"]),
     # Under a millisecond a timeout fires before any answer can come: a unit slip, not a setting.
     ("connect-timeout-under-a-millisecond", {"argv": ["--timeouts-connect", "1e-300"]},
-     ["timeouts.connect", "flag --timeouts-connect", "'1e-300'", "1e-300 s is under 0.001 s",
-      "at least 0.001 s, at most"]),
+     ["timeouts.connect", "flag --timeouts-connect", "'1e-300'", "): expected a number of seconds, at least 0.001 s, "
+      "at most"]),
     ("off-able-timeout-under-a-millisecond", {"env": {"TRACEPROXY_TIMEOUTS_CLIENT_BODY": "0.0005"}},
      ["timeouts.client_body", "env TRACEPROXY_TIMEOUTS_CLIENT_BODY", "at least 0.001 s, or 0 for off"]),
     ("stall-threshold-under-a-millisecond", {"toml": "[stall]\nfirst_byte = 1e-9\n"},
@@ -408,7 +421,7 @@ ERROR_CASES = [
      ["timeouts.shutdown_grace", "or 0 for stopping at once"]),
     # Each scrape fetches and parses every URL's answer: a tiny interval is a busy loop.
     ("scrape-interval-under-its-floor", {"argv": ["--engines-scrape-interval", "1e-300"]},
-     ["engines.scrape_interval", "flag --engines-scrape-interval", "under 0.05 s", "at least 0.05 s"]),
+     ["engines.scrape_interval", "flag --engines-scrape-interval", "): expected a number of seconds, at least 0.05 s"]),
     ("scrape-interval-just-under-its-floor", {"env": {"TRACEPROXY_ENGINES_SCRAPE_INTERVAL": "0.04"}},
      ["engines.scrape_interval", "env TRACEPROXY_ENGINES_SCRAPE_INTERVAL", "at least 0.05 s"]),
     # An empty path would be ".", the working folder: refused as empty, not as a folder.

@@ -46,18 +46,17 @@ MAX_SECONDS = 365 * 24 * 3600
 MIN_SECONDS = 0.001
 
 
-def seconds(*, zero: str | None = None, minimum: float = MIN_SECONDS, why: str = "") -> Kind:
+def seconds(*, zero: str | None = None, minimum: float = MIN_SECONDS) -> Kind:
     """Finite seconds from ``minimum`` to a year, or 0 when ``zero`` says what 0 means.
-    ``why`` says, in the error for a value below the minimum, why the key has a higher one."""
+    Out of that range the error shows the value as given and this form, which says the
+    bounds exactly: a reason such as "N s is under M s" would only repeat them, rounded."""
 
     def parse(raw: Any) -> float:
         value = _number(raw, float)
         if value == 0 and zero is not None:
             return 0.0
-        if value < 0 or value > MAX_SECONDS:
+        if not minimum <= value <= MAX_SECONDS:
             raise ValueError
-        if value < minimum:
-            raise Rejected(f"{value:g} s is under {minimum:g} s" + (f" ({why})" if why else ""))
         return value
 
     off = f", or 0 for {zero}" if zero else ""

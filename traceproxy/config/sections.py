@@ -299,7 +299,7 @@ class Engines:
         "Prometheus /metrics URLs of the router and the prefill and decode workers, whatever their role; "
         "when these and the role-labelled keys below are empty nothing is scraped and nothing is correlated.")
     scrape_interval: float = setting(
-        seconds(minimum=SCRAPE_INTERVAL_FLOOR, why="each scrape fetches and parses every metrics URL's whole answer"),
+        seconds(minimum=SCRAPE_INTERVAL_FLOOR),
         5.0,
         "Seconds between scrapes of every metrics URL. Each scrape fetches and parses every URL's whole "
         "answer, hence a floor above the other durations' (Prometheus itself scrapes every few seconds).")
