@@ -149,15 +149,22 @@ def _with(spans: list[Span], key: str, value: dict, where: str) -> dict:
     return document
 
 
-# Every attribute the report counts with; the stall span's wait is shown for a request
-# still in flight (no SERVER span), so that one is read from the stall span alone.
-NUMBERS = [(sc.CLIENT_IDLE_GAP, "server"), (sc.CHUNK_MAX_GAP, "server"),
-           (sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, "server"), (sc.UPSTREAM_CONNECTION_IDLE_AGE, "attempt"),
-           (sc.HTTP_REQUEST_RESEND_COUNT, "attempt"), (sc.STALL_WAITED, "event"), (sc.STALL_DURATION, "event"),
-           (sc.STALL_WAITED, "stall")]
+# Every attribute the report counts with, and where its report shows it ({} for the value);
+# the stall span's wait is shown for a request still in flight (no SERVER span), so that
+# one is read from the stall span alone.
+NUMBERS = {(sc.CLIENT_IDLE_GAP, "server"): "request - on it, idle {} before it",
+           (sc.CHUNK_MAX_GAP, "server"): "upstream chunks, largest gap {}\n",
+           (sc.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, "server"): "genai: stream, first chunk after {}\n",
+           (sc.UPSTREAM_CONNECTION_IDLE_AGE, "attempt"): "connection 3 reused, idle {}, request 2 on it",
+           (sc.HTTP_REQUEST_RESEND_COUNT, "attempt"): "upstream attempt (resend {}): connection 3",
+           (sc.STALL_WAITED, "event"): "SU in streaming_response: detected after {}, blame engine",
+           (sc.STALL_DURATION, "event"): "; resolved after {}\n",
+           (sc.STALL_WAITED, "stall"): "SU (-) in streaming_response: detected after {}, blame engine"}
 NOT_SCALARS = {"array": {"arrayValue": {"values": [{"stringValue": "x"}]}},
                "map": {"kvlistValue": {"values": [{"key": "x", "value": {"intValue": "1"}}]}}}
 NOT_NUMBERS = {"string": {"stringValue": "x"}, "int not an int": {"intValue": "x"}, **NOT_SCALARS}
+# Each as the report shows it: as it is written.
+AS_WRITTEN = {"string": "x", "int not an int": "x", "array": "['x']", "map": "{'x': 1}"}
 
 
 def _report_with(tmp_path, key: str, value: dict, where: str) -> str:
@@ -171,14 +178,19 @@ def _report_with(tmp_path, key: str, value: dict, where: str) -> str:
 @pytest.mark.parametrize("kind", list(NOT_NUMBERS))
 def test_an_attribute_of_another_type_is_shown_as_written_not_a_traceback(tmp_path, key, where, kind):
     out = _report_with(tmp_path, key, NOT_NUMBERS[kind], where)
-    assert "SU" in out and "stall" in out, out
+    assert NUMBERS[key, where].format(AS_WRITTEN[kind]) in out, out
 
 
 @pytest.mark.parametrize("kind", list(NOT_SCALARS))
-def test_a_stall_code_that_is_not_a_string_is_shown_as_written(tmp_path, kind):
-    # Stall events are paired with their resolutions by their code.
+def test_a_stall_code_that_is_not_a_string_is_shown_as_written_and_still_paired(tmp_path, kind):
+    # Stall events are paired with their resolutions by their code: the first stall's is
+    # resolved, the second still open when the request ended.
     out = _report_with(tmp_path, sc.STALL_OUTCOME, NOT_SCALARS[kind], "event")
-    assert "outcome SU" in out and "stalls:" in out, out
+    code = AS_WRITTEN[kind]
+    assert f"    {code} in streaming_response: detected after 1.000 s, blame engine; resolved after 100.000 ms\n" \
+        in out, out
+    assert f"    {code} in streaming_response: detected after 1.000 s, blame engine; not resolved (the request " \
+        "ended stalled)\n" in out, out
 
 
 def test_a_duration_that_is_not_a_number_is_printed_as_it_is_written(tmp_path):
