@@ -199,10 +199,16 @@ def test_lines_of_the_wrong_shape_are_skipped_not_a_traceback(traced, tmp_path):
     mixed.write_text("\n".join(foreign) + "\n" + spans.read_text())
     done = diagnose(wanted, "--spans", str(mixed))
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    # What was skipped is said under the report: the request may have been in it.
+    assert done.stdout.splitlines()[-1].startswith(f"2 lines and 1 span naming {wanted!r} or its trace could not be "
+                                                   "read"), done.stdout
     only_foreign = tmp_path / "foreign.jsonl"
     only_foreign.write_text("\n".join(foreign) + "\n")
     done = diagnose(wanted, "--spans", str(only_foreign))
     assert done.returncode == 1 and "no request" in done.stderr and "Traceback" not in done.stderr
+    # A span document whose span cannot be read is a span file all the same: no question whether it is one.
+    assert "is it the span file?" not in done.stderr and "\n  2 lines and 1 span naming it could not be read" \
+        in done.stderr, done.stderr
 
 
 def test_a_request_still_hung_shows_its_stall_span(loop_thread, tmp_path):

@@ -49,46 +49,115 @@ def _left() -> dict:
 # ----------------------------------------------------------------------------------
 # Times: fixed64 nanoseconds since the epoch
 # ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("field", ["startTimeUnixNano", "endTimeUnixNano"])
-@pytest.mark.parametrize("written", ["9" * 30, "-99999999999999999999", str(2**64)])
-def test_a_span_whose_time_is_out_of_range_is_skipped_and_the_miss_says_a_line_was(tmp_path, field, written):
+UNREADABLE_TIMES = ["9" * 30, "-99999999999999999999", str(2**64), "-1", "soon", 1.5, True, None]
+
+
+def _attempt_of(document: dict) -> dict:
+    return next(s for s in document["resourceSpans"][0]["scopeSpans"][0]["spans"] if s["kind"] == 3)
+
+
+def _engine_span(document: dict, name: str) -> dict:
+    return next(s for s in document["resourceSpans"][1]["scopeSpans"][0]["spans"] if s["name"] == name)
+
+
+def _timeline(out: str) -> list[str]:
+    lines = out.splitlines()
+    first = next(index for index, line in enumerate(lines) if line.startswith("  timeline ("))
+    return lines[first + 2:next(index for index in range(first + 1, len(lines))
+                                if not lines[index].startswith("    "))]
+
+
+@pytest.mark.parametrize("written", UNREADABLE_TIMES)
+def test_a_span_whose_time_cannot_be_read_is_kept_its_time_unknown(tmp_path, written):
+    for field, heading in (("startTimeUnixNano", "timeline (start time unknown, took -):"),
+                           ("endTimeUnixNano", "timeline (start 2023-11-14 22:13:20.000000 UTC, took -):")):
+        document = _left()
+        _span_of(document, "POST")[field] = written
+        status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
+        assert status == 0 and "request hang-1" in out and "outcome DC" in out, (field, err)
+        assert heading in out, (field, out)
+        assert "could not be read" not in out + err, out  # kept, so nothing was skipped
+
+
+def test_an_attempt_whose_end_cannot_be_read_keeps_its_line_its_marks_and_the_spans_below_it(tmp_path):
     document = _left()
-    _span_of(document, "POST")[field] = written
+    _attempt_of(document)["endTimeUnixNano"] = "9" * 30
     status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
-    assert status == 1 and out == "", out
-    assert "no request with trace id or request id 'hang-1'" in err, err
-    assert "1 line naming it could not be read whole" in err, err
-    assert NOT_A_SPAN_FILE not in err, err  # its other spans are spans
+    assert status == 0, err
+    assert "  upstream attempt 1: no connection -> DC" in out, out
+    assert "         +2.000 ms      +2.000 ms  first_upstream_tx_byte   [attempt 1]" in _timeline(out), out
+    assert "  spans below the proxy (router, engines):" in out, out
+    assert "      sglang: prefill_forward, 1.000 ms" in out, out
+
+
+def test_an_engine_span_whose_end_cannot_be_read_is_listed_with_no_duration_and_its_end_last(tmp_path):
+    document = _left()
+    _engine_span(document, "prefill_forward")["endTimeUnixNano"] = "soon"
+    status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 0, err
+    assert "      sglang: prefill_forward, -" in out, out
+    assert _timeline(out)[-1] == "      time unknown              -  prefill_forward ended   [engine prefill, sglang]"
 
 
 def test_the_largest_time_fixed64_holds_is_still_a_time(tmp_path):
     document = _left()
     _span_of(document, "POST")["endTimeUnixNano"] = str(2**64 - 1)
     status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
-    assert status == 0 and "outcome DC" in out, err
+    assert status == 0 and "outcome DC" in out and "took 16746744073.710 s" in out, err
+
+
+def test_a_time_written_as_a_float_holding_a_whole_number_is_read(tmp_path):
+    # A JSON number is a double to many writers: 1.7e18 is the whole number it holds.
+    document = _left()
+    server = _span_of(document, "POST")
+    server["startTimeUnixNano"] = float(T0)
+    server["events"][-1]["timeUnixNano"] = float(T0 + 10_002 * MS)
+    status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 0, err
+    assert "timeline (start 2023-11-14 22:13:20.000000 UTC, took 10.002 s):" in out, out
+    assert "         +10.002 s       +9.995 s  downstream_closed   <- longest wait" in _timeline(out), out
 
 
 def test_one_span_that_cannot_be_read_leaves_the_other_spans_of_its_line(tmp_path):
     # A line is a batch of many requests' spans: a second request's SERVER span in the same
-    # line, with a time that is no number, costs that span alone.
+    # line, with a trace id that is no string, costs that span alone, and is no word in the
+    # first request's report (it names neither its id nor its trace).
     document = _left()
-    broken = dict(_span_of(document, "POST"), spanId="9" * 16, startTimeUnixNano="soon",
+    broken = dict(_span_of(document, "POST"), spanId="9" * 16, traceId=12345,
                   attributes=[{"key": sc.REQUEST_ID, "value": {"stringValue": "broken-1"}}])
     document["resourceSpans"][0]["scopeSpans"][0]["spans"].append(broken)
     spans = _write(tmp_path / "spans.jsonl", document)
     status, out, err = _diagnose("hang-1", spans)
     assert status == 0 and "request hang-1" in out and "outcome DC" in out, err
-    assert _diagnose("broken-1", spans)[0] == 1
+    assert "could not be read" not in out, out
+    status, _, err = _diagnose("broken-1", spans)
+    assert status == 1 and "\n  1 span naming it could not be read" in err, err
+    assert NOT_A_SPAN_FILE not in err, err  # its other spans are spans
 
 
-@pytest.mark.parametrize("written", ["9" * 30, "-1", "later"])
-def test_an_event_whose_time_is_out_of_range_is_dropped_and_its_span_kept(tmp_path, written):
+@pytest.mark.parametrize("written", UNREADABLE_TIMES)
+def test_an_event_whose_time_cannot_be_read_is_kept_last_in_the_timeline_its_time_unknown(tmp_path, written):
     document = _left()
     server = _span_of(document, "POST")
     server["events"].insert(1, {"name": "last_downstream_rx_byte", "timeUnixNano": written})
     status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
     assert status == 0 and "outcome DC" in out and "took 10.002 s" in out, err
-    assert "last_downstream_rx_byte" not in out and "downstream_closed" in out, out
+    rows = _timeline(out)
+    assert rows[-1] == "      time unknown              -  last_downstream_rx_byte", out
+    assert "         +10.002 s       +9.995 s  downstream_closed   <- longest wait" in rows, out
+
+
+def test_requests_of_one_trace_are_listed_those_of_unknown_start_last():
+    # Sorted by start, an unknown start is no number to compare with.
+    spans = [Span(TRACE, server_id, "", "POST /generate", "server", start, T0 + 5 * MS,
+                  {sc.REQUEST_ID: request_id, sc.OUTCOME: "OK"}, [Event("first_downstream_rx_byte", start)])
+             for server_id, request_id, start in (("a" * 16, "late-1", None), ("b" * 16, "early-1", T0))]
+    assert [found.request_id for found in find_requests(spans, TRACE)] == ["early-1", "late-1"]
+    stall = Span(TRACE, STALL, "c" * 16, "stall FBS", "internal", None, None, {sc.REQUEST_ID: "fly-1", **STALL_FACTS})
+    [found] = find_requests([stall], "fly-1")
+    text = "\n".join(request_lines(found))
+    assert "from its first stall's wait, time unknown" in text and "detected after 2.001 s" in text, text
+    assert "      time unknown              -  stall detected: FBS   [stall span]" in text, text
 
 
 def test_a_time_no_date_can_be_made_of_is_shown_as_its_number():
@@ -101,15 +170,47 @@ def test_a_time_no_date_can_be_made_of_is_shown_as_its_number():
     assert f"start {huge} ns since the epoch (not a date), took 5.000 ms" in text, text
 
 
+# ----------------------------------------------------------------------------------
+# What cannot be read is said, found or not
+# ----------------------------------------------------------------------------------
+SKIPPED = ("could not be read (a line that is not an OTLP span document: torn, foreign; a span or event whose id or "
+           "name is not a string): skipped")
+
+
+def test_what_naming_the_request_could_not_be_read_is_said_under_its_report(tmp_path):
+    # Both scans count: a torn line naming the request id and its trace (counted once), a
+    # torn line naming its trace alone, and an event of its attempt with a name that is
+    # not a string (its span, and its other marks, kept).
+    document = _left()
+    _attempt_of(document)["events"].append({"name": 7, "timeUnixNano": str(T0)})
+    spans = _write(tmp_path / "spans.jsonl", f'{{"torn": "hang-1", "trace": "{TRACE}"', document,
+                   f'{{"resourceSpans": [{{"traceId": "{TRACE}"', '{"torn": "another-request"')
+    status, out, err = _diagnose("hang-1", spans)
+    assert status == 0 and "first_upstream_tx_byte   [attempt 1]" in out, err
+    assert out.splitlines()[-1] == f"2 lines and 1 event naming 'hang-1' or its trace {SKIPPED}", out
+
+
 def test_the_command_says_a_miss_in_a_line_not_a_traceback(tmp_path):
     document = _left()
-    _span_of(document, "POST")["startTimeUnixNano"] = "9" * 30
+    _span_of(document, "POST")["traceId"] = ["not", "an", "id"]
     spans = _write(tmp_path / "spans.jsonl", document)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-m", "traceproxy", "diagnose", "hang-1", "--spans", spans],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("traceproxy diagnose: no request with trace id or request id 'hang-1'"), done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("traceproxy diagnose: no request with trace id or request id 'hang-1'"), lines
+    assert lines[1] == f"  1 span naming it {SKIPPED}", lines
+
+
+def test_a_miss_in_a_file_of_span_documents_whose_spans_cannot_be_read_does_not_ask_if_it_is_one(tmp_path):
+    document = _left()
+    for resource in document["resourceSpans"]:
+        for span in resource["scopeSpans"][0]["spans"]:
+            span["traceId"] = 7
+    status, out, err = _diagnose("hang-1", _write(tmp_path / "spans.jsonl", document))
+    assert status == 1 and out == "", out
+    assert NOT_A_SPAN_FILE not in err and f"\n  1 span naming it {SKIPPED}\n" in err, err
 
 
 # ----------------------------------------------------------------------------------
@@ -240,10 +341,12 @@ def test_a_miss_in_a_file_with_no_span_in_it_asks_whether_it_is_the_span_file(tm
     spans.write_bytes(content)
     status, out, err = _diagnose("hang-1", spans)
     assert status == 1 and out == "", out
-    first = err.splitlines()[0]
-    assert first == (f"traceproxy diagnose: no request with trace id or request id 'hang-1' in {spans} (--spans); "
-                     + NOT_A_SPAN_FILE), err
+    lines = err.splitlines()
+    assert lines[0] == (f"traceproxy diagnose: no request with trace id or request id 'hang-1' in {spans} (--spans); "
+                        + NOT_A_SPAN_FILE), err
     assert "--spans PATH" in err and "sampled out" not in err, err
+    # The line naming it, which could not be read, is counted here too.
+    assert (lines[1] == f"  1 line naming it {SKIPPED}") == (b"hang-1" in content), err
 
 
 def test_a_miss_in_a_span_file_or_an_empty_one_does_not_ask(tmp_path):

@@ -42,13 +42,15 @@ access log is read too when it is a file: ``--access-log PATH``, else
 ``TRACEPROXY_ACCESS_LOG_PATH`` (``[access_log] path``), else serve's default (stdout: not
 read), found as the span file is.
 
-Anything can be appended to a span file, so no line of it is trusted: a line that is not
-an OTLP traces document (torn, foreign, nested past the parser) is skipped, and so is a
-span that cannot be read (a time outside fixed64 nanoseconds, an id that is not a
-string), the other spans of its line kept; an event that cannot be read is dropped from
-its span; an attribute of another type than the proxy writes is shown as it is written.
-A miss says how many lines naming the id could not be read whole, or, when no line of
-the file is a span document (an access log, a binary), asks whether it is the span file.
+Anything can be appended to a span file, so no line of it is trusted. A time that is not
+fixed64 nanoseconds since the epoch (out of range, not a whole number) is unknown: its
+span or event is kept, shown with "time unknown" or "-" where the time would count, and
+sorted after every known time. An attribute of another type than the proxy writes is
+shown as it is written. What cannot be read at all is skipped: a line that is not an
+OTLP traces document (torn, foreign, nested past the parser), a span or event whose id
+or name is not a string, the rest of its line kept; and what was skipped of the lines
+naming the request is counted and said, found or not. A miss in a file with no span
+document in it (an access log, a binary) asks whether it is the span file.
 
 Exit status: 0 found, 1 not found, 2 usage or I/O error.
 """
@@ -72,6 +74,7 @@ from pathlib import Path
 
 from . import diagnose_engines
 from .config import SCHEMA
+from .diagnose_engines import time_order
 from .lifecycle.marks import Mark
 from .observe import semconv as sc
 
@@ -89,8 +92,8 @@ JAEGER_TIMEOUT_S = 10.0
 JAEGER_LIMIT = 20
 JAEGER_LOOKBACK_S = 2 * 24 * 3600
 FOUND, NOT_FOUND, ERROR = 0, 1, 2
-# OTLP times are fixed64 nanoseconds since the epoch; a span whose times are outside that
-# range is not a span anyone recorded (its line was mangled), and no date can be made of it.
+# OTLP times are fixed64 nanoseconds since the epoch; a time outside that range is no time
+# anyone recorded (its line was mangled): it is read as unknown.
 MAX_TIME_NS = 2**64 - 1
 MAX_SECONDS = MAX_TIME_NS / 1e9  # a request older than every time a span can carry was never measured
 
@@ -161,7 +164,7 @@ def pointing_lines() -> list[str]:
 @dataclass
 class Event:
     name: str
-    time_ns: int
+    time_ns: int | None  # None: unknown (a span file's time that is no fixed64 time)
     attributes: dict = field(default_factory=dict)
 
 
@@ -172,8 +175,8 @@ class Span:
     parent_id: str
     name: str
     kind: str  # server, client, internal, ...
-    start_ns: int
-    end_ns: int
+    start_ns: int | None  # None: unknown, as an event's time
+    end_ns: int | None
     attributes: dict = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     status: str = "unset"
@@ -199,19 +202,19 @@ class RequestSpans:
     access_log: dict | None = None  # its access log line, when the access log is a file that has it
 
     @property
-    def start_ns(self) -> int:
+    def start_ns(self) -> int | None:
         return self.server.start_ns if self.server is not None else self.in_flight_start()[0]
 
-    def in_flight_start(self) -> tuple[int, bool]:
-        """When a request with no SERVER span began, and whether that is its own start
-        (its first byte). Without the request's age in its stall spans (a file written by
-        a proxy that did not record it), the earliest moment known is when its first
-        stall's wait began."""
+    def in_flight_start(self) -> tuple[int | None, bool]:
+        """When a request with no SERVER span began (None: unknown), and whether that is its
+        own start (its first byte). Without the request's age in its stall spans (a file
+        written by a proxy that did not record it), the earliest moment known is when its
+        first stall's wait began."""
         starts = [stall.end_ns - round(age * 1e9) for stall in self.stalls
-                  if _is_seconds(age := stall.attributes.get(sc.STALL_REQUEST_AGE))]
+                  if stall.end_ns is not None and _is_seconds(age := stall.attributes.get(sc.STALL_REQUEST_AGE))]
         if starts:
             return min(starts), True
-        return min((s.start_ns for s in self.stalls + self.attempts), default=0), False
+        return min((s.start_ns for s in self.stalls + self.attempts if s.start_ns is not None), default=None), False
 
     @property
     def request_id(self) -> str:
@@ -242,6 +245,11 @@ def _number(value) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def _elapsed(later: int | None, earlier: int | None) -> int | None:
+    """From ``earlier`` to ``later``; None when either time is unknown."""
+    return None if later is None or earlier is None else later - earlier
+
+
 # ----------------------------------------------------------------------------------
 # OTLP/JSON (the local span file)
 # ----------------------------------------------------------------------------------
@@ -265,6 +273,21 @@ def otlp_value(value: dict):
     return value.get("bytesValue")
 
 
+def whole_number(written) -> int | None:
+    """An integer (int64, fixed64) as OTLP/JSON writes one: a decimal string, or a JSON
+    number, a float only when it holds a whole number (1.7e18); None when it is not one."""
+    if isinstance(written, float):
+        return int(written) if written.is_integer() else None  # is_integer: False for inf and nan
+    if isinstance(written, int) and not isinstance(written, bool):
+        return written
+    if isinstance(written, str):
+        try:
+            return int(written)
+        except ValueError:  # not a number, or past the digits int() reads
+            return None
+    return None
+
+
 def _as_written(kind, written):
     try:
         return kind(written) if isinstance(written, (str, int, float)) and not isinstance(written, bool) else written
@@ -280,7 +303,7 @@ def otlp_spans(document: dict) -> Iterator[Span]:
     """Every span of one ``ExportTraceServiceRequest`` that can be read (see ``_readable_span``).
     A document not of that shape raises ValueError, TypeError or AttributeError."""
     for raw, service in _raw_spans(document):
-        span = _readable_span(raw, service)
+        span, _ = _readable_span(raw, service)
         if span is not None:
             yield span
 
@@ -295,33 +318,41 @@ def _raw_spans(document: dict) -> Iterator[tuple[object, str]]:
                 yield raw, service
 
 
-def _readable_span(raw, service: str) -> Span | None:
-    """The span, or None when it cannot be read (an id that is not a string, a time that is
-    not one): it alone is skipped, the line's other spans kept, as a line is a batch of many
-    requests' spans."""
+def _raw_spans_of(document) -> list[tuple[object, str]] | None:
+    """The spans of a line's document as written; None when it is not an OTLP traces
+    document (JSON of another shape, such as an access log line)."""
+    if not isinstance(document, dict) or not isinstance(document.get("resourceSpans"), list):
+        return None
     try:
-        return _otlp_span(raw, service)
-    except (ValueError, TypeError, AttributeError, RecursionError):  # values nested past the stack
+        return list(_raw_spans(document))
+    except (ValueError, TypeError, AttributeError, RecursionError):  # RecursionError: values nested past the stack
         return None
 
 
-def otlp_time(written) -> int:
+def _readable_span(raw, service: str) -> tuple[Span | None, list[int]]:
+    """The span, None when it cannot be read (an id or name that is not a string): it alone
+    is skipped, the line's other spans kept, as a line is a batch of many requests' spans;
+    and the indexes of the span's events that could not be read, dropped from it."""
+    try:
+        return _otlp_span(raw, service)
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        return None, []
+
+
+def otlp_time(written) -> int | None:
     """A fixed64 time in nanoseconds since the epoch, as OTLP/JSON writes it (a decimal
-    string, or a number); ValueError when it is not one, or outside what fixed64 holds."""
-    if isinstance(written, bool) or not isinstance(written, (str, int)):
-        raise ValueError(f"not an OTLP time: {written!r}")
-    ns = int(written)
-    if not 0 <= ns <= MAX_TIME_NS:
-        raise ValueError(f"an OTLP time out of range: {written!r}")
-    return ns
+    string, or a number); None, unknown, when it is not one or outside what fixed64 holds."""
+    ns = whole_number(written)
+    return ns if ns is not None and 0 <= ns <= MAX_TIME_NS else None
 
 
-def _otlp_span(raw: dict, service: str) -> Span:
+def _otlp_span(raw: dict, service: str) -> tuple[Span, list[int]]:
     status = raw.get("status", {})
     name = raw.get("name", "")
     if not isinstance(name, str):  # names are looked up in tables of stages and marks
         raise TypeError(f"a span name that is not a string: {name!r}")
-    return Span(
+    events = [_readable_event(event) for event in raw.get("events", ())]
+    span = Span(
         trace_id=raw.get("traceId", "").lower(),
         span_id=raw.get("spanId", "").lower(),
         parent_id=raw.get("parentSpanId", "").lower(),
@@ -330,16 +361,17 @@ def _otlp_span(raw: dict, service: str) -> Span:
         start_ns=otlp_time(raw.get("startTimeUnixNano", 0)),
         end_ns=otlp_time(raw.get("endTimeUnixNano", 0)),
         attributes=otlp_attributes(raw.get("attributes", ())),
-        events=[event for event in map(_readable_event, raw.get("events", ())) if event is not None],
+        events=[event for event in events if event is not None],
         status=_OTLP_STATUS.get(status.get("code", 0), "unset"),
         status_message=status.get("message", ""),
         service=service,
     )
+    return span, [index for index, event in enumerate(events) if event is None]
 
 
 def _readable_event(raw) -> Event | None:
-    """The event, or None when it cannot be read (a time out of range, a name that is not a
-    string): it alone is dropped, its span and the span's other marks kept."""
+    """The event, or None when it cannot be read (a name that is not a string, attributes
+    of no shape): it alone is dropped, its span and the span's other marks kept."""
     try:
         name = raw.get("name", "")
         if not isinstance(name, str):  # event names are looked up in the table of marks
@@ -349,57 +381,80 @@ def _readable_event(raw) -> Event | None:
         return None
 
 
-def _json_lines_with(path: Path, needles) -> Iterator[object]:
-    """The JSON documents of the lines of ``path`` that contain any needle, None for a torn
-    or foreign line (the file is the proxy's, but anything can be appended to it).
-    Only those lines are parsed: the files are large and the wanted lines few."""
+def _json_lines_with(path: Path, needles) -> Iterator[tuple[int, object]]:
+    """(line number, JSON document) for the lines of ``path`` that contain any needle; None
+    for a torn or foreign line (the file is the proxy's, but anything can be appended to
+    it). Only those lines are parsed: the files are large and the wanted lines few."""
     with open(path, encoding="utf-8", errors="replace") as lines:
-        for line in lines:
+        for number, line in enumerate(lines, 1):
             if not any(needle in line for needle in needles):
                 continue
             try:
                 document = json.loads(line)
             except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
                 document = None
-            yield document
+            yield number, document
 
 
 @dataclass
-class ScanTally:
-    """Of the lines a scan of the span file parsed (those holding what it looked for), how
-    many could not be read whole: not an OTLP traces document (torn, foreign), or with a
-    span in it that was skipped."""
+class Unread:
+    """What the scans of the span file skipped of what names the request (its id, or its
+    trace's): lines that are not an OTLP traces document, spans and events that could not
+    be read. Each is kept by where it is in the file, so one that both scans read (a line
+    holds the request id and its trace id) is counted once."""
 
-    unreadable: int = 0
+    lines: set[int] = field(default_factory=set)  # line numbers
+    spans: set[tuple[int, int]] = field(default_factory=set)  # (line, span of the line)
+    events: set[tuple[int, int, int]] = field(default_factory=set)  # (line, span, event of the span)
 
-
-def _scan_file(path: Path, needles: set[str], tally: ScanTally | None = None) -> Iterator[Span]:
-    """Spans of the lines that contain any needle."""
-    tally = ScanTally() if tally is None else tally
-    for document in _json_lines_with(path, needles):
-        try:
-            # A line that is JSON but not an OTLP traces document is skipped like a torn one.
-            raws = list(_raw_spans(document)) if isinstance(document, dict) else None
-        except (ValueError, TypeError, AttributeError, RecursionError):
-            raws = None
-        spans = [span for span in (_readable_span(raw, service) for raw, service in raws or ()) if span is not None]
-        if raws is None or len(spans) < len(raws):
-            tally.unreadable += 1
-        yield from spans
+    def words(self) -> str:
+        """``1 line, 2 spans and 1 event``; "" when nothing was skipped."""
+        parts = [f"{count} {what}{'s' if count > 1 else ''}" for count, what in
+                 ((len(self.lines), "line"), (len(self.spans), "span"), (len(self.events), "event")) if count]
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
 
 
-def file_spans(path: str | Path, ident: str, tally: ScanTally | None = None) -> list[Span]:
+def _scan_file(path: Path, needles: set[str], unread: Unread | None = None) -> Iterator[Span]:
+    """Spans of the lines that contain any needle; what of them names a needle and cannot
+    be read is added to ``unread``."""
+    unread = Unread() if unread is None else unread
+    for number, document in _json_lines_with(path, needles):
+        raws = _raw_spans_of(document)
+        if raws is None:  # JSON of another shape is skipped like a torn line
+            unread.lines.add(number)
+            continue
+        for index, (raw, service) in enumerate(raws):
+            span, dropped_events = _readable_span(raw, service)
+            if (span is None or dropped_events) and _names_any(raw, needles):
+                if span is None:
+                    unread.spans.add((number, index))
+                unread.events.update((number, index, event) for event in dropped_events)
+            if span is not None:
+                yield span
+
+
+def _names_any(raw, needles) -> bool:
+    """Whether a span as written names a needle (the request id, its trace id): whether
+    what could not be read of it may be the request's. True when that cannot be told."""
+    try:
+        text = json.dumps(raw)
+    except (ValueError, TypeError, RecursionError):
+        return True
+    return any(needle in text for needle in needles)
+
+
+def file_spans(path: str | Path, ident: str, unread: Unread | None = None) -> list[Span]:
     """The spans of every trace that holds the request ``ident`` (trace id or request id).
-    ``tally``: counts the lines naming ``ident`` that could not be read whole."""
+    ``unread``: what could not be read of the lines naming ``ident`` or those traces."""
     path = Path(path)
     if not path.is_file():
         raise DiagnoseError(f"no span file at {path} (the proxy writes it with [tracing] exporter = \"file\")")
     try:
         wanted = json.dumps(ident)[1:-1]  # as the id appears inside a JSON string
-        traces = {s.trace_id for s in _scan_file(path, {wanted, ident.lower()}, tally) if _mentions(s, ident)}
+        traces = {s.trace_id for s in _scan_file(path, {wanted, ident.lower()}, unread) if _mentions(s, ident)}
         if not traces:
             return []
-        return [s for s in _scan_file(path, traces) if s.trace_id in traces]
+        return [s for s in _scan_file(path, traces, unread) if s.trace_id in traces]
     except OSError as exc:
         raise DiagnoseError(f"cannot read {path}: {exc}") from None
 
@@ -412,7 +467,7 @@ def access_log_lines(path: str | Path, trace_ids: set[str]) -> dict[str, dict]:
         raise DiagnoseError(f"no access log at {path}")
     found: dict[str, dict] = {}
     try:
-        for entry in _json_lines_with(path, trace_ids):
+        for _, entry in _json_lines_with(path, trace_ids):
             if isinstance(entry, dict) and isinstance(entry.get("trace_id"), str) and entry["trace_id"] in trace_ids:
                 found[entry["trace_id"]] = entry
     except OSError as exc:
@@ -567,7 +622,7 @@ def find_requests(spans: list[Span], ident: str) -> list[RequestSpans]:
                 found.stalls.append(span)
     for found in requests.values():
         _attach_children(found, spans)
-    return sorted(requests.values(), key=lambda r: r.start_ns)
+    return sorted(requests.values(), key=lambda r: time_order(r.start_ns))
 
 
 def _attach_children(found: RequestSpans, spans: list[Span]) -> None:
@@ -581,16 +636,17 @@ def _attach_children(found: RequestSpans, spans: list[Span]) -> None:
     known = {id(s) for s in found.stalls}
     found.stalls += [s for s in same_trace
                      if _is_stall(s) and s.parent_id == found.server_span_id and id(s) not in known]
-    found.stalls.sort(key=lambda s: s.start_ns)
+    found.stalls.sort(key=lambda s: time_order(s.start_ns))
     found.attempts = sorted((s for s in same_trace if s.kind == "client" and s.parent_id == found.server_span_id),
                             key=_attempt_order)
     found.downstream, found.depth = _descendants(found.attempts, same_trace)
     found.engine = diagnose_engines.engine_spans(same_trace, found.trace_id)
-    found.stalls.sort(key=lambda s: s.end_ns)
+    found.stalls.sort(key=lambda s: time_order(s.end_ns))
 
 
 def _descendants(roots: list[Span], spans: list[Span]) -> tuple[list[Span], dict[str, int]]:
-    """Every span below ``roots`` at any depth, depth first (siblings by start), with its depth.
+    """Every span below ``roots`` at any depth, depth first (siblings by start, an unknown
+    start last), with its depth.
 
     A router that traces (smg with --enable-trace) puts its own span between the proxy's
     CLIENT span and the engines'. Each span id is taken once: a file may repeat a span,
@@ -602,7 +658,7 @@ def _descendants(roots: list[Span], spans: list[Span]) -> tuple[list[Span], dict
     found: list[Span] = []
     depth: dict[str, int] = {}
     stack = [(1, span) for root in reversed(roots)
-             for span in sorted(children.get(root.span_id, ()), key=lambda s: s.start_ns, reverse=True)]
+             for span in sorted(children.get(root.span_id, ()), key=_by_start, reverse=True)]
     while stack:
         level, span = stack.pop()
         if span.span_id in seen:
@@ -611,8 +667,12 @@ def _descendants(roots: list[Span], spans: list[Span]) -> tuple[list[Span], dict
         found.append(span)
         depth[span.span_id] = level
         stack += [(level + 1, child) for child in
-                  sorted(children.get(span.span_id, ()), key=lambda s: s.start_ns, reverse=True)]
+                  sorted(children.get(span.span_id, ()), key=_by_start, reverse=True)]
     return found, depth
+
+
+def _by_start(span: Span) -> tuple[bool, int]:
+    return time_order(span.start_ns)
 
 
 def _resend_count(attempt: Span) -> int | None:
@@ -622,9 +682,9 @@ def _resend_count(attempt: Span) -> int | None:
     return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
-def _attempt_order(span: Span) -> tuple[int, int]:
+def _attempt_order(span: Span) -> tuple[int, bool, int]:
     count = _resend_count(span)
-    return (0 if count is None else count), span.start_ns
+    return (0 if count is None else count), *time_order(span.start_ns)
 
 
 # ----------------------------------------------------------------------------------
@@ -646,9 +706,11 @@ def _seconds(value) -> str:
     return str(value) if number is None else duration(number * 1e9)
 
 
-def wall_clock(ns: int) -> str:
+def wall_clock(ns: int | None) -> str:
     """The UTC date of a time in nanoseconds since the epoch; the bare number when no date can
     be made of it (a Jaeger answer's time, or a start worked back from a request's age)."""
+    if ns is None:
+        return "time unknown"
     try:
         return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f UTC")
     except (OverflowError, ValueError, OSError):
@@ -742,7 +804,7 @@ def _paired_stalls(server: Span) -> tuple[list[tuple[dict, object]], set[int]]:
     long gaps): each resolution belongs to the latest open stall of its code."""
     stalls: list[tuple[dict, object]] = []
     open_by_code: dict[object, int] = {}
-    for event in sorted(server.events, key=lambda e: e.time_ns):
+    for event in sorted(server.events, key=lambda e: time_order(e.time_ns)):
         code = _hashable(event.attributes.get(sc.STALL_OUTCOME))
         if event.name == STALL_EVENT:
             open_by_code[code] = len(stalls)
@@ -827,8 +889,9 @@ def _attempt_lines(attempt: Span) -> list[str]:
     return [line]
 
 
-def timeline_entries(found: RequestSpans) -> list[tuple[int, str, str]]:
-    """(time, what, where) for every mark and stall event, in order."""
+def timeline_entries(found: RequestSpans) -> list[tuple[int | None, str, str]]:
+    """(time, what, where) for every mark and stall event, in order; those whose time is
+    unknown last."""
     entries = []
     if found.server is not None:
         entries += [(e.time_ns, _event_text(e), "") for e in found.server.events]
@@ -843,7 +906,7 @@ def timeline_entries(found: RequestSpans) -> list[tuple[int, str, str]]:
             entries += [(stall.start_ns, f"stall {code} wait began ({phase})", "stall span"),
                         (stall.end_ns, f"stall detected: {code}", "stall span")]
     entries += diagnose_engines.timeline_entries(found.engine)
-    return sorted(entries, key=lambda e: (e[0], _MARK_ORDER.get(e[1], len(_MARK_ORDER))))
+    return sorted(entries, key=lambda e: (*time_order(e[0]), _MARK_ORDER.get(e[1], len(_MARK_ORDER))))
 
 
 def _event_text(event: Event) -> str:
@@ -861,25 +924,31 @@ def _timeline_lines(found: RequestSpans) -> list[str]:
         return ["  timeline: no marks"]
     if found.server is not None:
         start = found.server.start_ns
-        heading = f"start {wall_clock(start)}, took {duration(found.server.end_ns - start)}"
+        heading = f"start {wall_clock(start)}, took {duration(_elapsed(found.server.end_ns, start))}"
     else:
         start, known = found.in_flight_start()
-        heading = (f"start {wall_clock(start)}, still in flight {duration(entries[-1][0] - start)} later" if known
+        last_seen = max((when for when, _, _ in entries if when is not None), default=None)
+        heading = (f"start {wall_clock(start)}, still in flight {duration(_elapsed(last_seen, start))} later" if known
                    else f"from its first stall's wait, {wall_clock(start)}: its stall spans do not say when the "
                    "request began")
     lines = [f"  timeline ({heading}):",
              f"    {'from start':>14} {'gap':>14}  mark"]
     # Each gap runs from the row above: a stall's detection or an engine stage's end is a
     # row like a mark, so the column adds up to the "from start" one and the longest wait
-    # is the longest stretch in which nothing was seen.
-    gaps = [when - previous for (when, _, _), previous in zip(entries, [start] + [e[0] for e in entries])]
-    longest = max(range(len(gaps)), key=gaps.__getitem__)
-    if gaps[longest] <= 0:
-        longest = -1
+    # is the longest stretch in which nothing was seen. Rows of unknown time come last
+    # (timeline_entries): they have no gap, and every row above them has its own.
+    gaps = [_elapsed(when, previous) for (when, _, _), previous in zip(entries, [start] + [e[0] for e in entries])]
+    longest = max((index for index, gap in enumerate(gaps) if gap is not None and gap > 0),
+                  key=gaps.__getitem__, default=-1)
     for index, ((when, what, where), gap) in enumerate(zip(entries, gaps)):
-        lines.append(f"    {'+' + duration(when - start):>14} {'+' + duration(gap):>14}  {what}"
+        since_start = "time unknown" if when is None else _offset(_elapsed(when, start))
+        lines.append(f"    {since_start:>14} {_offset(gap):>14}  {what}"
                      + (f"   [{where}]" if where else "") + ("   <- longest wait" if index == longest else ""))
     return lines
+
+
+def _offset(ns: int | None) -> str:
+    return "-" if ns is None else "+" + duration(ns)
 
 
 def _stall_lines(found: RequestSpans) -> list[str]:
@@ -959,7 +1028,8 @@ def _downstream_lines(found: RequestSpans) -> list[str]:
     if not found.downstream:
         return []
     return ["  spans below the proxy (router, engines):"] + [
-        f"  {'  ' * found.depth.get(s.span_id, 1)}{s.service or '-'}: {s.name}, {duration(s.end_ns - s.start_ns)}"
+        f"  {'  ' * found.depth.get(s.span_id, 1)}{s.service or '-'}: {s.name}, "
+        f"{duration(_elapsed(s.end_ns, s.start_ns))}"
         + (f", status {s.status}" if s.status == "error" else "") for s in found.downstream]
 
 
@@ -985,19 +1055,25 @@ def report_lines(requests: list[RequestSpans], ident: str, source: str) -> list[
 # ----------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------
-def _not_in_span_file_lines(ident: str, where: SpanFile, unreadable: int) -> list[str]:
+def _not_in_span_file_lines(ident: str, where: SpanFile, unread: Unread) -> list[str]:
     """No such request in the file: why a request can be missing from a span file, or, when
     the file holds no span at all (an access log, a binary, the wrong path), that first;
-    and the lines naming it that could not be read, which may have held it."""
+    and what naming it could not be read, which may have held it."""
     [miss] = report_lines([], ident, str(where))
+    skipped = [f"  {line}" for line in _unread_lines(unread, "it")]
     if not _is_empty(where.path) and not holds_spans(where.path):
-        return [f"{miss}; no line of it is an OTLP span document: is it the span file?"] + pointing_lines()
-    lines = [miss]
-    if unreadable:
-        lines.append(f"  {unreadable} line{'s' if unreadable > 1 else ''} naming it could not be read whole (torn, "
-                     "or a span of the wrong shape, such as a time out of range): skipped")
-    return lines + ["  A request is written there when it ends, and its stall span at once when it stalls; a healthy "
-                    "one may be sampled out ([tracing] healthy_sample_ratio)."] + pointing_lines()
+        return [f"{miss}; no line of it is an OTLP span document: is it the span file?"] + skipped + pointing_lines()
+    return [miss] + skipped + ["  A request is written there when it ends, and its stall span at once when it stalls; "
+                               "a healthy one may be sampled out ([tracing] healthy_sample_ratio)."] + pointing_lines()
+
+
+def _unread_lines(unread: Unread, named: str) -> list[str]:
+    """What naming the request could not be read and was skipped, in a line; none when nothing was."""
+    words = unread.words()
+    if not words:
+        return []
+    return [f"{words} naming {named} could not be read (a line that is not an OTLP span document: torn, foreign; "
+            "a span or event whose id or name is not a string): skipped"]
 
 
 def _is_empty(path: Path) -> bool:
@@ -1008,12 +1084,12 @@ def _is_empty(path: Path) -> bool:
 
 
 def holds_spans(path: str | Path) -> bool:
-    """Whether any line of the file is an OTLP/JSON traces document with a span in it:
-    whether it is a span file at all. Stops at the first such line (a span file's first);
-    only lines naming ``resourceSpans`` are parsed. True when the file cannot be read:
-    nothing is known against it."""
+    """Whether any line of the file is an OTLP/JSON traces document with a span in it, read
+    or not: whether it is a span file at all. Stops at the first such line (a span file's
+    first); only lines naming ``resourceSpans`` are parsed. True when the file cannot be
+    read: nothing is known against it."""
     try:
-        return next(_scan_file(Path(path), {'"resourceSpans"'}), None) is not None
+        return any(_raw_spans_of(document) for _, document in _json_lines_with(Path(path), {'"resourceSpans"'}))
     except OSError:
         return True
 
@@ -1032,9 +1108,9 @@ def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
             print(f"traceproxy diagnose: {flag} takes the {what}'s path, not an empty string", file=err)
             return ERROR
     where = None if jaeger else span_file(spans_path, environ)
-    tally = ScanTally()
+    unread = Unread()
     try:
-        spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(where.path, ident, tally)
+        spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(where.path, ident, unread)
     except DiagnoseError as exc:
         if where is not None and not where.path.is_file():
             lines = [f"traceproxy diagnose: no span file at {where}"] + pointing_lines()
@@ -1054,10 +1130,12 @@ def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
         for found in requests:
             found.access_log = entries.get(found.trace_id)
     if not requests and where is not None:
-        print("\n".join(_not_in_span_file_lines(ident, where, tally.unreadable)), file=err)
+        print("\n".join(_not_in_span_file_lines(ident, where, unread)), file=err)
         return NOT_FOUND
     source = f"Jaeger at {jaeger} (service {service})" if jaeger else str(where)
-    print("\n".join(report_lines(requests, ident, source)), file=out if requests else err)
+    # Said under the report, found or not: what was skipped may have been part of it.
+    lines = report_lines(requests, ident, source) + _unread_lines(unread, f"{ident!r} or its trace")
+    print("\n".join(lines), file=out if requests else err)
     return FOUND if requests else NOT_FOUND
 
 

@@ -25,8 +25,14 @@ def is_engine_span(span) -> bool:
     return span.name in STAGES or is_thread_span(span.name, span.attributes)
 
 
+def time_order(ns: int | None) -> tuple[bool, int]:
+    """A sort key for a span file's time, which can be unknown (None): after every known time."""
+    return ns is None, ns or 0
+
+
 def engine_spans(spans: list, trace_id: str) -> list:
-    return sorted((s for s in spans if s.trace_id == trace_id and is_engine_span(s)), key=lambda s: s.end_ns)
+    return sorted((s for s in spans if s.trace_id == trace_id and is_engine_span(s)),
+                  key=lambda s: time_order(s.end_ns))
 
 
 def where_it_was(spans: list) -> EngineStage | None:
@@ -35,9 +41,11 @@ def where_it_was(spans: list) -> EngineStage | None:
     by_service: dict[str, list[SpanFacts]] = {}
     for span in spans:
         try:
+            # A time that is unknown is the store's 0, "none seen": a stage that ended at an
+            # unknown time counts as ended, before any whose end is known.
             facts = SpanFacts(int(span.trace_id, 16), int(span.span_id, 16),
-                              int(span.parent_id, 16) if span.parent_id else 0, span.name, span.start_ns,
-                              span.end_ns, span.attributes, 0)
+                              int(span.parent_id, 16) if span.parent_id else 0, span.name, span.start_ns or 0,
+                              span.end_ns or 0, span.attributes, 0)
         except ValueError:  # an id that is not hex: not a span the engines wrote
             continue
         by_service.setdefault(span.service, []).append(facts)
