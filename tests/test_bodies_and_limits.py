@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from traceproxy.sim.launch import free_port
 
 from .support import RawClient, header_value, recv_until, wait_until
 
@@ -254,11 +253,11 @@ def test_sse_events_are_forwarded_as_they_arrive(scripted_upstream, start_proxy,
             event.set()
 
 
-def test_a_large_request_that_failed_leaves_its_connection_readable(start_proxy):
+def test_a_large_request_that_failed_leaves_its_connection_readable(start_proxy, dead_upstream):
     # Its body was held for a connection (reading paused past 256 KiB); the upstream
     # refused. The retry on the same keep-alive connection, as SDKs send it after a
     # 502, must be read and answered, not left unread until the idle timeout.
-    proxy = start_proxy(f"http://127.0.0.1:{free_port()}")
+    proxy = start_proxy(dead_upstream)
     client = RawClient(proxy.port, timeout=5)
     body = b'{"prompt": "' + b"x" * 300_000 + b'"}'
     for _ in range(2):

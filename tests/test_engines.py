@@ -22,7 +22,7 @@ from traceproxy.lifecycle.flags import Blame, Flag
 from traceproxy.lifecycle.machine import Phase
 from traceproxy.observe.metrics import prometheus_totals
 from traceproxy.sim.engine import SimWorker
-from traceproxy.sim.launch import SimDeployment, free_port
+from traceproxy.sim.launch import SimDeployment
 
 from .support import RawClient, admin_get, admin_metric, never_answers, wait_until
 
@@ -187,10 +187,10 @@ def roundtrips(port: int, n: int) -> list[int]:
 
 
 def test_dead_and_slow_endpoints_are_counted_and_requests_keep_flowing(loop_thread, start_proxy, fast_upstream,
-                                                                      scripted_upstream):
+                                                                      scripted_upstream, dead_upstream):
     up = fast_upstream()
     slow = scripted_upstream(accepts_and_waits)
-    dead = f"http://127.0.0.1:{free_port()}/metrics"
+    dead = f"{dead_upstream}/metrics"
     baseline = start_proxy(up.url)
     assert baseline.engines is None  # the default: nothing starts
     expected = roundtrips(baseline.port, 300)  # whatever the fast upstream answers, every time

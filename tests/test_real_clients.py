@@ -29,7 +29,6 @@ import pytest
 import requests
 
 from traceproxy.sim.fast import MODEL
-from traceproxy.sim.launch import free_port
 
 from .support import wait_until
 
@@ -170,8 +169,8 @@ def test_openai_sdk_streams_a_multi_turn_chat_on_one_client(fast_upstream, start
     assert wait_until(lambda: not proxy.ctx.connections), "proxy kept closed client connections"
 
 
-def test_openai_sdk_sees_proxy_failure_as_typed_502_with_outcome(start_proxy):
-    proxy, recorder = observed_proxy(start_proxy, f"http://127.0.0.1:{free_port()}")
+def test_openai_sdk_sees_proxy_failure_as_typed_502_with_outcome(start_proxy, dead_upstream):
+    proxy, recorder = observed_proxy(start_proxy, dead_upstream)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1", api_key="x",
                            max_retries=0, timeout=CLIENT_TIMEOUT)
     try:
