@@ -263,9 +263,11 @@ NUMBERS = {(sc.CLIENT_IDLE_GAP, "server"): "request - on it, idle {} before it",
            (sc.STALL_WAITED, "stall"): "SU (-) in streaming_response: detected after {}, blame engine"}
 NOT_SCALARS = {"array": {"arrayValue": {"values": [{"stringValue": "x"}]}},
                "map": {"kvlistValue": {"values": [{"key": "x", "value": {"intValue": "1"}}]}}}
-NOT_NUMBERS = {"string": {"stringValue": "x"}, "int not an int": {"intValue": "x"}, **NOT_SCALARS}
-# Each as the report shows it: as it is written.
-AS_WRITTEN = {"string": "x", "int not an int": "x", "array": "['x']", "map": "{'x': 1}"}
+NOT_NUMBERS = {"string": {"stringValue": "x"}, "int not an int": {"intValue": "x"},
+               "string of a number": {"stringValue": "2.5"}, **NOT_SCALARS}
+# Each as the report shows it: as it is written, a string never read as a number.
+AS_WRITTEN = {"string": "x", "int not an int": "x", "string of a number": "2.5", "array": "['x']",
+              "map": "{'x': 1}"}
 
 
 def _report_with(tmp_path, key: str, value: dict, where: str) -> str:

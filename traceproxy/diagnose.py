@@ -95,7 +95,6 @@ FOUND, NOT_FOUND, ERROR = 0, 1, 2
 # OTLP times are fixed64 nanoseconds since the epoch; a time outside that range is no time
 # anyone recorded (its line was mangled): it is read as unknown.
 MAX_TIME_NS = 2**64 - 1
-MAX_SECONDS = MAX_TIME_NS / 1e9  # a request older than every time a span can carry was never measured
 
 _HEX32 = re.compile(r"^[0-9a-fA-F]{32}$")
 _OTLP_KINDS = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
@@ -210,8 +209,9 @@ class RequestSpans:
         own start (its first byte). Without the request's age in its stall spans (a file
         written by a proxy that did not record it), the earliest moment known is when its
         first stall's wait began."""
-        starts = [stall.end_ns - round(age * 1e9) for stall in self.stalls
-                  if stall.end_ns is not None and _is_seconds(age := stall.attributes.get(sc.STALL_REQUEST_AGE))]
+        starts = [stall.end_ns - age for stall in self.stalls
+                  if stall.end_ns is not None and (age := _seconds_as_ns(stall.attributes.get(sc.STALL_REQUEST_AGE)))
+                  is not None]
         if starts:
             return min(starts), True
         return min((s.start_ns for s in self.stalls + self.attempts if s.start_ns is not None), default=None), False
@@ -228,21 +228,27 @@ def is_trace_id(ident: str) -> bool:
     return bool(_HEX32.match(ident))
 
 
-def _is_seconds(value) -> bool:
-    """A duration attribute that can be counted with: a finite number of seconds, not negative."""
-    return _number(value) is not None and not isinstance(value, str) and 0 <= value < MAX_SECONDS
-
-
-def _number(value) -> float | None:
-    """An attribute's value as a finite number, or None when it is not one: the span file is
-    written by whatever wrote it, and an attribute can hold any type (a bool is not a number)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+def _typed(value, kinds):
+    """``value`` when it is of ``kinds`` and, a number, a finite one a float holds; else None.
+    The span file is written by whatever wrote it: an attribute can hold any type, and a
+    value of another type than the proxy writes is shown as written, never counted with
+    (a bool is not a number, though Python counts it an int; a string is not one either)."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
         return None
     try:
-        number = float(value)
-    except (ValueError, OverflowError):
+        finite = not isinstance(value, (int, float)) or math.isfinite(value)
+    except OverflowError:  # an int past what a float holds
+        finite = False
+    return value if finite else None
+
+
+def _seconds_as_ns(value) -> int | None:
+    """A duration attribute (seconds) in nanoseconds, when it is a number of seconds that
+    can be counted with: finite in nanoseconds too, not negative."""
+    seconds = _typed(value, (int, float))
+    if seconds is None or seconds < 0 or not math.isfinite(ns := seconds * 1e9):
         return None
-    return number if math.isfinite(number) else None
+    return round(ns)
 
 
 def _elapsed(later: int | None, earlier: int | None) -> int | None:
@@ -261,9 +267,10 @@ def otlp_value(value: dict):
     if "stringValue" in value:
         return value["stringValue"]
     if "intValue" in value:
-        return _as_written(int, value["intValue"])
+        number = whole_number(value["intValue"])
+        return value["intValue"] if number is None else number
     if "doubleValue" in value:
-        return _as_written(float, value["doubleValue"])
+        return _double(value["doubleValue"])
     if "boolValue" in value:
         return bool(value["boolValue"])
     if "arrayValue" in value:
@@ -288,10 +295,14 @@ def whole_number(written) -> int | None:
     return None
 
 
-def _as_written(kind, written):
+def _double(written):
+    """A double as OTLP/JSON writes one (a number, or a string such as "2.5", "Infinity");
+    anything else as it is written."""
+    if isinstance(written, bool) or not isinstance(written, (str, int, float)):
+        return written
     try:
-        return kind(written) if isinstance(written, (str, int, float)) and not isinstance(written, bool) else written
-    except (ValueError, OverflowError):  # "x"; a double's "Infinity" as an int
+        return float(written)
+    except (ValueError, OverflowError):  # "x"; an int past what a float holds
         return written
 
 
@@ -675,16 +686,9 @@ def _by_start(span: Span) -> tuple[bool, int]:
     return time_order(span.start_ns)
 
 
-def _resend_count(attempt: Span) -> int | None:
-    """How many sends came before this attempt (0: the first); None when the attribute is
-    there but not a whole number."""
-    count = attempt.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0)
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
-
-
 def _attempt_order(span: Span) -> tuple[int, bool, int]:
-    count = _resend_count(span)
-    return (0 if count is None else count), *time_order(span.start_ns)
+    """By resend count (one that is not a whole number counts as the first), then start."""
+    return _typed(span.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0), int) or 0, *time_order(span.start_ns)
 
 
 # ----------------------------------------------------------------------------------
@@ -702,8 +706,8 @@ def _seconds(value) -> str:
     """A duration attribute (seconds) as a duration; one that is not a number as it is written."""
     if value is None:
         return "-"
-    number = _number(value)
-    return str(value) if number is None else duration(number * 1e9)
+    seconds = _typed(value, (int, float))
+    return str(value) if seconds is None else duration(seconds * 1e9)
 
 
 def wall_clock(ns: int | None) -> str:
@@ -803,22 +807,21 @@ def _paired_stalls(server: Span) -> tuple[list[tuple[dict, object]], set[int]]:
     The same code can stall, resolve and stall again on one request (a stream with two
     long gaps): each resolution belongs to the latest open stall of its code."""
     stalls: list[tuple[dict, object]] = []
-    open_by_code: dict[object, int] = {}
+    # (code, index in stalls) of the stalls still open. A list, the code compared by
+    # equality: a code written as an array or map is no dict key.
+    still_open: list[tuple[object, int]] = []
     for event in sorted(server.events, key=lambda e: time_order(e.time_ns)):
-        code = _hashable(event.attributes.get(sc.STALL_OUTCOME))
+        code = event.attributes.get(sc.STALL_OUTCOME)
+        same_code = [at for at, (open_code, _) in enumerate(still_open) if open_code == code]
         if event.name == STALL_EVENT:
-            open_by_code[code] = len(stalls)
+            if same_code:
+                del still_open[same_code[-1]]
+            still_open.append((code, len(stalls)))
             stalls.append((event.attributes, None))
-        elif event.name == STALL_RESOLVED_EVENT and code in open_by_code:
-            index = open_by_code.pop(code)
+        elif event.name == STALL_RESOLVED_EVENT and same_code:
+            _, index = still_open.pop(same_code[-1])
             stalls[index] = (stalls[index][0], event.attributes.get(sc.STALL_DURATION))
-    return stalls, set(open_by_code.values())
-
-
-def _hashable(value):
-    """An attribute's value as a key: an array or map attribute (written where a string was
-    expected) by its text."""
-    return repr(value) if isinstance(value, (list, dict)) else value
+    return stalls, {index for _, index in still_open}
 
 
 def _ledger_lines(server: Span) -> list[str]:
@@ -866,9 +869,10 @@ def _string_list(value) -> str:
 
 
 def _attempt_label(attempt: Span) -> str:
-    resend = _resend_count(attempt)
+    written = attempt.attributes.get(sc.HTTP_REQUEST_RESEND_COUNT, 0)
+    resend = _typed(written, int)
     if resend is None:
-        return f"attempt (resend {attempt.attributes[sc.HTTP_REQUEST_RESEND_COUNT]})"
+        return f"attempt (resend {written})"
     return f"attempt {resend + 1}" + (f" (resend {resend})" if resend else "")
 
 
