@@ -171,6 +171,18 @@ def test_from_spans_alone_workers_that_dropped_the_request_are_not_called_finish
     assert "never ended" not in line, line
 
 
+def test_a_stage_ended_by_the_drop_itself_is_the_one_the_worker_dropped_the_request_in():
+    # The prefill worker ends its open prefill_forward with the request when it drops it
+    # (thread span ended with error status at that same moment): it never reached the
+    # transfer. The decode worker's are listed after the prefill's, whatever the file's order.
+    spans = _client_left_before_any_stall()
+    forward = next(s for s in spans if s.name == "prefill_forward")
+    forward.end_ns = next(s for s in spans if s.span_id == PREFILL_THREAD).end_ns
+    spans.reverse()
+    line = _engines_line(spans)
+    assert "; dropped in: prefill_forward (prefill), decode_transferred (decode)" in line, line
+
+
 def test_a_worker_that_ended_before_its_last_stage_did_dropped_the_request_whatever_its_status():
     line = _engines_line(_client_left_before_any_stall(status="unset"))
     assert "every worker finished" not in line and "(status error)" not in line, line

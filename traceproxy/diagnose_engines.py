@@ -109,17 +109,28 @@ def stages_dropped_in(spans: list) -> list[tuple[str, str]]:
     """(role, stage) for each worker whose thread span ended before its last stage did:
     the stage it had the request in when it dropped it, the one after the last that
     ended (its span is never exported). The worker may have been running that stage or
-    still waiting to start it: the spans cannot tell, so the words never say it ran."""
+    still waiting to start it: the spans cannot tell, so the words never say it ran.
+
+    A worker that ends a request with error status may end the stage it was in with it
+    (the simulator does, for a stage that holds others): a stage span ending at the very
+    moment its thread span does with error status was cut by the drop, not finished."""
     roles = _roles(spans)
     found = []
     for thread in _threads(spans):
         role = roles.get(thread.span_id)
         if role not in STAGE_ORDER:
             continue
-        current = stage_in(role, [s.name for s in spans if s.parent_id == thread.span_id and s.name in STAGES])
+        ended = [s.name for s in spans if s.parent_id == thread.span_id and s.name in STAGES
+                 and not _cut_by_the_drop(s, thread)]
+        current = stage_in(role, ended)
         if current is not None:
             found.append((role, current))
-    return found
+    return sorted(found, key=lambda found_in: list(STAGE_ORDER).index(found_in[0]))  # prefill, then decode
+
+
+def _cut_by_the_drop(stage, thread) -> bool:
+    return (thread.status == "error" and stage.end_ns is not None and thread.end_ns is not None
+            and stage.end_ns >= thread.end_ns)
 
 
 def _how_workers_ended(spans: list) -> str:
