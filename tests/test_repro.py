@@ -292,8 +292,14 @@ def test_a_header_repro_sets_itself_is_a_usage_error_before_any_turn(header, cap
     # header would undo --mode.
     assert main(["repro", "--url", f"http://127.0.0.1:{free_port()}", "--header", header]) == 2
     said = capsys.readouterr()
-    assert said.out == "" and said.err.startswith(f"traceproxy repro: cannot send a {header.split(':')[0]} header: ")
+    assert said.out == "" and said.err.startswith(f"traceproxy repro: cannot send the header {header.split(':')[0]}: ")
     assert "Traceback" not in said.err
+
+
+def test_a_given_host_passes_the_check_before_the_turns(dead_upstream, capsys):
+    # It replaces repro's own Host, so the request has one: the run goes on to connect.
+    assert main(["repro", "--url", dead_upstream, "--header", "Host: api.example"]) == 2
+    assert "cannot connect" in capsys.readouterr().err
 
 
 def test_a_given_host_replaces_repros_own():

@@ -369,9 +369,10 @@ def _check_sendable(path: str, headers: tuple) -> None:
     for name, _ in headers:
         why = _OWN_HEADERS.get(name.lower())
         if why is not None:
-            raise UsageError(f"cannot send a {name} header: {why}")
+            raise UsageError(f"cannot send the header {name}: {why}")
     try:
-        h11.Request(method="POST", target=path, headers=[("Host", "localhost"), *headers])
+        given_host = any(name.lower() == "host" for name, _ in headers)
+        h11.Request(method="POST", target=path, headers=[*([] if given_host else [("Host", "localhost")]), *headers])
     except h11.LocalProtocolError as exc:
         detail = f"{exc}: {path!r}" if "target" in str(exc) else str(exc)
         raise UsageError(f"cannot send this request: {detail}") from None
