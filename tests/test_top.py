@@ -423,6 +423,26 @@ def test_once_against_another_http_server_says_it_answered_but_is_not_the_admin_
                            "traceproxy admin listener does: HTTP 404 (is this the admin port?)"), err
 
 
+def test_once_against_the_proxys_own_listen_port_says_where_the_admin_listener_is(start_proxy, fast_upstream,
+                                                                                   capsys):
+    proxy = start_proxy(fast_upstream().url)
+    code, out, err = _top_in_process(capsys, "--admin", f"127.0.0.1:{proxy.port}", "--once", "--no-color")
+    assert code == 2 and out == "", err
+    assert "relayed by traceproxy's proxy listener (its traceresponse header): the admin listener is another " \
+           f"address, {top.default_admin()} unless serve was given --admin" in err, err
+
+
+def test_once_against_a_server_of_another_protocol_says_it_answered(capsys):
+    # A gRPC port, say: bytes that are no HTTP/1.1 status line.
+    server = _OddAdmin(lambda conn, server: conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00" + b"\x00" * 18))
+    try:
+        code, out, err = _top_in_process(capsys, "--admin", f"127.0.0.1:{server.port}", "--once", "--no-color")
+    finally:
+        server.close()
+    assert code == 2 and "answered, but not as the traceproxy admin listener does: the answer is not HTTP/1.1 (" \
+        in err, err
+
+
 @pytest.mark.parametrize("interval", ["inf", "1e300", "nan", "0"])
 def test_an_interval_that_cannot_be_slept_is_a_usage_error(interval, capsys):
     code, _, err = _top_in_process(capsys, "--admin", "127.0.0.1:1", "--interval", interval, "--once")

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import listen_argument
-from .repro.client import COMPLETE, TIMEOUT, simple_get
+from .repro.client import COMPLETE, PROTOCOL_ERROR, TIMEOUT, simple_get
 
 FETCH_TIMEOUT_S = 3.0  # for a whole answer, not per read: a server trickling bytes is cut off too
 MAX_INTERVAL_S = 3600.0
@@ -169,8 +169,16 @@ def fetch_json(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict:
         raise AdminUnreachable(url, str(exc) or type(exc).__name__) from None
     if answer.ending == TIMEOUT:
         raise AdminUnreachable(url, f"no complete answer within {timeout:g} s")
+    if answer.ending == PROTOCOL_ERROR:  # something answered, in another protocol (a gRPC port, say)
+        raise AdminUnreachable(url, answer.error, reached=True)
     if answer.ending != COMPLETE:
         raise AdminUnreachable(url, answer.error or answer.ending)
+    if "traceresponse" in answer.headers:
+        # The proxy adds traceresponse to every answer it relays (the admin listener never
+        # does): this is its listen port, and the answer an upstream's.
+        raise AdminUnreachable(url, f"HTTP {answer.status} relayed by traceproxy's proxy listener (its traceresponse "
+                               f"header): the admin listener is another address, {default_admin()} unless serve "
+                               "was given --admin", reached=True)
     found = _json_object(bytes(answer.body))
     if found is None:
         if answer.status is not None and answer.status >= 400:
