@@ -160,6 +160,8 @@ def test_unknown_id_exits_1_and_a_missing_file_2(traced, tmp_path):
     assert diagnose("0" * 31 + "1", "--spans", str(spans)).returncode == 1
     missing = diagnose("anything", "--spans", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2 and "no span file" in missing.stderr
+    folder = diagnose("anything", "--spans", str(tmp_path))  # the folder, not the file in it
+    assert folder.returncode == 2 and f"{tmp_path} (--spans) is a folder: give the span file in it" in folder.stderr
 
 
 def test_run_from_another_folder_it_names_the_absolute_path_it_looked_in_and_how_to_point_it(tmp_path):

@@ -1116,7 +1116,9 @@ def run(ident: str, spans_path: str | None = None, jaeger: str | None = None,
     try:
         spans = fetch_jaeger(jaeger, ident, service) if jaeger else file_spans(where.path, ident, unread)
     except DiagnoseError as exc:
-        if where is not None and not where.path.is_file():
+        if where is not None and where.path.is_dir():
+            lines = [f"traceproxy diagnose: {where} is a folder: give the span file in it"] + pointing_lines()
+        elif where is not None and not where.path.is_file():
             lines = [f"traceproxy diagnose: no span file at {where}"] + pointing_lines()
         else:
             lines = [f"traceproxy diagnose: {exc}"]

@@ -38,7 +38,7 @@ def _read_toml(path: str, source: str) -> dict[str, Any]:
         # utf-8-sig: editors on Windows may begin the file with a byte-order mark.
         return tomllib.loads(data.decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        raise ConfigError(f"{named} is not valid TOML: {e}") from None
 
 
 def _read_config_bytes(path: str, named: str) -> bytes:
