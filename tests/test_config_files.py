@@ -211,5 +211,5 @@ def test_a_config_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
 def test_a_byte_order_mark_inside_the_file_is_still_not_toml(tmp_path):
     path = tmp_path / "traceproxy.toml"
     path.write_text("workers = 2\n\ufeffadmin = \"off\"\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match="is not valid TOML"):
+    with pytest.raises(ConfigError, match=rf"^config file {path} \(from flag --config\) is not valid TOML: "):
         _load(str(path), "flag")
