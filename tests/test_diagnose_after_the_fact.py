@@ -183,6 +183,17 @@ def test_a_stage_ended_by_the_drop_itself_is_the_one_the_worker_dropped_the_requ
     assert "; dropped in: prefill_forward (prefill), decode_transferred (decode)" in line, line
 
 
+def test_a_flat_stage_ending_with_its_worker_was_finished_not_cut():
+    # Only a forward stage, which holds others, is ended by a drop; the transfer's end at
+    # the thread's own moment is the transfer finishing.
+    spans = _client_left_before_any_stall()
+    thread = next(s for s in spans if s.span_id == PREFILL_THREAD)
+    spans.append(Span(TRACE, "4444444444444499", PREFILL_THREAD, "prefill_transfer_kv_cache", "internal",
+                      thread.end_ns - 1 * MS, thread.end_ns, {}, service="sglang"))
+    line = _engines_line(spans)
+    assert "(prefill)" not in line.split("; the last stage that ended")[0], line
+
+
 def test_a_worker_that_ended_before_its_last_stage_did_dropped_the_request_whatever_its_status():
     line = _engines_line(_client_left_before_any_stall(status="unset"))
     assert "every worker finished" not in line and "(status error)" not in line, line

@@ -561,8 +561,10 @@ def test_cut_request_ids_lose_the_start_they_share_first():
     assert all(len(row) <= 62 for row in rows) and "repro-5db791-reused-c1-t1" not in rows[0]
     for row, own in zip(rows, ("..reused-c1-t1", "..fresh-c2-t1", "..reused-c1-t2")):
         assert row.rstrip().endswith(own), rows
-    # Too narrow for even the rows' own parts: their middle goes too, the ".." says where.
-    assert [top.clip_shared_start(i, 10, 13) for i in ids[:2]] == ["..reu..-t1", "..fre..-t1"]
+    # Too narrow for even the rows' own parts: their ends, where ids count, as before.
+    assert [top.clip_shared_start(i, 10, 13) for i in ids] == ["..ed-c1-t1", "..sh-c2-t1", "..ed-c1-t2"]
+    numbered = ["req-20260101-000117", "req-20260101-000217"]
+    assert [top.clip_shared_start(i, 8, 13) for i in numbered] == ["..000117", "..000217"]
     # Ids that share nothing (32 hex digits each) are cut in their middle.
     assert top.clip_shared_start("4bf92f3577b34da6a3ce929d0e0e4736", 12, 0) == "4bf92..e4736"
 

@@ -12,7 +12,8 @@ when that came, the stage it was in the one after the last that ended.
 
 from __future__ import annotations
 
-from .lifecycle.pd_stages import STAGE_ORDER, STAGES, EngineStage, Worker, role_of_stage, role_of_thread, stage_in
+from .lifecycle.pd_stages import (NESTED_IN, STAGE_ORDER, STAGES, EngineStage, Worker, role_of_stage, role_of_thread,
+                                  stage_in)
 from .observe import semconv as sc
 from .observe.engine_spans import EngineSpanStore, is_thread_span, pid_of
 from .observe.otlp_reader import ResourceBatch, SpanFacts
@@ -111,9 +112,10 @@ def stages_dropped_in(spans: list) -> list[tuple[str, str]]:
     ended (its span is never exported). The worker may have been running that stage or
     still waiting to start it: the spans cannot tell, so the words never say it ran.
 
-    A worker that ends a request with error status may end the stage it was in with it
-    (the simulator does, for a stage that holds others): a stage span ending at the very
-    moment its thread span does with error status was cut by the drop, not finished."""
+    A worker that ends a request with error status may end the forward stage it was in
+    with it (the simulator ends an open stage that holds others so): such a stage span
+    ending at the very moment its thread span does with error status was cut by the
+    drop, not finished. A flat stage is only ever ended by its own end."""
     roles = _roles(spans)
     found = []
     for thread in _threads(spans):
@@ -128,9 +130,12 @@ def stages_dropped_in(spans: list) -> list[tuple[str, str]]:
     return sorted(found, key=lambda found_in: list(STAGE_ORDER).index(found_in[0]))  # prefill, then decode
 
 
+_HOLDS_OTHERS = frozenset(NESTED_IN.values())  # prefill_forward, decode_forward
+
+
 def _cut_by_the_drop(stage, thread) -> bool:
-    return (thread.status == "error" and stage.end_ns is not None and thread.end_ns is not None
-            and stage.end_ns >= thread.end_ns)
+    return (stage.name in _HOLDS_OTHERS and thread.status == "error" and stage.end_ns is not None
+            and thread.end_ns is not None and stage.end_ns >= thread.end_ns)
 
 
 def _how_workers_ended(spans: list) -> str:

@@ -375,8 +375,8 @@ def clip_middle(text: str, width: int) -> str:
 def clip_shared_start(text: str, width: int, shared: int) -> str:
     """text cut to width where it says least: in the start it shares with every other row
     (one repro run's "repro-5db791-"), so what tells the rows apart stays whole
-    ("r..reused-c1-t1" beside "re..fresh-c2-t1"); cut in its middle as well when even that
-    does not fit. Without a shared start, as ``clip_middle``."""
+    ("r..reused-c1-t1" beside "re..fresh-c2-t1"); when even that does not fit, its end,
+    where ids count ("..000117", "..-c1-t2"). Without a shared start, as ``clip_middle``."""
     if len(text) <= width:
         return text
     own = text[shared:]
@@ -385,7 +385,7 @@ def clip_shared_start(text: str, width: int, shared: int) -> str:
     kept = width - 2 - len(own)
     if kept >= 0:
         return text[:kept] + ".." + own
-    return ".." + clip_middle(own, width - 2)
+    return ".." + own[-(width - 2):]
 
 
 def _shared_start(cells: list[str]) -> int:
