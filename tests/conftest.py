@@ -43,10 +43,11 @@ def scripted_upstream(loop_thread):
     yield from started_for_the_test(loop_thread, ScriptedUpstream)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def dead_upstream() -> str:
-    """``http://127.0.0.1:PORT`` where every connection is refused for the whole test: the
-    port is held (bound, never listening), so a test file running beside this one cannot
-    take it and answer, as it could a port found free and let go."""
+    """``http://127.0.0.1:PORT`` where every connection is refused: the port is held (bound,
+    never listening) for the whole session, past every proxy pointed at it, so a test file
+    running beside this one cannot take it and answer, as it could a port found free and
+    let go."""
     with refused_port() as sock:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"

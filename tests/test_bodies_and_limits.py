@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-
 from .support import RawClient, header_value, recv_until, wait_until
 
 MB = 1024 * 1024

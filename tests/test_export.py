@@ -333,7 +333,8 @@ STOP_WITHIN = 1.0  # the stop's deadline: a collector in trouble must not hold i
 
 @pytest.mark.parametrize("protocol,trouble", COLLECTOR_TROUBLE)
 def test_collector_trouble_costs_only_dropped_spans(protocol, trouble, loop_thread):
-    receiver = RECEIVERS[protocol](mode="ok" if trouble == "down" else trouble, delay=1.0).start()
+    # A slow collector answers after twice the lag bound: an export on the loop would break it.
+    receiver = RECEIVERS[protocol](mode="ok" if trouble == "down" else trouble, delay=2 * LAG_BOUND).start()
     down = refused_port()  # held to the end: no test file beside this one can answer there
     endpoint = f"http://127.0.0.1:{down.getsockname()[1]}" if trouble == "down" else receiver.endpoint
     pipe = SpanExportPipe(make_config(otlp_protocol=protocol, otlp_endpoint=endpoint, **FLOOD_CONFIG))

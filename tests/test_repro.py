@@ -302,6 +302,11 @@ def test_a_given_host_passes_the_check_before_the_turns(dead_upstream, capsys):
     assert "cannot connect" in capsys.readouterr().err
 
 
+def test_an_empty_host_is_a_usage_error(dead_upstream, capsys):
+    assert main(["repro", "--url", dead_upstream, "--header", "Host:"]) == 2
+    assert "a Host header needs a value" in capsys.readouterr().err
+
+
 def test_a_given_host_replaces_repros_own():
     plan = Plan("127.0.0.1", 9, "/v1/chat/completions", None, 1, 1.0, "m", 4, 0.0, (("Host", "api.example"),),
                 "abc123", Numbering(), None, threading.Event())

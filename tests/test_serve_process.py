@@ -149,15 +149,17 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits(upstream_process):
     proc, port, admin = _serve(upstream_process, "--timeouts-shutdown-grace", "20")
     try:
         client = RawClient(port, timeout=20)
-        # 30 tokens at 20 tok/s: a stream of about 1.5 s, in flight when SIGTERM lands.
+        # 100 tokens at 20 tok/s: a stream of about 5 s, in flight when SIGTERM lands.
         client.request("POST", "/v1/chat/completions", headers=[("x-fake-tps", "20")],
-                       body=b'{"stream": true, "max_tokens": 30}')
+                       body=b'{"stream": true, "max_tokens": 100}')
         assert wait_until(lambda: _healthz(admin)["requests_in_flight"] == 1)
         proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: _refused(port), timeout=10)  # no longer accepting
+        # No longer accepting while the stream still runs (not merely once the proxy exits).
+        assert wait_until(lambda: _refused(port), timeout=3)
+        assert proc.poll() is None
         rest = client.response()
         assert rest.complete, "an in-flight stream within grace must not be cut"
-        assert rest.body.count(b"data: ") == 32  # 30 tokens, usage, [DONE]
+        assert rest.body.count(b"data: ") == 102  # 100 tokens, usage, [DONE]
         assert proc.wait(15) == 0
     finally:
         _stop(proc)

@@ -429,7 +429,7 @@ def test_once_against_the_proxys_own_listen_port_says_where_the_admin_listener_i
     code, out, err = _top_in_process(capsys, "--admin", f"127.0.0.1:{proxy.port}", "--once", "--no-color")
     assert code == 2 and out == "", err
     assert "relayed by traceproxy's proxy listener (its traceresponse header): the admin listener is another " \
-           f"address, {top.default_admin()} unless serve was given --admin" in err, err
+           f"address, {top.default_admin()} unless serve was configured with another" in err, err
 
 
 def test_once_against_a_server_of_another_protocol_says_it_answered(capsys):

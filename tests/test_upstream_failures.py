@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-
 from .support import (RawClient, answers_in_parts, answers_partly_then_resets, header_value, never_answers, recv_until,
                       wait_until)
 

@@ -178,7 +178,8 @@ def fetch_json(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict:
         # does): this is its listen port, and the answer an upstream's.
         raise AdminUnreachable(url, f"HTTP {answer.status} relayed by traceproxy's proxy listener (its traceresponse "
                                f"header): the admin listener is another address, {default_admin()} unless serve "
-                               "was given --admin", reached=True)
+                               "was configured with another (--admin, admin in its config file, TRACEPROXY_ADMIN)",
+                               reached=True)
     found = _json_object(bytes(answer.body))
     if found is None:
         if answer.status is not None and answer.status >= 400:

@@ -41,6 +41,7 @@ QUICK_SCALE = 0.25
 MAX_SCALE = 100.0  # connection counts, rounds and durations times this must stay countable
 MAX_REPS = 100  # a hundred interleaved reps of every scenario is hours already
 MAX_LOAD_PROCS = 64
+MAX_WORKERS = 64  # serve --workers' own bound
 MAX_ENGINE_SPAN_LOAD = 5000.0  # requests a second per emulated worker; far past what one Python process sends
 
 
@@ -57,11 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                         % QUICK_SCALE)
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about 30 s)")
     parser.add_argument("--reps", type=int, default=1, metavar="N",
-                        help="runs of each target per scenario, in rotated order (default 1)")
+                        help=f"runs of each target per scenario, in rotated order, 1 to {MAX_REPS} (default 1)")
     parser.add_argument("--targets", metavar="T1,T2",
                         help=f"comma-separated, from {', '.join(report.TARGETS)} (default: "
                              f"{', '.join(report.DEFAULT_TARGETS)}, and proxy with --proxy-cmd)")
-    parser.add_argument("--load-procs", type=int, default=1, metavar="N", help="load generator processes (default 1)")
+    parser.add_argument("--load-procs", type=int, default=1, metavar="N",
+                        help=f"load generator processes, 1 to {MAX_LOAD_PROCS} (default 1)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the one unrecorded request per connection that warms the proxy's upstream pool")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
@@ -99,8 +101,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Scenario]]:
         parser.error(f"--reps must be from 1 to {MAX_REPS}, got {args.reps}")
     if not 1 <= args.load_procs <= MAX_LOAD_PROCS:
         parser.error(f"--load-procs must be from 1 to {MAX_LOAD_PROCS}, got {args.load_procs}")
-    if not 1 <= args.workers <= 64:
-        parser.error(f"--workers must be from 1 to 64, got {args.workers}")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        parser.error(f"--workers must be from 1 to {MAX_WORKERS}, got {args.workers}")
     if not (math.isfinite(args.scrape_every) and 0 <= args.scrape_every <= 3600):
         parser.error(f"--scrape-every must be seconds from 0 (off) to 3600, got {args.scrape_every:g}")
     if not (math.isfinite(args.engine_span_load) and 0 <= args.engine_span_load <= MAX_ENGINE_SPAN_LOAD):

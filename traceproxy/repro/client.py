@@ -101,7 +101,8 @@ class ClientConnection:
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
-                result.ending, result.error = PROTOCOL_ERROR, f"the answer is not HTTP/1.1 ({exc})"
+                what = "the answer is not HTTP/1.1" if result.status is None else "malformed response"
+                result.ending, result.error = PROTOCOL_ERROR, f"{what} ({exc})"
                 return
             if event is h11.NEED_DATA:
                 if not self._read(result, sent_at, deadline):

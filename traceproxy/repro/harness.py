@@ -310,8 +310,7 @@ class Conversation:
             self.conn = None
 
     def _request(self, request_id: str, length: int) -> h11.Request:
-        given_host = any(name.lower() == "host" for name, _ in self.plan.extra_headers)
-        headers = [*([] if given_host else [("Host", f"{self.plan.host}:{self.plan.port}")]),
+        headers = [*_default_host(self.plan.extra_headers, f"{self.plan.host}:{self.plan.port}"),
                    ("Content-Type", "application/json"), ("Accept", "text/event-stream"), ("User-Agent", USER_AGENT),
                    ("x-request-id", request_id), *self.plan.extra_headers, ("Content-Length", str(length))]
         return h11.Request(method="POST", target=self.plan.path, headers=headers)
@@ -363,16 +362,22 @@ _OWN_HEADERS = {
 }
 
 
+def _default_host(extra_headers, host: str) -> list[tuple[str, str]]:
+    """repro's own Host header, unless one is given (it replaces repro's)."""
+    return [] if any(name.lower() == "host" for name, _ in extra_headers) else [("Host", host)]
+
+
 def _check_sendable(path: str, headers: tuple) -> None:
     """A path or header h11 would refuse to send, or one repro sets itself, is a usage
     error, found before any turn runs (a Host given replaces repro's own)."""
-    for name, _ in headers:
+    for name, value in headers:
         why = _OWN_HEADERS.get(name.lower())
         if why is not None:
             raise UsageError(f"cannot send the header {name}: {why}")
+        if name.lower() == "host" and not value.strip():
+            raise UsageError("a Host header needs a value: the host the server is asked for")
     try:
-        given_host = any(name.lower() == "host" for name, _ in headers)
-        h11.Request(method="POST", target=path, headers=[*([] if given_host else [("Host", "localhost")]), *headers])
+        h11.Request(method="POST", target=path, headers=[*_default_host(headers, "localhost"), *headers])
     except h11.LocalProtocolError as exc:
         detail = f"{exc}: {path!r}" if "target" in str(exc) else str(exc)
         raise UsageError(f"cannot send this request: {detail}") from None

@@ -137,8 +137,8 @@ def parse_fault(spec: str) -> Fault:
     try:
         arg = kind.convert(raw.strip())
     except ValueError:
-        raise FaultError(f"fault {kind.name}:{kind.metavar} needs {_ARGUMENT_WORDS[kind.convert]}, got {raw!r}") \
-            from None
+        words = _ARGUMENT_WORDS.get(kind.convert, "a valid value")
+        raise FaultError(f"fault {kind.name}:{kind.metavar} needs {words}, got {raw!r}") from None
     if isinstance(arg, float) and not math.isfinite(arg):
         # An infinite delay would be a hang nothing ends (not even /admin/release).
         raise FaultError(f"fault {kind.name}: {kind.metavar} must be a finite number, got {raw!r}")
