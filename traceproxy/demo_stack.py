@@ -54,7 +54,8 @@ from .lifecycle.timeline import RequestRecord
 from .repro.harness import HUNG, OK, REUSED, run_repro
 from .repro.inflight import IN_FLIGHT, NOT_REACHED, AdminError, Diagnosis, ask_proxy, fetch_inflight, from_entry
 from .sim.faultyproxy import FaultyProxy
-from .sim.launch import SimDeployment, free_port, resolve_router, router_importable
+from .ports import free_port
+from .sim.launch import SimDeployment, resolve_router, router_importable
 from .sim.routers import ROUTER_NAMES, RouterKind
 
 STALL_AFTER = 1.0  # every stall threshold of the demo's proxy, in seconds

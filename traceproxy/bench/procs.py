@@ -184,13 +184,6 @@ def wait_listening(child: Child, port: int, timeout: float = 15.0) -> None:
     raise ChildError(f"{child.name} did not listen on 127.0.0.1:{port} within {timeout:g} s:\n{child.log_tail()}")
 
 
-def free_port() -> int:
-    """An ephemeral port number for a command that must be told its port (it may race; rarely does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # --- helpers for the server entries (run inside the child) -------------------------------
 
 

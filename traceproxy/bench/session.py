@@ -51,9 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..observe.metrics import prometheus_totals
+from ..ports import free_port
 from . import report
 from .monitor import CpuWindow, RssSampler, busy_percent, descendant_running, tree_hwm
-from .procs import (Child, ChildError, Children, child_environment, free_port, python_module, wait_listening,
+from .procs import (Child, ChildError, Children, child_environment, python_module, wait_listening,
                     wait_port_file)
 from .proxy_proc import defaults_overrides, logged_overrides, minimal_overrides, receiver_overrides, traced_overrides
 from .scenarios import Scenario

@@ -35,7 +35,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import time
 import aiohttp
 import psutil
 
+from ..ports import free_port
 from .engine import SimWorker
 from .faults import split_by_home
 from .faultyproxy import FaultyProxy
@@ -81,13 +81,6 @@ def resolve_router(router: bool | str | RouterKind) -> RouterKind | None:
     if not kind.installed:
         raise RouterUnavailable(f"{kind.name} is not installed (pip install {kind.name})")
     return kind
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class RouterProcess:
