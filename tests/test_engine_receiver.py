@@ -254,6 +254,15 @@ def test_a_receiver_port_another_proxy_listens_on_is_an_error_naming_its_key(sta
         start_proxy(fast_upstream().url, **{key: f"127.0.0.1:{port}"})
 
 
+def test_a_receiver_process_that_dies_before_it_listens_is_said_with_how_it_ended(start_proxy, fast_upstream,
+                                                                                   monkeypatch):
+    from traceproxy.observe import engine_receiver_proc
+
+    monkeypatch.setattr(engine_receiver_proc, "CHILD_MODULE", "traceproxy.observe.no_such_module")
+    with pytest.raises(OSError, match=r"ended before it listened \(exit code 1\)$"):
+        start_proxy(fast_upstream().url, **{"engines.otlp_receiver": "127.0.0.1:0"})
+
+
 def test_serve_check_names_the_receivers_and_nothing_when_they_are_off():
     from traceproxy.app import check_settings
 

@@ -19,6 +19,7 @@ import pytest
 from traceproxy.app import ProxyServer
 from traceproxy.config import default_settings
 from traceproxy.lifecycle.hooks import Fanout
+from traceproxy.ports import free_port
 from traceproxy.sim.faults import FAULTS
 from traceproxy.sim.otel import host_id
 from traceproxy.sim.routers import router_kind
@@ -90,7 +91,9 @@ def traced_deployment(request, loop_thread):
     process's by the time it is bound again, as the suite runs test files side by side)."""
     requires_sglang_router()
     placeholder = socket.socket()
-    placeholder.bind(("127.0.0.1", 0))
+    # Below the ephemeral range: between the placeholder's close and the receiver's bind,
+    # no bind(0) or outgoing connection elsewhere in the suite can be handed the port.
+    placeholder.bind(("127.0.0.1", free_port()))
     placeholder.listen()
     port = placeholder.getsockname()[1]
     endpoint = f"127.0.0.1:{port}" if request.param == "grpc" else f"http://127.0.0.1:{port}"

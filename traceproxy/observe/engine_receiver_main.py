@@ -39,6 +39,7 @@ import os
 import signal
 import struct
 import sys
+import traceback
 
 from .engine_join import stage_tuple
 from .engine_receiver import EngineSpans
@@ -117,6 +118,11 @@ async def run(config: dict, fd: int) -> int:
         await receiver.start()
     except OSError as exc:
         to_proxy.send(("error", str(exc)))
+        await _drain(transport)
+        return 1
+    except Exception as exc:  # a fault of ours or of gRPC's: said to the proxy, not a silent exit
+        traceback.print_exc()
+        to_proxy.send(("error", f"the engine span receiver failed to start: {exc!r}"))
         await _drain(transport)
         return 1
     to_proxy.send(("ready", receiver.http_port or 0, receiver.grpc_port or 0))

@@ -74,11 +74,23 @@ class EngineReceiverProcess:
         except asyncio.TimeoutError:
             answer = ("error", f"the engine span receiver did not start within {READY_TIMEOUT_S:g} s")
         if answer[0] != "ready":
+            reason = answer[1] + await self._how_it_ended()
             await self.stop()
-            raise OSError(answer[1])
+            raise OSError(reason)
         _, http_port, grpc_port = answer
         self.http_port, self.grpc_port = http_port or None, grpc_port or None
         loop.create_task(self._watch_exit())
+
+    async def _how_it_ended(self, wait_s: float = 1.0) -> str:
+        """`` (exit code N)`` or `` (killed by SIGKILL)`` once the child has ended (an OOM
+        kill, a crash in C), "" while it runs: what a start that failed can say of it."""
+        try:
+            code = await asyncio.wait_for(self._process.wait(), wait_s)
+        except asyncio.TimeoutError:
+            return ""
+        if code < 0:
+            return f" (killed by {signal.Signals(-code).name})"
+        return f" (exit code {code})" if code else ""
 
     def _config(self) -> dict:
         def address(value):
