@@ -114,6 +114,8 @@ class EngineStageJoin:
     def stage_at_end(self, record: RequestRecord) -> dict | None:
         """Where the engines had a finished request when it ended (its access log line and
         span say it); None when nothing says."""
+        if self.stages is None:  # gauges only: no spans to say it, and this runs for every request
+            return None
         attempt = record.attempt
         waiting_for_head = attempt is not None and MARK.FIRST_UPSTREAM_RX_BYTE not in attempt.marks
         found = self._from_spans(record, waiting_for_head, record.end_ns)

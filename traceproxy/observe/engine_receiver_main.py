@@ -116,13 +116,11 @@ async def run(config: dict, fd: int) -> int:
     receiver.on_changes.append(lambda message: to_proxy.send(("stages", message)))
     try:
         await receiver.start()
-    except OSError as exc:
-        to_proxy.send(("error", str(exc)))
-        await _drain(transport)
-        return 1
-    except Exception as exc:  # a fault of ours or of gRPC's: said to the proxy, not a silent exit
-        traceback.print_exc()
-        to_proxy.send(("error", f"the engine span receiver failed to start: {exc!r}"))
+    except Exception as exc:  # an address it cannot listen on; or a fault of ours or gRPC's, not a silent exit
+        if not isinstance(exc, OSError):
+            traceback.print_exc()
+        to_proxy.send(("error", str(exc) if isinstance(exc, OSError)
+                       else f"the engine span receiver failed to start: {exc!r}"))
         await _drain(transport)
         return 1
     to_proxy.send(("ready", receiver.http_port or 0, receiver.grpc_port or 0))

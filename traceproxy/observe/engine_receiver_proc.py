@@ -88,9 +88,12 @@ class EngineReceiverProcess:
             code = await asyncio.wait_for(self._process.wait(), wait_s)
         except asyncio.TimeoutError:
             return ""
-        if code < 0:
+        if code >= 0:
+            return f" (exit code {code})" if code else ""
+        try:
             return f" (killed by {signal.Signals(-code).name})"
-        return f" (exit code {code})" if code else ""
+        except ValueError:  # a real-time signal has no name of its own
+            return f" (killed by signal {-code})"
 
     def _config(self) -> dict:
         def address(value):
