@@ -227,11 +227,6 @@ def observe_inter_token(histogram: Histogram, first_ns: int, last_ns: int, max_g
     histogram.count_many_with_exemplar(rest // (gaps - 1), gaps - 1, rest, trace_id, request_id, end_ns, failed)
 
 
-def request_failed(record: RequestRecord) -> bool:
-    """The tracer's tail-sampling rule (``TracingObserver.failed``): not OK, a 5xx, or stalled."""
-    return record.outcome is not Flag.OK or (record.status or 0) >= 500 or bool(record.stalls)
-
-
 class ProxyMetrics:
     """Lifecycle observer, stall listener and connection-closed listener in one.
 
@@ -275,7 +270,8 @@ class ProxyMetrics:
         if start is None:
             return
         end, trace_id, request_id = record.end_ns, record.trace_id, record.request_id
-        # request_failed(record), inlined: this runs for every request.
+        # Failed as the tracer keeps spans for (TracingObserver._keep_spans), written out: this
+        # runs for every request.
         failed = record.outcome is not Flag.OK or (record.status or 0) >= 500 or bool(record.stalls)
         self.request_duration.count_raw_with_exemplar(end - start, trace_id, request_id, end, failed)
         head_sent = marks.get(MARK.FIRST_DOWNSTREAM_TX_BYTE)

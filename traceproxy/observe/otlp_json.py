@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 import orjson
 
 from . import semconv as sc
-from .otlp_proto import FLAG_HAS_IS_REMOTE, FLAG_IS_REMOTE, FLAG_SAMPLED
+from .otlp_proto import FLAG_HAS_IS_REMOTE, FLAG_IS_REMOTE, FLAG_SAMPLED, UNCACHED_KEYS
 from .spandata import SpanData, SpanEvent
 
 _INT64_SPAN = 1 << 64
@@ -162,7 +162,9 @@ class RepeatedAttributes:
     def __init__(self) -> None:
         self._written: dict[tuple, orjson.Fragment] = {}
         self._kept_per_key: dict[str, int] = {}
-        self._varied: set[str] = set()  # keys past DISTINCT values
+        # Keys past DISTINCT values; from the start, those the protobuf encoder knows never
+        # repeat (the request id, the response id, ...), which need no learning.
+        self._varied: set[str] = set(UNCACHED_KEYS)
 
     def key_values(self, attributes: Mapping) -> list:
         out = []
