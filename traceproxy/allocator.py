@@ -32,6 +32,7 @@ cannot cost one; the next burst pays the page faults once. An operator who set g
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from collections.abc import Callable, Mapping
@@ -52,6 +53,13 @@ def _glibc(environ: Mapping[str, str]) -> "tuple[ctypes.CDLL | None, str]":
     chosen = [name for name in OPERATOR_KNOBS if name in environ]
     if chosen:
         return None, f"allocator left as configured by {', '.join(chosen)}"
+    return _loaded_glibc()
+
+
+@functools.cache
+def _loaded_glibc() -> "tuple[ctypes.CDLL | None, str]":
+    """Once per process: libc_ver() reads the interpreter's binary, and the tuning and the
+    idle trim both ask."""
     if platform.libc_ver()[0] != "glibc":
         return None, "allocator left alone (not glibc)"
     try:
