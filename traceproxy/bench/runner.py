@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import MAX_WORKERS, ConfigError
 from . import report
 from .procs import ChildError, Children
 from .proxy_proc import BENCH_CHOSEN_KEYS, RECEIVER_KEYS, build_settings
@@ -41,7 +41,6 @@ QUICK_SCALE = 0.25
 MAX_SCALE = 100.0  # connection counts, rounds and durations times this must stay countable
 MAX_REPS = 100  # a hundred interleaved reps of every scenario is hours already
 MAX_LOAD_PROCS = 64
-MAX_WORKERS = 64  # serve --workers' own bound
 MAX_ENGINE_SPAN_LOAD = 5000.0  # requests a second per emulated worker; far past what one Python process sends
 
 

@@ -17,16 +17,16 @@ from ..lifecycle.stall import STALL_KINDS
 from .addresses import HostPort, UpstreamURL, address, collector_endpoint, http_url, http_urls
 from .errors import ConfigError
 from .flags import FLAG_ALIASES, add_flags, listen_argument, seconds_argument
-from .kinds import (MAX_SECONDS, MIN_SECONDS, Kind, boolean, choice, file_path, header_names, integer, ratio, seconds,
+from .kinds import (MAX_SECONDS, Kind, boolean, choice, file_path, header_names, integer, ratio, seconds,
                     stall_kinds, text, url_path)
 from .render import render_default_toml, render_reference_markdown
-from .sections import (CONFIG_ENV, ENV_PREFIX, SCHEMA, AccessLog, Engines, Forwarding, Limits, Pool, RequestIds,
-                       Setting, Settings, Stall, Timeouts, Tracing, default_settings, setting)
+from .sections import (CONFIG_ENV, ENV_PREFIX, MAX_WORKERS, SCHEMA, AccessLog, Engines, Forwarding, Limits, Pool,
+                       RequestIds, Setting, Settings, Stall, Timeouts, Tracing, default_settings, setting)
 from .sources import load_settings, unknown_environment
 from .startup_checks import check_appendable, check_otlp_endpoint, named_setting
 
 __all__ = [
-    "CONFIG_ENV", "ENV_PREFIX", "FLAG_ALIASES", "MAX_SECONDS", "MIN_SECONDS", "SCHEMA", "STALL_KINDS",
+    "CONFIG_ENV", "ENV_PREFIX", "FLAG_ALIASES", "MAX_SECONDS", "MAX_WORKERS", "SCHEMA", "STALL_KINDS",
     "AccessLog", "ConfigError", "Engines", "Forwarding", "HostPort", "Kind", "Limits", "Pool", "RequestIds",
     "Setting", "Settings", "Stall", "Timeouts", "Tracing", "UpstreamURL",
     "add_flags", "address", "boolean", "check_appendable", "check_otlp_endpoint", "choice",

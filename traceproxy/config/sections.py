@@ -26,6 +26,7 @@ from .kinds import (Kind, boolean, choice, file_path, header_names, integer, rat
 
 ENV_PREFIX = "TRACEPROXY_"
 CONFIG_ENV = "TRACEPROXY_CONFIG"  # the file to read, like --config
+MAX_WORKERS = 64  # serve's worker processes at most (bench's --workers takes the same)
 
 _DECLARED = "traceproxy.config.setting"  # a field's metadata: its _Declaration
 _SECTION = "traceproxy.config.section"  # a Settings field's metadata: its section's opening sentence
@@ -376,7 +377,7 @@ class Settings:
         address(off=True), "127.0.0.1:9464",
         "Address of the read-only admin listener; off disables it. Port 0 as for listen.")
     admin_public: bool = setting(boolean(), False, "Allow the admin listener on a non-loopback address.")
-    workers: int = setting(integer(1, 64), 1, "Number of processes sharing the listen port (SO_REUSEPORT).")
+    workers: int = setting(integer(1, MAX_WORKERS), 1, "Number of processes sharing the listen port (SO_REUSEPORT).")
     log_level: str = setting(
         choice("debug", "info", "warning", "error"), "info",
         "Level of the proxy's own log messages (stderr).")

@@ -37,6 +37,8 @@ def check_otlp_endpoint(settings: Settings, environ, protocol: str) -> None:
         # http/protobuf posts to a URL: HOST:PORT and gRPC targets are gRPC's forms.
         raise ConfigError(f"{named}: OTLP over http/protobuf needs an http:// or https:// URL such as "
                           f"http://127.0.0.1:4318; HOST:PORT and gRPC targets are for tracing.otlp_protocol = grpc")
+    if settings.tracing.otlp_endpoint:
+        return  # the key was judged by its rule when the settings were loaded
     rule = BY_DOTTED["tracing.otlp_endpoint"].kind
     try:
         rule.parse(endpoint)
