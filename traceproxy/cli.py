@@ -128,8 +128,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"traceproxy: configuration error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the listen or admin address taken, or not this machine's
-        print(f"traceproxy: stopped: {exc}", file=sys.stderr)
-        return 1
+        return _stopped(exc)
+
+
+def _stopped(exc: OSError) -> int:
+    print(f"traceproxy: stopped: {exc}", file=sys.stderr)
+    return 1
 
 
 def _check(settings: Settings) -> int:
@@ -162,8 +166,7 @@ def _upstream(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     except OSError as exc:  # the listen address taken, or not this machine's: as serve says it
-        print(f"traceproxy: stopped: {exc}", file=sys.stderr)
-        return 1
+        return _stopped(exc)
     return 0
 
 

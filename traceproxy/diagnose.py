@@ -425,10 +425,9 @@ class Unread:
         return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
 
 
-def _scan_file(path: Path, needles: set[str], unread: Unread | None = None) -> Iterator[Span]:
+def _scan_file(path: Path, needles: set[str], unread: Unread) -> Iterator[Span]:
     """Spans of the lines that contain any needle; what of them names a needle and cannot
     be read is added to ``unread``."""
-    unread = Unread() if unread is None else unread
     for number, document in _json_lines_with(path, needles):
         raws = _raw_spans_of(document)
         if raws is None:  # JSON of another shape is skipped like a torn line
@@ -457,7 +456,7 @@ def _names_any(raw, needles) -> bool:
 def file_spans(path: str | Path, ident: str, unread: Unread | None = None) -> list[Span]:
     """The spans of every trace that holds the request ``ident`` (trace id or request id).
     ``unread``: what could not be read of the lines naming ``ident`` or those traces."""
-    path = Path(path)
+    path, unread = Path(path), Unread() if unread is None else unread
     if not path.is_file():
         raise DiagnoseError(f"no span file at {path} (the proxy writes it with [tracing] exporter = \"file\")")
     try:

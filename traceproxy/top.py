@@ -90,6 +90,14 @@ def default_admin() -> str:
     return str(default_settings().admin)
 
 
+def _ways_to_set_admin() -> str:
+    """``--admin, admin in its config file, TRACEPROXY_ADMIN``, from the schema."""
+    from .config.sections import BY_DOTTED
+
+    admin = BY_DOTTED["admin"]
+    return f"{admin.flag}, {admin.dotted} in its config file, {admin.env}"
+
+
 def admin_address(text: str) -> str:
     """HOST:PORT (or http://HOST:PORT) -> the admin listener's base URL; raises ArgumentTypeError."""
     raw = text.strip().removesuffix("/")
@@ -128,19 +136,14 @@ class AdminUnreachable(Exception):
     (another server, or the proxy's own port), which is told apart from no answer."""
 
     def __init__(self, url: str, reason: str, reached: bool = False) -> None:
-        super().__init__(self.headline_of(url, reached) + f": {reason}" + (NOT_ADMIN_HINT if reached else ""))
         self.url = url
         self.reason = reason
-        self.reached = reached
-
-    @staticmethod
-    def headline_of(url: str, reached: bool) -> str:
         if reached:
-            return f"{url} answered, but not as the traceproxy admin listener does"
-        return f"cannot reach the traceproxy admin listener at {url}"
-
-
-NOT_ADMIN_HINT = " (is this the admin port?)"
+            self.headline = f"{url} answered, but not as the traceproxy admin listener does"
+            self.detail = f"{reason} (is this the admin port?)"
+        else:
+            self.headline, self.detail = f"cannot reach the traceproxy admin listener at {url}", reason
+        super().__init__(f"{self.headline}: {self.detail}")
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,7 @@ def fetch_json(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict:
         # does): this is its listen port, and the answer an upstream's.
         raise AdminUnreachable(url, f"HTTP {answer.status} relayed by traceproxy's proxy listener (its traceresponse "
                                f"header): the admin listener is another address, {default_admin()} unless serve "
-                               "was configured with another (--admin, admin in its config file, TRACEPROXY_ADMIN)",
-                               reached=True)
+                               f"was configured with another ({_ways_to_set_admin()})", reached=True)
     found = _json_object(bytes(answer.body))
     if found is None:
         if answer.status is not None and answer.status >= 400:
@@ -662,8 +664,7 @@ def render_frame(snapshot: Snapshot, base_url: str, width: int, clock: str, use_
 
 def render_unreachable(error: AdminUnreachable, width: int, clock: str, interval: float) -> list[str]:
     """The retry screen, wrapped rather than cut so the URL is always there in full."""
-    text = [AdminUnreachable.headline_of(error.url, error.reached),
-            f"({error.reason}{NOT_ADMIN_HINT if error.reached else ''})",
+    text = [error.headline, f"({error.detail})",
             f"retrying every {interval:g}s ({clock}); Ctrl-C to quit"]
     return [piece for line in text for piece in textwrap.wrap(line, max(width, 20))]
 
