@@ -26,7 +26,6 @@ from traceproxy.repro.harness import FAILED, HUNG, OK, Conversation, Numbering, 
 from traceproxy.repro.inflight import IN_FLIGHT, LEFT_PROXY, NOT_REACHED, UNKNOWN, Diagnosis, locate
 from traceproxy.repro.report import (INDENT, NOT_REACHED_TEXT, failed_lines, hung_lines, result_document,
                                      summary_lines, verdict_key, verdict_text)
-from traceproxy.sim.launch import free_port
 
 from .support import wait_until
 
@@ -287,10 +286,10 @@ def test_unreachable_target_and_usage_errors_exit_2(start_proxy, fast_upstream, 
 
 @pytest.mark.parametrize("header", ["Content-Length: 5", "Transfer-Encoding: chunked", "connection: close",
                                     "X-Request-Id: mine"])
-def test_a_header_repro_sets_itself_is_a_usage_error_before_any_turn(header, capsys):
+def test_a_header_repro_sets_itself_is_a_usage_error_before_any_turn(header, capsys, dead_upstream):
     # A second Content-Length made h11 raise inside every turn's thread; a Connection
     # header would undo --mode.
-    assert main(["repro", "--url", f"http://127.0.0.1:{free_port()}", "--header", header]) == 2
+    assert main(["repro", "--url", dead_upstream, "--header", header]) == 2
     said = capsys.readouterr()
     assert said.out == "" and said.err.startswith(f"traceproxy repro: cannot send the header {header.split(':')[0]}: ")
     assert "Traceback" not in said.err
